@@ -1,0 +1,48 @@
+// The shard cache interface: a rank's compressed (or plain) store of its tokens' keys/values,
+// and the attention over it. Formats decide what they store (post-RoPE K, pre-RoPE codes, X);
+// the worker only hands over a layer's inputs and asks for attention partials.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "cache/format.h"
+#include "kernels/ops.h"
+
+namespace xctx {
+
+// What one layer offers the cache for n new tokens.
+struct layer_input {
+  const float* x = nullptr;      // [n, n_embd] post-norm layer input (X formats)
+  const float* k = nullptr;      // [n, n_head_kv, head_dim] keys before RoPE
+  const float* v = nullptr;      // [n, n_head_kv, head_dim]
+  const int32_t* pos = nullptr;  // [n] absolute positions, increasing
+  int64_t n = 0;
+};
+
+class kv_cache {
+ public:
+  virtual ~kv_cache() = default;
+  virtual cache_format format() const = 0;
+  virtual const cache_geometry& geometry() const = 0;
+  // Appends to one layer. Throws xctx::Error when the shard's capacity would be exceeded.
+  virtual void append(int layer, const layer_input& in) = 0;
+  virtual int64_t n_tokens(int layer) const = 0;
+  // Attention partial of queries (RoPE applied) over this layer's cached tokens, causal by
+  // position; see attn_args for the meaning of o and lse.
+  virtual void attend(int layer,
+                      const float* q,        // [n_q, n_head, head_dim]
+                      const int32_t* q_pos,  // [n_q]
+                      int64_t n_q,
+                      float* o,              // [n_q, n_head, head_dim]
+                      float* lse)            // [n_q, n_head]
+      = 0;
+  virtual void clear() = 0;
+  virtual size_t bytes_allocated() const = 0;
+  virtual size_t bytes_used() const = 0;  // for the tokens held now
+};
+
+std::unique_ptr<kv_cache> make_cache(cache_format f, const cache_geometry& g, backend& be);
+
+}  // namespace xctx

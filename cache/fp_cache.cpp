@@ -1,0 +1,126 @@
+// The uncompressed baselines: fp32 and fp16 caches of post-RoPE keys and values.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache/cache.h"
+#include "common/error.h"
+#include "common/half.h"
+
+namespace xctx {
+namespace {
+
+class fp_cache final : public kv_cache {
+ public:
+  fp_cache(cache_format f, const cache_geometry& g, backend& be) : format_(f), geo_(g), be_(be) {
+    XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
+               "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
+               " head_dim=", g.head_dim);
+    XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
+    elem_bytes_ = f == cache_format::cache_fp32 ? 4 : 2;
+    row_elems_ = (size_t)g.n_head_kv * g.head_dim;
+    const size_t layer_bytes = (size_t)g.capacity * row_elems_ * elem_bytes_;
+    bytes_ = 2 * layer_bytes * g.n_layer + (size_t)g.capacity * sizeof(int32_t);
+    XCTX_ASSERT(bytes_ == cache_bytes_per_token(f, g) * (size_t)g.capacity);
+    base_ = static_cast<uint8_t*>(be_.alloc(bytes_));
+    XCTX_CHECK(base_ != nullptr, "cache: cannot allocate ", bytes_, " bytes for ", g.capacity, " tokens");
+    for (int l = 0; l < g.n_layer; ++l) {
+      k_.push_back(base_ + (2 * (size_t)l) * layer_bytes);
+      v_.push_back(base_ + (2 * (size_t)l + 1) * layer_bytes);
+    }
+    pos_ = reinterpret_cast<int32_t*>(base_ + 2 * layer_bytes * g.n_layer);
+    n_.assign(g.n_layer, 0);
+  }
+  ~fp_cache() override { be_.free(base_); }
+
+  cache_format format() const override { return format_; }
+  const cache_geometry& geometry() const override { return geo_; }
+  int64_t n_tokens(int layer) const override { return n_.at(layer); }
+  size_t bytes_allocated() const override { return bytes_; }
+  size_t bytes_used() const override {
+    const int64_t n = *std::max_element(n_.begin(), n_.end());
+    return cache_bytes_per_token(format_, geo_) * (size_t)n;
+  }
+  void clear() override {
+    std::fill(n_.begin(), n_.end(), 0);
+    n_max_written_ = 0;
+  }
+
+  void append(int layer, const layer_input& in) override {
+    XCTX_ASSERT(layer >= 0 && layer < geo_.n_layer);
+    const int64_t at = n_[layer];
+    XCTX_CHECK(at + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", at, " tokens, appending ", in.n,
+               " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
+    if (in.n == 0) return;
+    // Positions are stored once; the first layer to reach a slot writes it, the others agree.
+    for (int64_t i = 0; i < in.n; ++i) {
+      if (at + i >= n_max_written_) pos_[at + i] = in.pos[i];
+      XCTX_ASSERT(pos_[at + i] == in.pos[i], "layer ", layer, " appends position ", in.pos[i], " at slot ", at + i,
+                  " where another layer stored ", pos_[at + i]);
+    }
+    n_max_written_ = std::max(n_max_written_, at + in.n);
+
+    const size_t n_elems = (size_t)in.n * row_elems_;
+    scratch_.assign(in.k, in.k + n_elems);
+    be_.rope(scratch_.data(), in.pos, in.n, geo_.n_head_kv, geo_.rope);
+    store(k_[layer] + (size_t)at * row_elems_ * elem_bytes_, scratch_.data(), n_elems);
+    store(v_[layer] + (size_t)at * row_elems_ * elem_bytes_, in.v, n_elems);
+    n_[layer] = at + in.n;
+  }
+
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+    attn_args a;
+    a.q = q;
+    a.q_pos = q_pos;
+    a.n_q = n_q;
+    a.k = k_[layer];
+    a.v = v_[layer];
+    a.kv_pos = pos_;
+    a.n_kv = n_[layer];
+    a.kv_type = format_ == cache_format::cache_fp32 ? kv_dtype::kv_f32 : kv_dtype::kv_f16;
+    a.n_head = geo_.n_head;
+    a.n_head_kv = geo_.n_head_kv;
+    a.head_dim = geo_.head_dim;
+    a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
+    a.o = o;
+    a.lse = lse;
+    be_.attention_partial(a);
+  }
+
+ private:
+  void store(uint8_t* dst, const float* src, size_t n) {
+    if (elem_bytes_ == 4) {
+      std::memcpy(dst, src, n * 4);
+      return;
+    }
+    auto* h = reinterpret_cast<uint16_t*>(dst);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < (int64_t)n; ++i) h[i] = fp32_to_fp16(src[i]);
+  }
+
+  cache_format format_;
+  cache_geometry geo_;
+  backend& be_;
+  size_t elem_bytes_ = 0;
+  size_t row_elems_ = 0;
+  size_t bytes_ = 0;
+  uint8_t* base_ = nullptr;
+  std::vector<uint8_t*> k_, v_;  // per layer: [capacity, n_head_kv, head_dim]
+  int32_t* pos_ = nullptr;       // [capacity]
+  std::vector<int64_t> n_;       // tokens held per layer
+  int64_t n_max_written_ = 0;
+  std::vector<float> scratch_;   // [n, n_head_kv, head_dim] keys being rotated
+};
+
+}  // namespace
+
+std::unique_ptr<kv_cache> make_cache(cache_format f, const cache_geometry& g, backend& be) {
+  switch (f) {
+    case cache_format::cache_fp32:
+    case cache_format::cache_fp16: return std::make_unique<fp_cache>(f, g, be);
+  }
+  fail("make_cache: unknown format ", (int)f);
+}
+
+}  // namespace xctx

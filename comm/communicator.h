@@ -1,0 +1,32 @@
+// Collectives between the ranks that share one sequence. Implementations: local (one process,
+// size 1), mpi; nccl joins in the sequence-parallel work. Buffers are host memory for local/mpi.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace xctx {
+
+class communicator {
+ public:
+  virtual ~communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;
+  // recv[r * bytes ...] receives rank r's send buffer; recv holds size()*bytes.
+  virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
+  virtual void all_reduce_sum(float* data, size_t n) = 0;
+  virtual void all_reduce_max(float* data, size_t n) = 0;
+  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  virtual void send(const void* data, size_t bytes, int dst, int tag) = 0;
+  virtual void recv(void* data, size_t bytes, int src, int tag) = 0;
+  virtual void barrier() = 0;
+  // Ends every rank's participation with an error; never returns.
+  [[noreturn]] virtual void abort(const std::string& why) = 0;
+};
+
+std::unique_ptr<communicator> make_local_communicator();
+
+}  // namespace xctx

@@ -1,0 +1,82 @@
+#include "common/sys.h"
+
+#include <glog/logging.h>
+#include <sched.h>
+
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <string>
+
+#include "common/error.h"
+
+namespace xctx {
+namespace {
+
+size_t read_status_kib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t len = std::strlen(field);
+  while (std::getline(in, line)) {
+    if (line.compare(0, len, field) == 0) return std::strtoull(line.c_str() + len + 1, nullptr, 10);
+  }
+  return 0;
+}
+
+}  // namespace
+
+size_t peak_rss_bytes() { return read_status_kib("VmHWM") * 1024; }
+size_t current_rss_bytes() { return read_status_kib("VmRSS") * 1024; }
+
+std::string format_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+int default_threads() {
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+void init_logging(const char* argv0) {
+  static std::once_flag once;
+  std::call_once(once, [argv0] {
+    FLAGS_logtostderr = true;
+    google::InitGoogleLogging(argv0);
+  });
+}
+
+long long parse_count(const std::string& text, const std::string& what) {
+  XCTX_CHECK(!text.empty(), what, ": empty value");
+  size_t i = 0;
+  while (i < text.size() && std::isdigit((unsigned char)text[i])) ++i;
+  XCTX_CHECK(i > 0, what, ": '", text, "' is not a count (examples: 2048, 32K, 1M)");
+  XCTX_CHECK(i <= 15, what, ": '", text, "' is too large");
+  long long n = std::stoll(text.substr(0, i));
+  const std::string suffix = text.substr(i);
+  if (suffix == "K" || suffix == "k") {
+    n *= 1024;
+  } else if (suffix == "M" || suffix == "m") {
+    n *= 1024 * 1024;
+  } else {
+    XCTX_CHECK(suffix.empty(), what, ": unknown suffix '", suffix, "' in '", text, "' (use K or M)");
+  }
+  return n;
+}
+
+}  // namespace xctx

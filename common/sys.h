@@ -1,0 +1,30 @@
+// Small system helpers: timing, peak memory, thread count, logging set-up.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+namespace xctx {
+
+class stopwatch {
+ public:
+  stopwatch() : t0_(std::chrono::steady_clock::now()) {}
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  void reset() { t0_ = std::chrono::steady_clock::now(); }
+
+ private:
+  std::chrono::steady_clock::time_point t0_;
+};
+
+size_t peak_rss_bytes();     // VmHWM of this process
+size_t current_rss_bytes();  // VmRSS
+std::string format_bytes(double bytes);  // "12.3 MiB"
+int default_threads();        // OMP_NUM_THREADS if set, else the cores this process may use
+void init_logging(const char* argv0);  // glog to stderr, idempotent
+// Parses "32K", "1M", "10M", "2048" (K = 1024). Throws naming `what` on bad input.
+long long parse_count(const std::string& text, const std::string& what);
+
+}  // namespace xctx

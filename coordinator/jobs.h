@@ -1,0 +1,35 @@
+// The jobs the xctx binary runs. Each returns a process exit code and throws xctx::Error on
+// bad input; main() turns errors into a message and exit code 1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "coordinator/sampler.h"
+#include "worker/run_params.h"
+
+namespace xctx {
+
+struct generate_options {
+  std::string model;      // empty: default_model_path()
+  std::string tokenizer;  // empty: the model file
+  std::string prompt;
+  std::string prompt_file;
+  bool chat = false;
+  std::string system;     // chat system prompt (empty: the template's default)
+  int max_tokens = 128;
+  sampler_params sampling;
+  run_params run;
+  bool show_stats = true;
+};
+int run_generate(const generate_options& opt);
+
+struct info_options {
+  std::string model;
+  std::string cache;        // non-empty: print that cache format's byte breakdown
+  bool all_metadata = false;
+  int64_t context = 8192;   // tokens, for the cache breakdown
+};
+int run_info(const info_options& opt);
+
+}  // namespace xctx

@@ -1,0 +1,87 @@
+// The xctx binary: command-line front end of the coordinator.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <map>
+
+#include "common/error.h"
+#include "common/sys.h"
+#include "coordinator/jobs.h"
+
+namespace {
+
+void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, std::string& ctx, std::string& rope) {
+  cmd->add_option("--cache", cache, "cache format: fp16 | fp32")->default_val("fp16");
+  cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
+  cmd->add_option("--threads", rp.n_threads, "CPU threads (default: all cores this process may use)");
+  cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
+  cmd->add_option("--rope-scaling", rope, "RoPE scaling past the trained context: none | linear | ntk")->default_val("none");
+  cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f);
+}
+
+void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope) {
+  rp.cache = xctx::parse_cache_format(cache);
+  if (!ctx.empty()) rp.n_ctx = xctx::parse_count(ctx, "--ctx");
+  static const std::map<std::string, xctx::rope_scaling> ropes = {
+      {"none", xctx::rope_scaling::rope_scaling_none},
+      {"linear", xctx::rope_scaling::rope_scaling_linear},
+      {"ntk", xctx::rope_scaling::rope_scaling_ntk}};
+  auto it = ropes.find(rope);
+  XCTX_CHECK(it != ropes.end(), "--rope-scaling: unknown '", rope, "' (none, linear, ntk)");
+  rp.rope_scale = it->second;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  xctx::init_logging(argv[0]);
+  CLI::App app{"xctx: long-context LLM inference over compressed, sequence-parallel caches"};
+  app.require_subcommand(1);
+
+  xctx::generate_options gen;
+  std::string gen_cache, gen_ctx, gen_rope;
+  auto* g = app.add_subcommand("generate", "continue a prompt, streaming the text");
+  g->add_option("--model", gen.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
+  g->add_option("--tokenizer", gen.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
+  g->add_option("--prompt", gen.prompt, "prompt text");
+  g->add_option("--prompt-file", gen.prompt_file, "file holding the prompt");
+  g->add_flag("--chat", gen.chat, "wrap the prompt in the model's chat template as a user message");
+  g->add_option("--system", gen.system, "system message for --chat");
+  g->add_option("--max-tokens,-n", gen.max_tokens, "tokens to generate")->default_val(128);
+  g->add_option("--temperature", gen.sampling.temperature, "0 = greedy")->default_val(0.0f);
+  g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f);
+  g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0);
+  g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
+  add_run_options(g, gen.run, gen_cache, gen_ctx, gen_rope);
+
+  xctx::info_options info;
+  std::string info_ctx;
+  auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
+  i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
+  i->add_option("--cache", info.cache, "also print the byte breakdown of this cache format");
+  i->add_option("--context", info_ctx, "tokens for the cache total (default 8K)");
+  i->add_flag("--all", info.all_metadata, "print metadata arrays in full");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (*g) {
+      apply_run_options(gen.run, gen_cache, gen_ctx, gen_rope);
+      return xctx::run_generate(gen);
+    }
+    if (*i) {
+      if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");
+      return xctx::run_info(info);
+    }
+  } catch (const xctx::Error& e) {
+    std::fprintf(stderr, "xctx: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "xctx: unexpected error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,29 @@
+// What every job on rank 0 needs: the model, its tokenizer and a backend.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kernels/ops.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "worker/run_params.h"
+
+namespace xctx {
+
+struct model_session {
+  model_weights weights;
+  std::unique_ptr<tokenizer> tok;
+  std::string chat_template;  // the file's tokenizer.chat_template, if any
+  std::unique_ptr<backend> be;
+};
+
+// Resolves the default model: $XCTX_MODEL, then models/<default> under the current directory,
+// then under the source tree the binary was built from.
+std::string default_model_path();
+
+// Loads weights from `model_path` (GGUF file or HF directory) and the tokenizer from
+// `tokenizer_path` (a GGUF; empty: the model file itself).
+model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp);
+
+}  // namespace xctx

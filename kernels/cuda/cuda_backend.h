@@ -1,0 +1,14 @@
+// Host-side entry points of the CUDA backend (the .cu files implement them). Included only
+// from kernels/registry.cpp and the CUDA tests.
+#pragma once
+
+#include <memory>
+
+#include "kernels/ops.h"
+
+namespace xctx::cuda {
+
+bool device_present();  // a CUDA device is visible and the runtime initializes
+std::unique_ptr<backend> make_cuda_backend();
+
+}  // namespace xctx::cuda

@@ -1,0 +1,115 @@
+// The kernels backend interface: every op the transformer forward needs. Implementations:
+//   ref  (kernels/ref)  scalar, obviously-correct oracles; tests compare everything against them
+//   cpu  (kernels/cpu)  OpenMP + AVX2/FMA (run-time dispatched) + OpenBLAS GEMM
+//   cuda (kernels/cuda) device kernels + cuBLAS; compiled in CI, tests skip without a device
+// Pointers passed to a backend live in that backend's memory space (alloc/upload/download move
+// data in and out), so one test body can run against every backend.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/quant_blocks.h"
+
+namespace xctx {
+
+// A weight matrix as stored in the model file: n_rows output rows, each of n_cols input
+// elements packed as blocks of `type`. y = W·x means y[r] = dot(row r, x).
+struct weight_view {
+  ggml_type type = ggml_type::ggml_f32;
+  int64_t n_rows = 0;
+  int64_t n_cols = 0;
+  const void* data = nullptr;  // [n_rows, row_bytes]
+  size_t row_bytes() const { return ggml_row_bytes(type, n_cols); }
+  size_t bytes() const { return row_bytes() * (size_t)n_rows; }
+};
+
+enum class rope_scaling : uint8_t {
+  rope_scaling_none,
+  rope_scaling_linear,  // positions divided by factor (Chen et al. 2023, "position interpolation")
+  rope_scaling_ntk,     // NTK-aware: base' = base * factor^(d / (d - 2)) (bloc97, 2023)
+};
+
+// Rotary embedding as Llama GGUFs use it: pairs are adjacent elements (2i, 2i+1) of each head
+// ("normal" GGML rope; HF's rotate_half layout is permuted into this by the converters).
+struct rope_config {
+  int head_dim = 64;
+  int n_rot = 64;                  // rotated dimensions (<= head_dim); the rest pass through
+  float freq_base = 10000.0f;
+  rope_scaling scaling = rope_scaling::rope_scaling_none;
+  float scaling_factor = 1.0f;     // > 1 stretches the usable context
+  // theta_i(pos) = pos_eff * base_eff^(-2i / n_rot); see rope_theta() in kernels/ref.
+};
+
+// Element type of cached keys/values handed to the attention kernels.
+enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
+
+// One attention call: queries against a set of cached tokens, producing a *partial* result
+// (o normalised by its own softmax sum, plus the log-sum-exp) that can be merged with the
+// partials of other blocks/ranks. Key j is visible to query i iff kv_pos[j] <= q_pos[i].
+// A query that sees no key yields o = 0 and lse = -inf.
+struct attn_args {
+  const float* q = nullptr;        // [n_q, n_head, head_dim], RoPE applied
+  const int32_t* q_pos = nullptr;  // [n_q]
+  int64_t n_q = 0;
+  const void* k = nullptr;          // [n_kv, n_head_kv, head_dim] post-RoPE, kv_type
+  const void* v = nullptr;          // [n_kv, n_head_kv, head_dim], kv_type
+  const int32_t* kv_pos = nullptr;  // [n_kv], non-decreasing
+  int64_t n_kv = 0;
+  kv_dtype kv_type = kv_dtype::kv_f32;
+  int n_head = 0;
+  int n_head_kv = 0;  // query head h reads kv head h / (n_head / n_head_kv)
+  int head_dim = 0;
+  float scale = 0.0f;  // usually 1/sqrt(head_dim)
+  float* o = nullptr;    // [n_q, n_head, head_dim]
+  float* lse = nullptr;  // [n_q, n_head], natural log
+};
+
+class backend {
+ public:
+  virtual ~backend() = default;
+  virtual std::string name() const = 0;
+
+  // Memory of this backend's space (host for ref/cpu, device for cuda).
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void free(void* p) = 0;
+  virtual void upload(void* dst, const void* src_host, size_t bytes) = 0;
+  virtual void download(void* dst_host, const void* src, size_t bytes) = 0;
+  virtual void synchronize() {}
+
+  // y = x · Wᵀ : y[t, r] = Σ_c W[r, c] x[t, c]
+  virtual void matmul(const weight_view& w,
+                      const float* x,  // [n_tok, w.n_cols]
+                      int64_t n_tok,
+                      float* y)  // [n_tok, w.n_rows]
+      = 0;
+  // out[i, :] = dequant(W[ids[i], :])   (embedding lookup)
+  virtual void get_rows(const weight_view& w, const int32_t* ids /*[n]*/, int64_t n,
+                        float* out /*[n, w.n_cols]*/) = 0;
+  // y = x / sqrt(mean(x²) + eps) * weight, per row
+  virtual void rms_norm(const float* x /*[n_tok, dim]*/, const float* weight /*[dim]*/, int64_t n_tok,
+                        int64_t dim, float eps, float* y /*[n_tok, dim]*/) = 0;
+  // In place; pos[t] is the absolute position of row t.
+  virtual void rope(float* x /*[n_tok, n_head, head_dim]*/, const int32_t* pos /*[n_tok]*/, int64_t n_tok,
+                    int n_head, const rope_config& cfg) = 0;
+  // out = silu(gate) * up
+  virtual void swiglu(const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/) = 0;
+  // y += x
+  virtual void add(float* y /*[n]*/, const float* x /*[n]*/, int64_t n) = 0;
+  virtual void attention_partial(const attn_args& a) = 0;
+  // Merges n_part partials of the same queries (see attn_args); o/lse may alias part 0.
+  virtual void merge_partials(const float* o_parts /*[n_part, n_row, head_dim]*/,
+                              const float* lse_parts /*[n_part, n_row]*/, int n_part, int64_t n_row,
+                              int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/) = 0;
+};
+
+enum class backend_kind : uint8_t { backend_ref, backend_cpu, backend_cuda };
+
+// Defined in kernels/registry.cpp, the only file that knows whether CUDA was compiled in.
+std::unique_ptr<backend> make_backend(backend_kind kind);
+bool backend_available(backend_kind kind);  // cuda: compiled in AND a device is present
+const char* backend_name(backend_kind kind);
+
+}  // namespace xctx

@@ -1,0 +1,37 @@
+// Scalar reference kernels: the oracles every optimized (cpu, cuda) kernel is tested against.
+// Plain loops, double accumulation where it makes the oracle meaningfully more exact.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ops.h"
+
+namespace xctx::ref {
+
+// ---- quantization (kernels/ref/quant_ref.cpp) --------------------------------------------
+// Dequantizes n elements (a multiple of the type's block size) of one row.
+void dequantize_row(ggml_type type, const void* src, float* dst /*[n]*/, int64_t n);
+// Quantizes n elements into blocks of `type`, rounding as GGML's reference quantizers do, so
+// codes match files written by llama.cpp. Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q8_1, Q8_K (the K-quant weight types are dequantize-only). Throws for others.
+void quantize_row(ggml_type type, const float* src /*[n]*/, void* dst, int64_t n);
+bool can_quantize(ggml_type type);
+
+// ---- matmul (kernels/ref/matmul_ref.cpp) -------------------------------------------------
+void matmul(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok, float* y /*[n_tok, n_rows]*/);
+void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out /*[n, n_cols]*/);
+
+// ---- elementwise (kernels/ref/elementwise_ref.cpp) ---------------------------------------
+void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y);
+// theta for rotary pair i (0 <= i < n_rot/2) at position pos, including the scaling option.
+double rope_theta(const rope_config& cfg, int32_t pos, int pair);
+void rope(float* x /*[n_tok, n_head, head_dim]*/, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg);
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void add(float* y, const float* x, int64_t n);
+
+// ---- attention (kernels/ref/attention_ref.cpp) -------------------------------------------
+void attention_partial(const attn_args& a);
+void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
+                    float* o, float* lse);
+
+}  // namespace xctx::ref

@@ -1,0 +1,39 @@
+// Shared helpers for the test binaries.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+namespace xctx::test {
+
+inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }
+inline std::string data_path(const std::string& rel) { return source_path("tests/data/" + rel); }
+
+// A scratch directory unique to the running test, removed by the caller if wanted.
+inline std::filesystem::path scratch_dir() {
+  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+  auto dir = std::filesystem::temp_directory_path() / "xctx-tests" /
+             (std::string(info->test_suite_name()) + "." + info->name());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// The embedded default model (launch/fetch-model puts it there). Under CI its absence is a
+// failure, elsewhere the test is skipped with a hint.
+inline const char* kDefaultModelRel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+inline std::string default_model_path() {
+  if (const char* env = std::getenv("XCTX_MODEL")) return env;
+  return source_path(kDefaultModelRel);
+}
+#define XCTX_REQUIRE_MODEL(path_var)                                                         \
+  const std::string path_var = ::xctx::test::default_model_path();                           \
+  if (!std::filesystem::exists(path_var)) {                                                  \
+    if (std::getenv("CI")) FAIL() << "model missing under CI: " << path_var;                 \
+    GTEST_SKIP() << "model not fetched (run launch/fetch-model): " << path_var;              \
+  }
+
+}  // namespace xctx::test

@@ -1,0 +1,22 @@
+// Runtime parameters (the read-only counterpart is model_hparams).
+#pragma once
+
+#include <cstdint>
+
+#include "cache/format.h"
+#include "kernels/ops.h"
+
+namespace xctx {
+
+struct run_params {
+  backend_kind backend = backend_kind::backend_cpu;
+  cache_format cache = cache_format::cache_fp16;
+  int n_threads = 0;        // 0: default_threads()
+  int64_t n_ctx = 0;        // cache capacity in tokens; 0: the model's trained context
+  int n_batch = 512;        // prefill chunk: tokens per forward call (bounds scratch memory)
+  // RoPE scaling for running past the trained context; none keeps what the file says.
+  rope_scaling rope_scale = rope_scaling::rope_scaling_none;
+  float rope_factor = 1.0f;
+};
+
+}  // namespace xctx
