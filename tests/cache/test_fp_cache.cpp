@@ -1,0 +1,130 @@
+// The fp16/fp32 baseline caches: byte accounting, capacity errors, and attention over the
+// cache equal to reference attention over the same keys (rotated) and values.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "cache/cache.h"
+#include "common/error.h"
+#include "common/half.h"
+#include "kernels/ref/ref_ops.h"
+
+namespace xctx {
+namespace {
+
+cache_geometry small_geometry(int64_t capacity) {
+  cache_geometry g;
+  g.n_layer = 2;
+  g.n_head = 4;
+  g.n_head_kv = 2;
+  g.head_dim = 16;
+  g.n_embd = 64;
+  g.rope.head_dim = 16;
+  g.rope.n_rot = 16;
+  g.rope.freq_base = 10000.0f;
+  g.capacity = capacity;
+  return g;
+}
+
+class fp_cache_test : public ::testing::TestWithParam<cache_format> {};
+
+TEST_P(fp_cache_test, bytes_are_exact) {
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = small_geometry(100);
+  auto c = make_cache(GetParam(), g, *be);
+  const size_t elem = GetParam() == cache_format::cache_fp32 ? 4 : 2;
+  const size_t per_token = 2 * 2 * 2 * 16 * elem + 4;  // layers x (K,V) x kv heads x dim + position
+  EXPECT_EQ(cache_bytes_per_token(GetParam(), g), per_token);
+  EXPECT_EQ(c->bytes_allocated(), per_token * 100);
+  EXPECT_EQ(c->bytes_used(), 0u);
+}
+
+TEST_P(fp_cache_test, attention_over_cache_equals_reference) {
+  const uint32_t seed = 7;
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = small_geometry(64);
+  auto c = make_cache(GetParam(), g, *be);
+  const int64_t n = 37;
+  const int kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+  std::vector<float> k(n * kv), v(n * kv), q(n * qd);
+  for (auto* vec : {&k, &v, &q})
+    for (float& x : *vec) x = nd(rng);
+  std::vector<int32_t> pos(n);
+  for (int i = 0; i < n; ++i) pos[i] = 100 + i;
+  // Append in two pieces to cross the boundary between calls.
+  for (int l = 0; l < g.n_layer; ++l) {
+    layer_input a{nullptr, k.data(), v.data(), pos.data(), 20};
+    layer_input b{nullptr, k.data() + 20 * kv, v.data() + 20 * kv, pos.data() + 20, n - 20};
+    c->append(l, a);
+    c->append(l, b);
+  }
+  EXPECT_EQ(c->n_tokens(1), n);
+  EXPECT_EQ(c->bytes_used(), cache_bytes_per_token(GetParam(), g) * n);
+
+  std::vector<float> o(n * qd), lse(n * g.n_head);
+  c->attend(1, q.data(), pos.data(), n, o.data(), lse.data());
+
+  // Reference: rotate keys, round K and V as the format stores them, plain attention.
+  std::vector<float> kr = k;
+  ref::rope(kr.data(), pos.data(), n, g.n_head_kv, g.rope);
+  std::vector<float> vr = v;
+  if (GetParam() == cache_format::cache_fp16) {
+    for (float& x : kr) x = fp16_to_fp32(fp32_to_fp16(x));
+    for (float& x : vr) x = fp16_to_fp32(fp32_to_fp16(x));
+  }
+  std::vector<float> o_ref(n * qd), lse_ref(n * g.n_head);
+  attn_args a;
+  a.q = q.data();
+  a.q_pos = pos.data();
+  a.n_q = n;
+  a.k = kr.data();
+  a.v = vr.data();
+  a.kv_pos = pos.data();
+  a.n_kv = n;
+  a.n_head = g.n_head;
+  a.n_head_kv = g.n_head_kv;
+  a.head_dim = g.head_dim;
+  a.scale = 0.25f;
+  a.o = o_ref.data();
+  a.lse = lse_ref.data();
+  ref::attention_partial(a);
+  // Float rounding of the rotation (cos/sin in float) and of the sums over <= 37 keys.
+  const float tol = 1e-4f;
+  for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], tol) << i;
+  for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], lse_ref[i], tol) << i;
+}
+
+TEST_P(fp_cache_test, capacity_overflow_is_a_clear_error) {
+  auto be = make_backend(backend_kind::backend_cpu);
+  auto c = make_cache(GetParam(), small_geometry(8), *be);
+  std::vector<float> k(10 * 32), v(10 * 32);
+  std::vector<int32_t> pos(10);
+  for (int i = 0; i < 10; ++i) pos[i] = i;
+  layer_input in{nullptr, k.data(), v.data(), pos.data(), 10};
+  try {
+    c->append(0, in);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity of 8"), std::string::npos) << e.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(formats, fp_cache_test, ::testing::Values(cache_format::cache_fp32, cache_format::cache_fp16),
+                         [](const auto& info) { return std::string(format_traits(info.param).name); });
+
+TEST(cache_format, names_parse_and_unknown_is_listed) {
+  EXPECT_EQ(parse_cache_format("fp16"), cache_format::cache_fp16);
+  EXPECT_EQ(parse_cache_format("fp32"), cache_format::cache_fp32);
+  try {
+    parse_cache_format("nuq9");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace xctx

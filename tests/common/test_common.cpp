@@ -1,0 +1,89 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "common/error.h"
+#include "common/half.h"
+#include "common/sys.h"
+
+namespace xctx {
+namespace {
+
+// Every finite half converts to float and back exactly; inf/nan keep their class.
+TEST(half, all_bit_patterns_round_trip) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float f = fp16_to_fp32((uint16_t)b);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(fp16_to_fp32(fp32_to_fp16(f)))) << b;
+      continue;
+    }
+    ASSERT_EQ(fp32_to_fp16(f), (uint16_t)b) << "bits " << b << " value " << f;
+  }
+}
+
+// fp32 -> fp16 rounds to the nearest representable half (ties to even): the result is never
+// farther from x than any neighbouring half.
+TEST(half, rounding_is_nearest) {
+  uint32_t seed = 12345;
+  for (int i = 0; i < 200000; ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    const float x = std::ldexp((float)(seed >> 8) / (1 << 24) * 2.0f - 1.0f, (int)(seed % 40) - 24);
+    const uint16_t h = fp32_to_fp16(x);
+    const float r = fp16_to_fp32(h);
+    const float up = fp16_to_fp32((uint16_t)(h + 1)), down = fp16_to_fp32((uint16_t)(h - 1));
+    if (std::isfinite(up)) ASSERT_LE(std::fabs(r - x), std::fabs(up - x)) << x;
+    if (std::isfinite(down) && (h & 0x7fff) != 0) ASSERT_LE(std::fabs(r - x), std::fabs(down - x)) << x;
+  }
+  EXPECT_TRUE(std::isinf(fp16_to_fp32(fp32_to_fp16(70000.0f))));
+  EXPECT_EQ(fp16_to_fp32(fp32_to_fp16(65504.0f)), 65504.0f);
+  EXPECT_EQ(fp16_to_fp32(fp32_to_fp16(5.9604645e-08f)), 5.9604645e-08f);  // smallest subnormal
+}
+
+TEST(bf16, round_trip_and_rounding) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float f = bf16_to_fp32((uint16_t)b);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(fp32_to_bf16(f), (uint16_t)b);
+  }
+  EXPECT_EQ(bf16_to_fp32(fp32_to_bf16(1.00390625f)), 1.0f);  // tie rounds to even
+  EXPECT_EQ(bf16_to_fp32(fp32_to_bf16(1.01171875f)), 1.015625f);
+}
+
+TEST(parse_count, suffixes_and_errors) {
+  EXPECT_EQ(parse_count("2048", "x"), 2048);
+  EXPECT_EQ(parse_count("32K", "x"), 32768);
+  EXPECT_EQ(parse_count("1M", "x"), 1048576);
+  EXPECT_EQ(parse_count("10M", "x"), 10485760);
+  EXPECT_THROW(parse_count("", "--context"), Error);
+  EXPECT_THROW(parse_count("abc", "--context"), Error);
+  EXPECT_THROW(parse_count("12G", "--context"), Error);
+  try {
+    parse_count("7Q", "--context");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--context"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("7Q"), std::string::npos);
+  }
+}
+
+TEST(sys, memory_and_threads) {
+  EXPECT_GT(peak_rss_bytes(), 0u);
+  EXPECT_GE(peak_rss_bytes(), current_rss_bytes());
+  EXPECT_GE(default_threads(), 1);
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(1536), "1.5 KiB");
+}
+
+TEST(error, check_throws_with_message_assert_aborts) {
+  try {
+    XCTX_CHECK(1 + 1 == 3, "value ", 42, " is bad");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "value 42 is bad");
+  }
+  EXPECT_DEATH(XCTX_ASSERT(false, "boom"), "boom");
+}
+
+}  // namespace
+}  // namespace xctx
