@@ -29,4 +29,17 @@ class communicator {
 
 std::unique_ptr<communicator> make_local_communicator();
 
+// MPI_COMM_WORLD. Initializes MPI (thread level FUNNELED) unless already initialized and
+// finalizes it on destruction. Every blocking call polls a non-blocking MPI operation against
+// a deadline of `timeout_s` seconds (env XCTX_COMM_TIMEOUT overrides; default 600): a rank that
+// died or hangs makes the others print which operation stalled and MPI_Abort the whole job
+// instead of waiting forever.
+std::unique_ptr<communicator> make_mpi_communicator(double timeout_s = 0);
+
+// True when this process was started by mpirun/srun with more than one rank.
+bool launched_by_mpi();
+
+// MPI when launched by mpirun with several ranks, else local.
+std::unique_ptr<communicator> make_default_communicator();
+
 }  // namespace xctx

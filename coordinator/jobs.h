@@ -33,3 +33,18 @@ struct info_options {
 int run_info(const info_options& opt);
 
 }  // namespace xctx
+
+namespace xctx {
+
+// `xctx bench`: timed prefill of exactly prompt_tokens tokens of real text followed by
+// gen_tokens greedy decode steps; prints one JSON object (for benchmarks/engine_speed.py).
+struct bench_options {
+  std::string model;
+  std::string text_file;    // tokenized and repeated as needed to reach prompt_tokens
+  int64_t prompt_tokens = 512;
+  int gen_tokens = 0;
+  run_params run;
+};
+int run_bench(const bench_options& opt);
+
+}  // namespace xctx

@@ -62,6 +62,15 @@ int main(int argc, char** argv) {
   i->add_option("--context", info_ctx, "tokens for the cache total (default 8K)");
   i->add_flag("--all", info.all_metadata, "print metadata arrays in full");
 
+  xctx::bench_options bench;
+  std::string bench_cache, bench_ctx, bench_rope, bench_prompt;
+  auto* b = app.add_subcommand("bench", "timed prefill + decode on real text; prints JSON");
+  b->add_option("--model", bench.model, "model (default: the fetched SmolLM2)");
+  b->add_option("--text", bench.text_file, "text file to tokenize for the prompt")->required();
+  b->add_option("--prompt-tokens", bench_prompt, "prompt length in tokens (e.g. 512, 8K)")->default_val("512");
+  b->add_option("--gen-tokens", bench.gen_tokens, "greedy decode steps after the prompt")->default_val(0);
+  add_run_options(b, bench.run, bench_cache, bench_ctx, bench_rope);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -71,6 +80,11 @@ int main(int argc, char** argv) {
     if (*g) {
       apply_run_options(gen.run, gen_cache, gen_ctx, gen_rope);
       return xctx::run_generate(gen);
+    }
+    if (*b) {
+      apply_run_options(bench.run, bench_cache, bench_ctx, bench_rope);
+      bench.prompt_tokens = xctx::parse_count(bench_prompt, "--prompt-tokens");
+      return xctx::run_bench(bench);
     }
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");

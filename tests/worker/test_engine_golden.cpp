@@ -1,16 +1,24 @@
-// The engine against an independent implementation: logits and greedy continuations recorded
-// from llama.cpp (tests/data/make_logits_golden.py) on the same GGUF.
+// The engine against two independent implementations run on the same GGUF
+// (tests/data/make_logits_golden.py):
+//   llama.cpp (llama-cpp-python): top-8 logits at every prompt position, greedy continuation;
+//   an exact float64 numpy forward over the gguf package's dequantized weights (np_reference.py).
 //
-// Tolerance. llama.cpp multiplies the Q4_1/Q8_0 weights with activations it first rounds to
-// 8-bit blocks (Q8_1/Q8_0: relative step 1/127 of each 32-element block's max), at each of the
-// 7 matmuls of 30 layers; xctx's batched path multiplies unrounded f32 activations (dequantized
-// weights + sgemm) and its decode path rounds like llama.cpp but sums in another order. Each
-// rounding adds zero-mean noise of ~1/(127·√12) ≈ 0.23% of a block's max to every matmul input;
-// propagated through the residual stream this perturbs logits (typical magnitude 10–25 here) by
-// a few hundredths on average and up to a few tenths at the worst of thousands of positions.
-// kLogitTol bounds the worst case measured over all 1,567 golden positions with margin
-// (measured max is printed by the test). Top-1 must agree wherever llama.cpp's own top-1/top-2
-// gap exceeds 2·kLogitTol; closer calls are counted and reported, and must stay rare.
+// Why two. llama.cpp rounds every activation vector to 8-bit blocks (Q8_1/Q8_0, step 1/127 of
+// the block's max) before its quantized matmuls and rounds q to fp16 for K·q; that alone moves
+// its logits away from exact arithmetic by up to 1.3 (mean ~0.14) on these prompts, enough to
+// flip top-1 at 54 of 1,506 Austen positions where the top two are within ~0.2. xctx's batched
+// path multiplies unrounded f32 activations with the dequantized weights, so it tracks exact
+// arithmetic far more closely. The test therefore asserts:
+//   * vs exact: |Δlogit| <= kExactTol and top-1 equal wherever the exact top-2 gap > 2·kExactTol;
+//     greedy continuation equal to the exact one.
+//   * vs llama.cpp: |Δlogit| <= (llama.cpp's own distance from exact, recorded per prompt) +
+//     kExactTol; top-1 equal at every position where llama.cpp's top-1 is the exact top-1, and
+//     where it is not, xctx's top-1 is the exact one; the greedy continuation shares at least the
+//     prefix that exact arithmetic shares with llama.cpp's.
+// kExactTol: fp32 cache — float32 accumulation over 30 layers (sums of <= 1536 terms, relative
+// ~1e-6 each) keeps logits within ~1e-3 of float64; fp16 cache — K and V rounded to fp16
+// (relative 2^-11) perturb each attention output by ~5e-4 relative, ~2e-2 in the logits after
+// 30 layers. Measured maxima are printed.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -26,15 +34,19 @@
 namespace xctx {
 namespace {
 
-constexpr float kLogitTol = 0.5f;
+float exact_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 0.01f : 0.05f; }
 
 struct golden_case {
   std::string name, text;
   bool parse_special = false;
   std::vector<int32_t> ids;
-  std::vector<std::vector<int32_t>> top_ids;
-  std::vector<std::vector<float>> top_logits;
-  std::vector<int32_t> continuation;
+  std::vector<std::vector<int32_t>> top_ids, exact_top_ids;
+  std::vector<std::vector<float>> top_logits, exact_top_logits;
+  std::vector<int32_t> continuation, exact_continuation;
+  // logits (top-K) each implementation chose its continuation tokens from
+  std::vector<std::vector<int32_t>> cont_top_ids, exact_cont_top_ids;
+  std::vector<std::vector<float>> cont_top_logits, exact_cont_top_logits;
+  float llama_vs_exact = 0;
 };
 
 std::vector<golden_case> load_golden() {
@@ -49,26 +61,38 @@ std::vector<golden_case> load_golden() {
     g.ids = c["ids"].get<std::vector<int32_t>>();
     g.top_ids = c["top_ids"].get<std::vector<std::vector<int32_t>>>();
     g.top_logits = c["top_logits"].get<std::vector<std::vector<float>>>();
+    g.exact_top_ids = c["exact_top_ids"].get<std::vector<std::vector<int32_t>>>();
+    g.exact_top_logits = c["exact_top_logits"].get<std::vector<std::vector<float>>>();
     g.continuation = c["greedy_continuation"].get<std::vector<int32_t>>();
+    g.exact_continuation = c["exact_greedy_continuation"].get<std::vector<int32_t>>();
+    g.llama_vs_exact = c["llama_vs_exact_max_abs"];
+    g.cont_top_ids = c["continuation_top_ids"].get<std::vector<std::vector<int32_t>>>();
+    g.cont_top_logits = c["continuation_top_logits"].get<std::vector<std::vector<float>>>();
+    g.exact_cont_top_ids = c["exact_continuation_top_ids"].get<std::vector<std::vector<int32_t>>>();
+    g.exact_cont_top_logits = c["exact_continuation_top_logits"].get<std::vector<std::vector<float>>>();
     out.push_back(std::move(g));
   }
   return out;
 }
 
+size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  return i;
+}
+
 class engine_golden : public ::testing::TestWithParam<cache_format> {};
 
-TEST_P(engine_golden, logits_and_greedy_continuations_match_llama_cpp) {
+TEST_P(engine_golden, logits_and_greedy_continuations) {
   XCTX_REQUIRE_MODEL(path);
-  model_weights w = load_model(path);
+  const model_weights w = load_model(path);
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
   rp.cache = GetParam();
   llama_engine engine(w, *be, rp);
   const int32_t n_vocab = w.hp.n_vocab;
+  const float tol = exact_tolerance(GetParam());
 
-  float worst = 0.0f;
-  double sum_diff = 0.0;
-  int64_t n_diff = 0, close_calls = 0, positions = 0;
   for (const golden_case& g : load_golden()) {
     SCOPED_TRACE(g.name);
     const int64_t n = (int64_t)g.ids.size();
@@ -77,39 +101,94 @@ TEST_P(engine_golden, logits_and_greedy_continuations_match_llama_cpp) {
     for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
     std::vector<float> logits(n * n_vocab);
     engine.forward(g.ids.data(), pos.data(), n, *cache, llama_engine::logits_for::logits_all, logits.data());
+
+    float worst_exact = 0, worst_llama = 0;
+    int llama_wrong = 0;
     for (int64_t i = 0; i < n; ++i) {
       const float* row = logits.data() + i * n_vocab;
-      for (size_t k = 0; k < g.top_ids[i].size(); ++k) {
-        const float d = std::fabs(row[g.top_ids[i][k]] - g.top_logits[i][k]);
-        worst = std::max(worst, d);
-        sum_diff += d;
-        ++n_diff;
-        ASSERT_LE(d, kLogitTol) << "position " << i << " token " << g.top_ids[i][k];
+      for (size_t k = 0; k < g.exact_top_ids[i].size(); ++k)
+        worst_exact = std::max(worst_exact, std::fabs(row[g.exact_top_ids[i][k]] - g.exact_top_logits[i][k]));
+      for (size_t k = 0; k < g.top_ids[i].size(); ++k)
+        worst_llama = std::max(worst_llama, std::fabs(row[g.top_ids[i][k]] - g.top_logits[i][k]));
+      const int32_t top = argmax(row, n_vocab);
+      const int32_t exact_top = g.exact_top_ids[i][0];
+      const bool exact_clear = g.exact_top_logits[i][0] - g.exact_top_logits[i][1] > 2 * tol;
+      if (exact_clear) ASSERT_EQ(top, exact_top) << "position " << i;
+      if (g.top_ids[i][0] == exact_top) {
+        if (exact_clear) ASSERT_EQ(top, g.top_ids[i][0]) << "position " << i << " (llama.cpp agrees with exact)";
+      } else {
+        ++llama_wrong;
       }
-      const float gap = g.top_logits[i][0] - g.top_logits[i][1];
-      if (gap > 2 * kLogitTol) {
-        ASSERT_EQ(argmax(row, n_vocab), g.top_ids[i][0]) << "position " << i << ", llama.cpp's gap " << gap;
-      } else if (argmax(row, n_vocab) != g.top_ids[i][0]) {
-        ++close_calls;
-      }
-      ++positions;
     }
+    EXPECT_LE(worst_exact, tol);
+    EXPECT_LE(worst_llama, g.llama_vs_exact + tol);
+
     // Greedy continuation through the one-token decode path.
     std::vector<float> last(logits.end() - n_vocab, logits.end());
     std::vector<int32_t> got;
     int32_t p = (int32_t)n;
-    for (size_t t = 0; t < g.continuation.size(); ++t) {
+    for (size_t t = 0; t < g.exact_continuation.size(); ++t) {
       const int32_t id = argmax(last.data(), n_vocab);
       got.push_back(id);
       engine.forward(&id, &p, 1, *cache, llama_engine::logits_for::logits_last, last.data());
       ++p;
     }
-    EXPECT_EQ(got, g.continuation);
+    EXPECT_EQ(got, g.exact_continuation);
+    const size_t with_llama = common_prefix(got, g.continuation);
+    const size_t exact_with_llama = common_prefix(g.exact_continuation, g.continuation);
+    EXPECT_GE(with_llama, exact_with_llama);
+    std::printf("[golden] %s cache, %s: %lld positions | max |Δ| vs exact %.4f (tol %.3f) | vs llama.cpp %.4f "
+                "(llama.cpp vs exact %.4f) | llama.cpp top-1 off exact at %d | continuation = exact: %s, "
+                "shares %zu/%zu with llama.cpp (exact shares %zu)\n",
+                format_traits(GetParam()).name, g.name.c_str(), (long long)n, worst_exact, tol, worst_llama,
+                g.llama_vs_exact, llama_wrong, got == g.exact_continuation ? "yes" : "no", with_llama,
+                g.continuation.size(), exact_with_llama);
   }
-  std::printf("[golden] %s cache: %lld positions, max |logit diff| %.4f, mean %.4f, top-1 near-tie flips %lld\n",
-              format_traits(GetParam()).name, (long long)positions, worst, sum_diff / std::max<int64_t>(1, n_diff),
-              (long long)close_calls);
-  EXPECT_LE(close_calls, positions / 200) << "top-1 disagreements on near ties should be rare";
+}
+
+// The one-token decode path, teacher-forced along each implementation's own continuation:
+// logits compared with the logits that implementation chose each token from.
+TEST_P(engine_golden, decode_path_teacher_forced) {
+  XCTX_REQUIRE_MODEL(path);
+  const model_weights w = load_model(path);
+  auto be = make_backend(backend_kind::backend_cpu);
+  run_params rp;
+  rp.cache = GetParam();
+  llama_engine engine(w, *be, rp);
+  const int32_t n_vocab = w.hp.n_vocab;
+  for (const golden_case& g : load_golden()) {
+    for (int which = 0; which < 2; ++which) {
+      const bool exact = which == 0;
+      const auto& toks = exact ? g.exact_continuation : g.continuation;
+      const auto& ref_ids = exact ? g.exact_cont_top_ids : g.cont_top_ids;
+      const auto& ref_logits = exact ? g.exact_cont_top_logits : g.cont_top_logits;
+      const int64_t n = (int64_t)g.ids.size();
+      auto cache = make_cache(rp.cache, engine.cache_geometry_for(n + 64), *be);
+      std::vector<int32_t> pos(n);
+      for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+      std::vector<float> last(n_vocab);
+      engine.forward(g.ids.data(), pos.data(), n, *cache, llama_engine::logits_for::logits_last, last.data());
+      float worst = 0;
+      double sum = 0;
+      int cnt = 0, top1_diff = 0;
+      for (size_t t = 0; t < toks.size(); ++t) {
+        if (t > 0) {  // step 0's logits come from the prefill
+          int32_t p = (int32_t)(n + t - 1);
+          engine.forward(&toks[t - 1], &p, 1, *cache, llama_engine::logits_for::logits_last, last.data());
+          for (size_t k = 0; k < ref_ids[t].size(); ++k) {
+            const float d = std::fabs(last[ref_ids[t][k]] - ref_logits[t][k]);
+            worst = std::max(worst, d);
+            sum += d;
+            ++cnt;
+          }
+          top1_diff += argmax(last.data(), n_vocab) != ref_ids[t][0];
+        }
+      }
+      std::printf("[golden-decode] %s cache, %s vs %s: max |Δ| %.4f mean %.4f, top-1 differs at %d of %zu\n",
+                  format_traits(GetParam()).name, g.name.c_str(), exact ? "exact" : "llama.cpp", worst,
+                  sum / std::max(1, cnt), top1_diff, toks.size() - 1);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(caches, engine_golden,
@@ -121,7 +200,7 @@ TEST(engine_golden_tokens, tokenizer_reproduces_golden_prompt_ids) {
   auto f = gguf_file::open(path);
   auto tok = make_tokenizer(read_gguf_vocab(*f));
   for (const golden_case& g : load_golden()) {
-    EXPECT_EQ(tok->encode(g.text, true, g.parse_special), g.ids) << g.name;
+    EXPECT_EQ(tok->encode(g.text, tok->vocab().add_bos, g.parse_special), g.ids) << g.name;
   }
 }
 

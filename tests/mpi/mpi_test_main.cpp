@@ -1,0 +1,30 @@
+// gtest main for tests run under mpirun: one MPI communicator for the whole process (MPI may be
+// initialized only once), handed to the tests through mpi_test::world(). Only rank 0 prints
+// gtest's progress; every rank's failures still make the process (and mpirun) fail.
+#include <gtest/gtest.h>
+
+#include "common/sys.h"
+#include "mpi_test.h"
+
+namespace xctx::mpi_test {
+static std::unique_ptr<communicator> g_world;
+communicator& world() { return *g_world; }
+}  // namespace xctx::mpi_test
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  xctx::init_logging(argv[0]);
+  xctx::mpi_test::g_world = xctx::make_mpi_communicator(120.0);
+  auto& world = xctx::mpi_test::world();
+  if (world.rank() != 0) {
+    auto& listeners = testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  // Agree on the outcome so every rank exits with the same code.
+  float f = (float)failed;
+  world.all_reduce_max(&f, 1);
+  if (world.rank() == 0 && f > 0 && !failed) std::fprintf(stderr, "a test failed on another rank\n");
+  xctx::mpi_test::g_world.reset();
+  return f > 0 ? 1 : 0;
+}
