@@ -37,6 +37,8 @@ class tokenizer {
  public:
   virtual ~tokenizer() = default;
   // `parse_special`: text like "<|im_start|>" becomes the control token rather than characters.
+  // `add_bos` prepends BOS unconditionally (pass vocab().add_bos for the model's own choice, which
+  // is what llama.cpp's add_special does); EOS is never appended.
   virtual std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const = 0;
   // Exact inverse on normal text; control tokens render as their text only if `render_special`.
   virtual std::string decode(const std::vector<int32_t>& ids, bool render_special = false) const = 0;
