@@ -38,6 +38,19 @@ class kv_cache {
                       float* o,              // [n_q, n_head, head_dim]
                       float* lse)            // [n_q, n_head]
       = 0;
+  // The ring prefill passes a layer's tokens between ranks in the representation the format
+  // stores (compressed formats send compressed bytes). export_layer writes exactly
+  // exported_bytes(layer) bytes; attend_exported computes the partial of queries over such a
+  // block produced by a cache of the same format and geometry on another rank.
+  virtual size_t exported_bytes(int layer) const = 0;
+  virtual void export_layer(int layer, void* dst) const = 0;
+  virtual void attend_exported(int layer, const void* block, size_t bytes,
+                               const float* q,        // [n_q, n_head, head_dim]
+                               const int32_t* q_pos,  // [n_q]
+                               int64_t n_q,
+                               float* o,              // [n_q, n_head, head_dim]
+                               float* lse)            // [n_q, n_head]
+      = 0;
   virtual void clear() = 0;
   virtual size_t bytes_allocated() const = 0;
   virtual size_t bytes_used() const = 0;  // for the tokens held now

@@ -70,14 +70,48 @@ class fp_cache final : public kv_cache {
   }
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+    run_attention(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q, o, lse);
+  }
+
+  // Block layout: int64 n | int32 pos[n] | K [n, n_head_kv, head_dim] | V [same], K/V in the
+  // cache's element type; the K/V arrays start 8-byte aligned (pos padded to an even count).
+  size_t exported_bytes(int layer) const override { return block_bytes(n_.at(layer)); }
+  void export_layer(int layer, void* dst) const override {
+    const int64_t n = n_.at(layer);
+    auto* out = static_cast<uint8_t*>(dst);
+    std::memcpy(out, &n, sizeof n);
+    std::memcpy(out + 8, pos_, n * sizeof(int32_t));
+    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
+    std::memcpy(out + 8 + padded_pos_bytes(n), k_[layer], kv);
+    std::memcpy(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
+  }
+  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
+                       float* o, float* lse) override {
+    const auto* in = static_cast<const uint8_t*>(block);
+    XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
+    int64_t n = 0;
+    std::memcpy(&n, in, sizeof n);
+    XCTX_CHECK(n >= 0 && block_bytes(n) == bytes, "cache block for layer ", layer, " claims ", n, " tokens but holds ",
+               bytes, " bytes (expected ", n >= 0 ? block_bytes(n) : 0, ")");
+    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
+    const uint8_t* k = in + 8 + padded_pos_bytes(n);
+    run_attention(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q, o, lse);
+  }
+
+ private:
+  static size_t padded_pos_bytes(int64_t n) { return (size_t)((n + 1) / 2 * 2) * sizeof(int32_t); }
+  size_t block_bytes(int64_t n) const { return 8 + padded_pos_bytes(n) + 2 * (size_t)n * row_elems_ * elem_bytes_; }
+
+  void run_attention(const void* k, const void* v, const int32_t* kv_pos, int64_t n_kv, const float* q,
+                     const int32_t* q_pos, int64_t n_q, float* o, float* lse) {
     attn_args a;
     a.q = q;
     a.q_pos = q_pos;
     a.n_q = n_q;
-    a.k = k_[layer];
-    a.v = v_[layer];
-    a.kv_pos = pos_;
-    a.n_kv = n_[layer];
+    a.k = k;
+    a.v = v;
+    a.kv_pos = kv_pos;
+    a.n_kv = n_kv;
     a.kv_type = format_ == cache_format::cache_fp32 ? kv_dtype::kv_f32 : kv_dtype::kv_f16;
     a.n_head = geo_.n_head;
     a.n_head_kv = geo_.n_head_kv;
@@ -88,7 +122,6 @@ class fp_cache final : public kv_cache {
     be_.attention_partial(a);
   }
 
- private:
   void store(uint8_t* dst, const float* src, size_t n) {
     if (elem_bytes_ == 4) {
       std::memcpy(dst, src, n * 4);

@@ -22,6 +22,9 @@ class communicator {
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
   virtual void send(const void* data, size_t bytes, int dst, int tag) = 0;
   virtual void recv(void* data, size_t bytes, int src, int tag) = 0;
+  // Sends to dst and receives from src at the same time (a ring step without deadlock).
+  virtual void sendrecv(const void* send_buf, size_t send_bytes, int dst, void* recv_buf, size_t recv_bytes, int src,
+                        int tag) = 0;
   virtual void barrier() = 0;
   // Ends every rank's participation with an error; never returns.
   [[noreturn]] virtual void abort(const std::string& why) = 0;

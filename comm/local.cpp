@@ -21,6 +21,12 @@ class local_communicator final : public communicator {
   void broadcast(void*, size_t, int root) override { XCTX_CHECK(root == 0, "broadcast: root ", root, " of 1 rank"); }
   void send(const void*, size_t, int dst, int) override { fail("send to rank ", dst, ": the local communicator has one rank"); }
   void recv(void*, size_t, int src, int) override { fail("recv from rank ", src, ": the local communicator has one rank"); }
+  void sendrecv(const void* send_buf, size_t send_bytes, int dst, void* recv_buf, size_t recv_bytes, int src,
+                int) override {
+    XCTX_CHECK(dst == 0 && src == 0, "sendrecv with ranks ", dst, "/", src, ": the local communicator has one rank");
+    XCTX_CHECK(send_bytes == recv_bytes, "sendrecv to self: ", send_bytes, " bytes sent, ", recv_bytes, " expected");
+    if (send_buf != recv_buf) std::memmove(recv_buf, send_buf, send_bytes);
+  }
   void barrier() override {}
   [[noreturn]] void abort(const std::string& why) override { throw Error("aborted: " + why); }
 };

@@ -78,6 +78,16 @@ class mpi_communicator final : public communicator {
     check(MPI_Irecv(data, (int)bytes, MPI_BYTE, src, tag, MPI_COMM_WORLD, &req), "recv");
     wait(req, "recv");
   }
+  void sendrecv(const void* send_buf, size_t send_bytes, int dst, void* recv_buf, size_t recv_bytes, int src,
+                int tag) override {
+    XCTX_CHECK(send_bytes <= (size_t)INT32_MAX && recv_bytes <= (size_t)INT32_MAX, "sendrecv of ", send_bytes, "/",
+               recv_bytes, " bytes exceeds MPI's int count");
+    MPI_Request reqs[2];
+    check(MPI_Irecv(recv_buf, (int)recv_bytes, MPI_BYTE, src, tag, MPI_COMM_WORLD, &reqs[0]), "sendrecv");
+    check(MPI_Isend(send_buf, (int)send_bytes, MPI_BYTE, dst, tag, MPI_COMM_WORLD, &reqs[1]), "sendrecv");
+    wait(reqs[0], "sendrecv");
+    wait(reqs[1], "sendrecv");
+  }
   void barrier() override {
     MPI_Request req;
     check(MPI_Ibarrier(MPI_COMM_WORLD, &req), "barrier");

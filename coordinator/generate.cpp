@@ -6,9 +6,11 @@
 #include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
+#include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
+#include "worker/sequence_parallel.h"
 
 namespace xctx {
 namespace {
@@ -23,11 +25,10 @@ std::string read_text_file(const std::string& path) {
 
 }  // namespace
 
-int run_generate(const generate_options& opt) {
+int run_generate(const generate_options& opt, communicator& comm) {
+  const bool coordinator = comm.rank() == 0;
   XCTX_CHECK(opt.prompt.empty() || opt.prompt_file.empty(), "give --prompt or --prompt-file, not both");
   XCTX_CHECK(opt.max_tokens >= 0, "--max-tokens must be >= 0, got ", opt.max_tokens);
-  std::string text = opt.prompt_file.empty() ? opt.prompt : read_text_file(opt.prompt_file);
-  XCTX_CHECK(!text.empty(), "the prompt is empty (use --prompt TEXT or --prompt-file FILE)");
 
   stopwatch load_clock;
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
@@ -35,15 +36,21 @@ int run_generate(const generate_options& opt) {
   const model_hparams& hp = s.weights.hp;
 
   std::vector<int32_t> prompt_ids;
-  if (opt.chat) {
-    std::vector<chat_message> msgs;
-    if (!opt.system.empty()) msgs.push_back({"system", opt.system});
-    msgs.push_back({"user", text});
-    const std::string rendered = apply_chat_template(detect_chat_style(s.chat_template), msgs, true);
-    prompt_ids = s.tok->encode(rendered, s.tok->vocab().add_bos, /*parse_special=*/true);
-  } else {
-    prompt_ids = s.tok->encode(text, s.tok->vocab().add_bos, /*parse_special=*/false);
+  if (coordinator) {
+    std::string text = opt.prompt_file.empty() ? opt.prompt : read_text_file(opt.prompt_file);
+    XCTX_CHECK(!text.empty(), "the prompt is empty (use --prompt TEXT or --prompt-file FILE)");
+    if (opt.chat) {
+      std::vector<chat_message> msgs;
+      if (!opt.system.empty()) msgs.push_back({"system", opt.system});
+      msgs.push_back({"user", text});
+      const std::string rendered = apply_chat_template(detect_chat_style(s.chat_template), msgs, true);
+      prompt_ids = s.tok->encode(rendered, s.tok->vocab().add_bos, /*parse_special=*/true);
+    } else {
+      prompt_ids = s.tok->encode(text, s.tok->vocab().add_bos, /*parse_special=*/false);
+    }
+    XCTX_CHECK(!prompt_ids.empty(), "the prompt has no tokens");
   }
+  broadcast_tokens(comm, prompt_ids);
   const int64_t n_prompt = (int64_t)prompt_ids.size();
   const int64_t n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
   XCTX_CHECK(n_prompt + opt.max_tokens <= n_ctx, "prompt (", n_prompt, " tokens) + --max-tokens (", opt.max_tokens,
@@ -51,18 +58,17 @@ int run_generate(const generate_options& opt) {
              hp.n_ctx_train, ")");
 
   llama_engine engine(s.weights, *s.be, opt.run);
-  auto cache = make_cache(opt.run.cache, engine.cache_geometry_for(n_ctx), *s.be);
+  sequence_options seq = opt.seq;
+  seq.max_new_tokens = opt.max_tokens + 1;
+  sequence_parallel_runner runner(engine, comm, *s.be, opt.run.cache, seq);
   const double load_s = load_clock.seconds();
 
-  std::vector<int32_t> pos(n_prompt);
-  for (int64_t i = 0; i < n_prompt; ++i) pos[i] = (int32_t)i;
   std::vector<float> logits(hp.n_vocab);
   stopwatch prefill_clock;
-  const bool show_progress = n_prompt >= 4 * opt.run.n_batch && opt.show_stats;
-  engine.forward(prompt_ids.data(), pos.data(), n_prompt, *cache, llama_engine::logits_for::logits_last,
-                 logits.data(), [&](int64_t done, int64_t total) {
-                   if (show_progress) std::fprintf(stderr, "\rprefill %lld/%lld tokens", (long long)done, (long long)total);
-                 });
+  const bool show_progress = coordinator && opt.show_stats && n_prompt >= 4 * opt.run.n_batch;
+  runner.prefill(prompt_ids, {}, logits.data(), [&](int64_t done, int64_t total) {
+    if (show_progress) std::fprintf(stderr, "\rprefill %lld/%lld", (long long)done, (long long)total);
+  });
   if (show_progress) std::fprintf(stderr, "\n");
   const double prefill_s = prefill_clock.seconds();
 
@@ -70,33 +76,34 @@ int run_generate(const generate_options& opt) {
   stopwatch decode_clock;
   int n_generated = 0;
   int n_decode_steps = 0;  // forward passes of one token (the first token comes from prefill)
-  int32_t p = (int32_t)n_prompt;
-  for (; n_generated < opt.max_tokens; ++n_generated) {
-    const int32_t id = smp.sample(logits.data(), hp.n_vocab);
+  while (n_generated < opt.max_tokens) {
+    int32_t id = coordinator ? smp.sample(logits.data(), hp.n_vocab) : 0;
+    comm.broadcast(&id, sizeof id, 0);  // rank 0 decides; every rank runs the same token
     if (s.tok->is_end_of_generation(id)) break;
-    const std::string piece = s.tok->token_piece(id);
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-    if (n_generated + 1 == opt.max_tokens) {
-      ++n_generated;
-      break;
+    ++n_generated;
+    if (coordinator) {
+      const std::string piece = s.tok->token_piece(id);
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
     }
-    engine.forward(&id, &p, 1, *cache, llama_engine::logits_for::logits_last, logits.data());
-    ++p;
+    if (n_generated == opt.max_tokens) break;
+    runner.step(&id, 1, logits.data());
     ++n_decode_steps;
   }
-  std::fputc('\n', stdout);
   const double decode_s = decode_clock.seconds();
+  if (coordinator) std::fputc('\n', stdout);
 
   if (opt.show_stats) {
-    std::fprintf(stderr,
-                 "\n[xctx] model %s | backend %s | cache %s (%s of %s allocated) | load %.2f s\n"
-                 "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens; decode %d steps in %.2f s = %.1f tokens/s\n"
-                 "[xctx] peak memory (RSS) %s\n",
-                 hp.name.c_str(), s.be->name().c_str(), format_traits(opt.run.cache).name,
-                 format_bytes((double)cache->bytes_used()).c_str(), format_bytes((double)cache->bytes_allocated()).c_str(),
-                 load_s, (long long)n_prompt, prefill_s, n_prompt / prefill_s, n_generated, n_decode_steps, decode_s,
-                 n_decode_steps > 0 ? n_decode_steps / decode_s : 0.0, format_bytes((double)peak_rss_bytes()).c_str());
+    if (coordinator)
+      std::fprintf(stderr,
+                   "\n[xctx] model %s | backend %s | %d rank(s), prefill %s | load %.2f s\n"
+                   "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens; decode %d steps in "
+                   "%.2f s = %.1f tokens/s\n"
+                   "[xctx] peak memory (RSS) of rank 0: %s\n",
+                   hp.name.c_str(), s.be->name().c_str(), comm.size(), prefill_mode_name(seq.mode), load_s,
+                   (long long)n_prompt, prefill_s, n_prompt / prefill_s, n_generated, n_decode_steps, decode_s,
+                   n_decode_steps > 0 ? n_decode_steps / decode_s : 0.0, format_bytes((double)peak_rss_bytes()).c_str());
+    report_shards(comm, runner, opt.run.cache);
   }
   return 0;
 }

@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <string>
 
+#include "comm/communicator.h"
 #include "coordinator/sampler.h"
 #include "worker/run_params.h"
+#include "worker/sequence_parallel.h"
 
 namespace xctx {
 
@@ -20,9 +22,11 @@ struct generate_options {
   int max_tokens = 128;
   sampler_params sampling;
   run_params run;
+  sequence_options seq;  // prefill mode and shard layout under mpirun
   bool show_stats = true;
 };
-int run_generate(const generate_options& opt);
+// Collective under mpirun: rank 0 tokenizes, drives and writes; every rank holds a shard.
+int run_generate(const generate_options& opt, communicator& comm);
 
 struct info_options {
   std::string model;

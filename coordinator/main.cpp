@@ -10,6 +10,23 @@
 
 namespace {
 
+struct sequence_flags {
+  std::string prefill = "exact", layout = "zigzag", anchor;
+};
+
+void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
+  cmd->add_option("--prefill", f.prefill, "under mpirun: exact (ring, same logits as one rank) | star (anchor + own chunk)")
+      ->default_val("exact");
+  cmd->add_option("--layout", f.layout, "exact prefill shard layout: zigzag | contiguous")->default_val("zigzag");
+  cmd->add_option("--anchor", f.anchor, "star prefill: anchor block in tokens (default: one rank's chunk)");
+}
+
+void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) {
+  o.mode = xctx::parse_prefill_mode(f.prefill);
+  o.layout = xctx::parse_shard_layout(f.layout);
+  if (!f.anchor.empty()) o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
+}
+
 void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, std::string& ctx, std::string& rope) {
   cmd->add_option("--cache", cache, "cache format: fp16 | fp32")->default_val("fp16");
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
@@ -53,6 +70,8 @@ int main(int argc, char** argv) {
   g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0);
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
   add_run_options(g, gen.run, gen_cache, gen_ctx, gen_rope);
+  sequence_flags gen_seq;
+  add_sequence_options(g, gen_seq);
 
   xctx::info_options info;
   std::string info_ctx;
@@ -76,10 +95,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // Jobs that may run under mpirun get the world communicator (local without mpirun). A bad
+  // input on any rank ends every rank at once instead of leaving the others in a collective.
+  std::unique_ptr<xctx::communicator> comm;
   try {
     if (*g) {
+      comm = xctx::make_default_communicator();
       apply_run_options(gen.run, gen_cache, gen_ctx, gen_rope);
-      return xctx::run_generate(gen);
+      apply_sequence_options(gen.seq, gen_seq);
+      return xctx::run_generate(gen, *comm);
     }
     if (*b) {
       apply_run_options(bench.run, bench_cache, bench_ctx, bench_rope);
@@ -91,9 +115,11 @@ int main(int argc, char** argv) {
       return xctx::run_info(info);
     }
   } catch (const xctx::Error& e) {
+    if (comm && comm->size() > 1) comm->abort(std::string("error: ") + e.what());
     std::fprintf(stderr, "xctx: error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
+    if (comm && comm->size() > 1) comm->abort(std::string("unexpected error: ") + e.what());
     std::fprintf(stderr, "xctx: unexpected error: %s\n", e.what());
     return 2;
   }

@@ -41,20 +41,20 @@ cache_geometry llama_engine::cache_geometry_for(int64_t capacity) const {
   return g;
 }
 
-void llama_engine::ensure_scratch(int64_t n) {
-  if (n <= scratch_tokens_) return;
+void llama_engine::ensure_scratch(int64_t n_tokens, int64_t n_sub) {
   const model_hparams& hp = w_.hp;
-  x_.resize(n * hp.n_embd);
-  h_.resize(n * hp.n_embd);
-  tmp_.resize(n * hp.n_embd);
-  q_.resize(n * hp.n_head * hp.head_dim);
-  o_.resize(n * hp.n_head * hp.head_dim);
-  k_.resize(n * hp.kv_dim());
-  v_.resize(n * hp.kv_dim());
-  lse_.resize(n * hp.n_head);
-  gate_.resize(n * hp.n_ff);
-  up_.resize(n * hp.n_ff);
-  scratch_tokens_ = n;
+  const auto grow = [](std::vector<float>& v, int64_t n) {
+    if ((int64_t)v.size() < n) v.resize(n);
+  };
+  grow(x_, n_tokens * hp.n_embd);
+  grow(q_, n_tokens * hp.n_head * hp.head_dim);
+  grow(o_, n_tokens * hp.n_head * hp.head_dim);
+  grow(h_, n_sub * hp.n_embd);
+  grow(tmp_, n_sub * hp.n_embd);
+  grow(k_, n_sub * hp.kv_dim());
+  grow(v_, n_sub * hp.kv_dim());
+  grow(gate_, n_sub * hp.n_ff);
+  grow(up_, n_sub * hp.n_ff);
 }
 
 namespace {
@@ -66,64 +66,96 @@ void add_bias(float* y, const std::vector<float>& b, int64_t n) {
 }
 }  // namespace
 
-void llama_engine::forward_chunk(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache) {
+void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange& attn,
+                              const progress_fn& layer_progress) {
   const model_hparams& hp = w_.hp;
-  const int64_t d = hp.n_embd;
-  be_.get_rows(w_.tok_embd, tokens, n, x_.data());
+  const int64_t d = hp.n_embd, qd = (int64_t)hp.n_head * hp.head_dim;
+  const int64_t sub = std::min<int64_t>(n, rp_.n_batch);
   for (int l = 0; l < hp.n_layer; ++l) {
     const layer_weights& L = w_.layers[l];
-    // attention block
-    be_.rms_norm(x_.data(), L.attn_norm.data(), n, d, hp.rms_eps, h_.data());
-    be_.matmul(L.wq, h_.data(), n, q_.data());
-    be_.matmul(L.wk, h_.data(), n, k_.data());
-    be_.matmul(L.wv, h_.data(), n, v_.data());
-    add_bias(q_.data(), L.bq, n);
-    add_bias(k_.data(), L.bk, n);
-    add_bias(v_.data(), L.bv, n);
-    be_.rope(q_.data(), pos, n, hp.n_head, rope_);
-    layer_input in;
-    in.x = h_.data();
-    in.k = k_.data();
-    in.v = v_.data();
-    in.pos = pos;
-    in.n = n;
-    cache.append(l, in);
-    cache.attend(l, q_.data(), pos, n, o_.data(), lse_.data());
-    be_.matmul(L.wo, o_.data(), n, tmp_.data());
-    be_.add(x_.data(), tmp_.data(), n * d);
-    // MLP block
-    be_.rms_norm(x_.data(), L.ffn_norm.data(), n, d, hp.rms_eps, h_.data());
-    be_.matmul(L.w_gate, h_.data(), n, gate_.data());
-    be_.matmul(L.w_up, h_.data(), n, up_.data());
-    be_.swiglu(gate_.data(), up_.data(), n * hp.n_ff, gate_.data());
-    be_.matmul(L.w_down, gate_.data(), n, tmp_.data());
-    be_.add(x_.data(), tmp_.data(), n * d);
+    for (int64_t s = 0; s < n; s += sub) {  // q, k, v; store k, v
+      const int64_t m = std::min(sub, n - s);
+      be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
+      float* q = q_.data() + s * qd;
+      be_.matmul(L.wq, h_.data(), m, q);
+      be_.matmul(L.wk, h_.data(), m, k_.data());
+      be_.matmul(L.wv, h_.data(), m, v_.data());
+      add_bias(q, L.bq, m);
+      add_bias(k_.data(), L.bk, m);
+      add_bias(v_.data(), L.bv, m);
+      be_.rope(q, pos + s, m, hp.n_head, rope_);
+      layer_input in;
+      in.x = h_.data();
+      in.k = k_.data();
+      in.v = v_.data();
+      in.pos = pos + s;
+      in.n = m;
+      attn.store(l, in);
+    }
+    attn.attend(l, q_.data(), pos, n, o_.data());
+    for (int64_t s = 0; s < n; s += sub) {  // output projection and MLP
+      const int64_t m = std::min(sub, n - s);
+      float* x = x_.data() + s * d;
+      be_.matmul(L.wo, o_.data() + s * qd, m, tmp_.data());
+      be_.add(x, tmp_.data(), m * d);
+      be_.rms_norm(x, L.ffn_norm.data(), m, d, hp.rms_eps, h_.data());
+      be_.matmul(L.w_gate, h_.data(), m, gate_.data());
+      be_.matmul(L.w_up, h_.data(), m, up_.data());
+      be_.swiglu(gate_.data(), up_.data(), m * hp.n_ff, gate_.data());
+      be_.matmul(L.w_down, gate_.data(), m, tmp_.data());
+      be_.add(x, tmp_.data(), m * d);
+    }
+    if (layer_progress) layer_progress(l + 1, hp.n_layer);
+  }
+}
+
+void llama_engine::compute_logits(const float* x, int64_t rows, float* logits) {
+  const model_hparams& hp = w_.hp;
+  if ((int64_t)normed_.size() < rows * hp.n_embd) normed_.resize(rows * hp.n_embd);
+  be_.rms_norm(x, w_.out_norm.data(), rows, hp.n_embd, hp.rms_eps, normed_.data());
+  be_.matmul(w_.output, normed_.data(), rows, logits);
+}
+
+namespace {
+void check_tokens(const int32_t* tokens, int64_t n, int32_t n_vocab) {
+  XCTX_CHECK(n > 0, "forward: no tokens");
+  for (int64_t i = 0; i < n; ++i)
+    XCTX_CHECK(tokens[i] >= 0 && tokens[i] < n_vocab, "token id ", tokens[i], " at index ", i,
+               " is outside the vocabulary [0, ", n_vocab, ")");
+}
+}  // namespace
+
+void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
+                           logits_for which, float* logits, const progress_fn& progress) {
+  const model_hparams& hp = w_.hp;
+  check_tokens(tokens, n, hp.n_vocab);
+  const int64_t chunk = std::min<int64_t>(n, rp_.n_batch);
+  ensure_scratch(chunk, chunk);
+  for (int64_t s = 0; s < n; s += chunk) {
+    const int64_t m = std::min(chunk, n - s);
+    be_.get_rows(w_.tok_embd, tokens + s, m, x_.data());
+    run_layers(pos + s, m, attn, {});
+    if (which == logits_for::logits_all) {
+      compute_logits(x_.data(), m, logits + s * (int64_t)hp.n_vocab);
+    } else if (which == logits_for::logits_last && s + m == n) {
+      compute_logits(x_.data() + (m - 1) * hp.n_embd, 1, logits);
+    }
+    if (progress) progress(s + m, n);
   }
 }
 
 void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache, logits_for which,
-                           float* logits, const std::function<void(int64_t, int64_t)>& progress) {
-  XCTX_CHECK(n > 0, "forward: no tokens");
-  const model_hparams& hp = w_.hp;
-  for (int64_t i = 0; i < n; ++i)
-    XCTX_CHECK(tokens[i] >= 0 && tokens[i] < hp.n_vocab, "token id ", tokens[i], " at index ", i,
-               " is outside the vocabulary [0, ", hp.n_vocab, ")");
-  const int64_t chunk = std::min<int64_t>(n, rp_.n_batch);
-  ensure_scratch(chunk);
-  std::vector<float> normed;
-  for (int64_t s = 0; s < n; s += chunk) {
-    const int64_t m = std::min(chunk, n - s);
-    forward_chunk(tokens + s, pos + s, m, cache);
-    if (which == logits_for::logits_all || (which == logits_for::logits_last && s + m == n)) {
-      const int64_t first = which == logits_for::logits_all ? 0 : m - 1;
-      const int64_t rows = m - first;
-      normed.resize(rows * hp.n_embd);
-      be_.rms_norm(x_.data() + first * hp.n_embd, w_.out_norm.data(), rows, hp.n_embd, hp.rms_eps, normed.data());
-      float* dst = which == logits_for::logits_all ? logits + s * (int64_t)hp.n_vocab : logits;
-      be_.matmul(w_.output, normed.data(), rows, dst);
-    }
-    if (progress) progress(s + m, n);
-  }
+                           float* logits, const progress_fn& progress) {
+  local_attention attn(cache);
+  forward(tokens, pos, n, attn, which, logits, progress);
+}
+
+void llama_engine::forward_layer_major(const int32_t* tokens, const int32_t* pos, int64_t n,
+                                       attention_exchange& attn, const progress_fn& progress) {
+  check_tokens(tokens, n, w_.hp.n_vocab);
+  ensure_scratch(n, std::min<int64_t>(n, rp_.n_batch));
+  be_.get_rows(w_.tok_embd, tokens, n, x_.data());
+  run_layers(pos, n, attn, progress);
 }
 
 }  // namespace xctx

@@ -1,5 +1,6 @@
 // The Llama-family transformer forward over one cache shard: RMSNorm, RoPE, grouped-query
-// attention through the cache interface (partials (o, lse)), SwiGLU MLP, tied or separate output.
+// attention through an attention_exchange (local cache or sequence-parallel), SwiGLU MLP, tied
+// or separate output.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 
 #include "cache/cache.h"
 #include "model/weights.h"
+#include "worker/attention_exchange.h"
 #include "worker/run_params.h"
 
 namespace xctx {
@@ -19,39 +21,54 @@ class llama_engine {
 
   const model_hparams& hparams() const { return w_.hp; }
   const rope_config& rope() const { return rope_; }
+  const run_params& params() const { return rp_; }
   // Geometry of a cache holding `capacity` tokens of this model.
   cache_geometry cache_geometry_for(int64_t capacity) const;
 
   enum class logits_for : uint8_t { logits_none, logits_last, logits_all };
+  using progress_fn = std::function<void(int64_t done, int64_t total)>;
 
-  // Runs n tokens at positions pos through the model, appending them to `cache`. Long inputs
-  // are processed in chunks of run_params.n_batch. logits: [1, n_vocab] for logits_last,
-  // [n, n_vocab] for logits_all. `progress(done, n)` is called after each chunk.
+  // Runs n tokens at positions pos through the model. Token-chunk-major: chunks of
+  // run_params.n_batch tokens go through all layers one after the other, so memory stays
+  // bounded for any n (each chunk attends to what earlier chunks stored). logits: [1, n_vocab]
+  // for logits_last, [n, n_vocab] for logits_all.
   void forward(const int32_t* tokens,  // [n]
                const int32_t* pos,     // [n]
-               int64_t n, kv_cache& cache, logits_for which, float* logits,
-               const std::function<void(int64_t, int64_t)>& progress = {});
+               int64_t n, attention_exchange& attn, logits_for which, float* logits,
+               const progress_fn& progress = {});
+  // The same over one local cache.
+  void forward(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache, logits_for which,
+               float* logits, const progress_fn& progress = {});
+
+  // Layer-major over all n tokens at once: every layer stores all n tokens before any query
+  // of that layer attends. Needed when the exchange must see a layer's complete shard (the
+  // exact ring prefill); projections and MLP still run in sub-chunks of n_batch. Keeps
+  // 3 x [n, n_embd] floats live. No logits (the ring prefill has none to give).
+  void forward_layer_major(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
+                           const progress_fn& progress = {});
 
  private:
-  void forward_chunk(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache);
-  void ensure_scratch(int64_t n);
+  // x [n, n_embd] holds the residual stream of the n tokens; runs every layer over them.
+  void run_layers(const int32_t* pos, int64_t n, attention_exchange& attn, const progress_fn& layer_progress);
+  void compute_logits(const float* x, int64_t rows, float* logits);
+  void ensure_scratch(int64_t n_tokens, int64_t n_sub);
 
   const model_weights& w_;
   backend& be_;
   run_params rp_;
   rope_config rope_;
-  // Scratch, sized for one chunk.
-  int64_t scratch_tokens_ = 0;
-  std::vector<float> x_;     // [n, n_embd] residual stream
-  std::vector<float> h_;     // [n, n_embd] normed input of the current block
-  std::vector<float> q_;     // [n, n_head, head_dim]
-  std::vector<float> k_;     // [n, n_head_kv, head_dim]
-  std::vector<float> v_;     // [n, n_head_kv, head_dim]
-  std::vector<float> o_;     // [n, n_head, head_dim]
-  std::vector<float> lse_;   // [n, n_head]
-  std::vector<float> gate_;  // [n, n_ff]
-  std::vector<float> up_;    // [n, n_ff]
-  std::vector<float> tmp_;   // [n, n_embd]
+  // Over all tokens of a run_layers call.
+  std::vector<float> x_;    // [n, n_embd] residual stream
+  std::vector<float> q_;    // [n, n_head, head_dim]
+  std::vector<float> o_;    // [n, n_head, head_dim]
+  // Over one sub-chunk of at most n_batch tokens.
+  std::vector<float> h_;     // [n_sub, n_embd] normed input of the current block
+  std::vector<float> k_;     // [n_sub, n_head_kv, head_dim]
+  std::vector<float> v_;     // [n_sub, n_head_kv, head_dim]
+  std::vector<float> gate_;  // [n_sub, n_ff]
+  std::vector<float> up_;    // [n_sub, n_ff]
+  std::vector<float> tmp_;   // [n_sub, n_embd]
+  std::vector<float> normed_;  // [rows, n_embd] final norm before the output projection
 };
 
 // The rope the engine uses: the file's base and dims, with run_params scaling applied.

@@ -90,9 +90,9 @@ TEST_P(engine_test, chunked_and_single_token_match_one_batch) {
   }
 }
 
-// End to end, the optimized backend against the scalar oracle. Its decode path rounds
-// activations to 8-bit blocks (relative error <= 1/254 per element of a block max), its batched
-// path is f32 sgemm; logits of size O(1) then differ by a few 1e-2 at most.
+// End to end, the optimized backend against the scalar oracle. Its few-token path rounds
+// activations to 8-bit blocks (relative error <= 1/254 of a block max per element; over 3
+// layers logits of size O(1) move by a few 1e-2 at most); its batched path is f32 sgemm.
 TEST_P(engine_test, cpu_backend_matches_ref_backend) {
   const engine_case c = GetParam();
   const model_weights w = write_and_load(tiny_hparams(c.tied, c.bias), c.type, 7);
@@ -105,7 +105,10 @@ TEST_P(engine_test, cpu_backend_matches_ref_backend) {
       max_abs = std::max(max_abs, (double)std::fabs(r[i] - o[i]));
       max_ref = std::max(max_ref, (double)std::fabs(r[i]));
     }
-    const double tol = n_batch == 1 && c.type != ggml_type::ggml_f32 ? 0.05 * std::max(1.0, max_ref) : 1e-3 * std::max(1.0, max_ref);
+    // Quantized weights may take the 8-bit-activation path at any batch size below the
+    // kernel's crossover (which depends on the type); float weights never round activations.
+    const bool quantized = c.type != ggml_type::ggml_f32 && c.type != ggml_type::ggml_f16;
+    const double tol = (quantized ? 0.05 : 1e-3) * std::max(1.0, max_ref);
     EXPECT_LE(max_abs, tol) << "n_batch " << n_batch << " max |ref| " << max_ref;
   }
 }

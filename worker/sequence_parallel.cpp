@@ -1,0 +1,232 @@
+#include "worker/sequence_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace xctx {
+
+prefill_mode parse_prefill_mode(const std::string& name) {
+  if (name == "exact") return prefill_mode::prefill_exact;
+  if (name == "star") return prefill_mode::prefill_star;
+  fail("unknown prefill mode '", name, "' (exact, star)");
+}
+
+const char* prefill_mode_name(prefill_mode m) {
+  switch (m) {
+    case prefill_mode::prefill_exact: return "exact";
+    case prefill_mode::prefill_star: return "star";
+  }
+  return "?";
+}
+
+size_t partial_bytes_per_token_layer(const model_hparams& hp) {
+  return (size_t)hp.n_head * (hp.head_dim + 1) * sizeof(float);
+}
+
+// ---- ring (exact prefill) ----------------------------------------------------------------
+
+ring_attention::ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats)
+    : own_(own), comm_(comm), be_(be), stats_(stats) {}
+
+void ring_attention::store(int layer, const layer_input& in) { own_.append(layer, in); }
+
+void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
+  const cache_geometry& g = own_.geometry();
+  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim;
+  o_parts_.resize(2 * od);
+  lse_parts_.resize(2 * rows);
+  if (n_q > 0) own_.attend(layer, q, q_pos, n_q, o_parts_.data(), lse_parts_.data());
+
+  const int p = comm_.size();
+  if (p == 1) {
+    if (n_q > 0) std::memcpy(o, o_parts_.data(), od * sizeof(float));
+    return;
+  }
+  const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
+  send_.resize(own_.exported_bytes(layer));
+  own_.export_layer(layer, send_.data());
+  // P-1 steps: pass on the block received last, so every block visits every rank once.
+  for (int step = 1; step < p; ++step) {
+    uint64_t out_bytes = send_.size(), in_bytes = 0;
+    comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
+    recv_.resize(in_bytes);
+    comm_.sendrecv(send_.data(), send_.size(), next, recv_.data(), recv_.size(), prev, 2 * step + 1);
+    stats_.ring_bytes_sent += out_bytes;
+    if (n_q > 0) {
+      own_.attend_exported(layer, recv_.data(), recv_.size(), q, q_pos, n_q, o_parts_.data() + od,
+                           lse_parts_.data() + rows);
+      be_.merge_partials(o_parts_.data(), lse_parts_.data(), 2, rows, g.head_dim, o_parts_.data(), lse_parts_.data());
+    }
+    std::swap(send_, recv_);
+  }
+  if (n_q > 0) std::memcpy(o, o_parts_.data(), od * sizeof(float));
+}
+
+// ---- merged partials (decode / suffix) -----------------------------------------------------
+
+merged_attention::merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be,
+                                   sequence_comm_stats& stats)
+    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats) {}
+
+void merged_attention::store(int layer, const layer_input& in) {
+  if (is_tail_) own_.append(layer, in);
+}
+
+void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
+  const cache_geometry& g = own_.geometry();
+  const int p = comm_.size();
+  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim, stride = od + rows;
+  // Pack [o | lse] of this rank, gather everyone's, unpack into the merge layout.
+  packed_.resize(stride);
+  own_.attend(layer, q, q_pos, n_q, packed_.data(), packed_.data() + od);
+  if (p == 1) {
+    std::memcpy(o, packed_.data(), od * sizeof(float));
+    return;
+  }
+  gathered_.resize(stride * p);
+  comm_.all_gather(packed_.data(), gathered_.data(), stride * sizeof(float));
+  stats_.gather_bytes_sent += stride * sizeof(float);
+  stats_.gather_bytes_recv += stride * sizeof(float) * p;
+  o_parts_.resize(od * p);
+  lse_parts_.resize(rows * p);
+  for (int r = 0; r < p; ++r) {
+    std::memcpy(o_parts_.data() + r * od, gathered_.data() + r * stride, od * sizeof(float));
+    std::memcpy(lse_parts_.data() + r * rows, gathered_.data() + r * stride + od, rows * sizeof(float));
+  }
+  lse_.resize(rows);
+  // Every rank merges the same gathered bytes in the same order: identical o on all ranks.
+  be_.merge_partials(o_parts_.data(), lse_parts_.data(), p, rows, g.head_dim, o, lse_.data());
+}
+
+// ---- star (anchor + own chunk) -------------------------------------------------------------
+
+star_attention::star_attention(kv_cache& own, kv_cache* anchor, int64_t anchor_end, backend& be)
+    : own_(own), anchor_(anchor), anchor_end_(anchor_end), be_(be) {}
+
+void star_attention::store(int layer, const layer_input& in) {
+  if (anchor_ == nullptr) {
+    own_.append(layer, in);
+    return;
+  }
+  // Positions ascend: a prefix of the batch may belong to the anchor.
+  int64_t split = 0;
+  while (split < in.n && in.pos[split] < anchor_end_) ++split;
+  const cache_geometry& g = own_.geometry();
+  const int64_t kv = (int64_t)g.n_head_kv * g.head_dim;
+  if (split > 0) {
+    layer_input a = in;
+    a.n = split;
+    anchor_->append(layer, a);
+  }
+  if (split < in.n) {
+    layer_input b = in;
+    b.x = in.x ? in.x + split * g.n_embd : nullptr;
+    b.k = in.k + split * kv;
+    b.v = in.v + split * kv;
+    b.pos = in.pos + split;
+    b.n = in.n - split;
+    own_.append(layer, b);
+  }
+}
+
+void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
+  const cache_geometry& g = own_.geometry();
+  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim;
+  o_parts_.resize(2 * od);
+  lse_parts_.resize(2 * rows);
+  own_.attend(layer, q, q_pos, n_q, o_parts_.data(), lse_parts_.data());
+  if (anchor_ != nullptr) {
+    anchor_->attend(layer, q, q_pos, n_q, o_parts_.data() + od, lse_parts_.data() + rows);
+    be_.merge_partials(o_parts_.data(), lse_parts_.data(), 2, rows, g.head_dim, o_parts_.data(), lse_parts_.data());
+  }
+  std::memcpy(o, o_parts_.data(), od * sizeof(float));
+}
+
+// ---- the runner ------------------------------------------------------------------------------
+
+sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be,
+                                                   cache_format format, const sequence_options& opt)
+    : engine_(engine), comm_(comm), be_(be), format_(format), opt_(opt) {
+  XCTX_CHECK(opt.max_new_tokens >= 0, "max_new_tokens must be >= 0");
+  XCTX_CHECK(opt.anchor_tokens >= 0, "anchor tokens must be >= 0");
+}
+
+sequence_parallel_runner::~sequence_parallel_runner() = default;
+
+void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, const std::vector<int32_t>& suffix_in,
+                                       float* logits, const llama_engine::progress_fn& progress) {
+  XCTX_CHECK(!cache_, "prefill called twice on one sequence");
+  std::vector<int32_t> context = context_in, suffix = suffix_in;
+  if (suffix.empty()) {
+    XCTX_CHECK(!context.empty(), "prefill: no tokens");
+    suffix.push_back(context.back());
+    context.pop_back();
+  }
+  const int p = comm_.size(), rank = comm_.rank();
+  const int64_t n = (int64_t)context.size();
+  const shard_layout layout = opt_.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt_.layout;
+  plan_ = make_shard_plan(n, p, layout);
+  // With an empty context (short prompt) the suffix lands on rank 0.
+  if (n == 0) plan_.tail_rank = 0;
+  const bool tail = rank == plan_.tail_rank;
+  const int64_t extra = tail ? (int64_t)suffix.size() + opt_.max_new_tokens : 0;
+  const std::vector<int32_t> pos = plan_.positions_of(rank);
+  cache_ = make_cache(format_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size() + extra)), be_);
+
+  std::vector<int32_t> mine(pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) mine[i] = context[pos[i]];
+  if (n > 0) {
+    switch (opt_.mode) {
+      case prefill_mode::prefill_exact: {
+        ring_attention ring(*cache_, comm_, be_, stats_);
+        if (p == 1) {  // one rank: chunk-major keeps memory bounded for any length
+          engine_.forward(mine.data(), pos.data(), (int64_t)mine.size(), ring, llama_engine::logits_for::logits_none,
+                          nullptr, progress);
+        } else if (!mine.empty()) {
+          engine_.forward_layer_major(mine.data(), pos.data(), (int64_t)mine.size(), ring, progress);
+        } else {  // fewer context tokens than shards: still relay the other ranks' blocks
+          for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
+        }
+        break;
+      }
+      case prefill_mode::prefill_star: {
+        const int64_t anchor = std::min<int64_t>(n, opt_.anchor_tokens > 0 ? opt_.anchor_tokens : plan_.tokens_of(0));
+        const bool has_anchor = !pos.empty() && pos.front() > 0;  // this rank's chunk does not start the context
+        std::unique_ptr<kv_cache> anchor_cache;
+        std::vector<int32_t> toks, tpos;
+        const int64_t a = has_anchor ? std::min<int64_t>(anchor, pos.front()) : 0;  // never overlaps the own chunk
+        if (has_anchor) {
+          anchor_cache = make_cache(format_, engine_.cache_geometry_for(std::max<int64_t>(1, a)), be_);
+          for (int64_t i = 0; i < a; ++i) {
+            toks.push_back(context[i]);
+            tpos.push_back((int32_t)i);
+          }
+        }
+        toks.insert(toks.end(), mine.begin(), mine.end());
+        tpos.insert(tpos.end(), pos.begin(), pos.end());
+        star_attention star(*cache_, anchor_cache.get(), a, be_);
+        if (!toks.empty())
+          engine_.forward(toks.data(), tpos.data(), (int64_t)toks.size(), star, llama_engine::logits_for::logits_none,
+                          nullptr, progress);
+        break;
+      }
+    }
+  }
+  next_pos_ = n;
+  step(suffix.data(), (int64_t)suffix.size(), logits);
+}
+
+void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits) {
+  XCTX_CHECK(cache_, "step before prefill");
+  XCTX_CHECK(n > 0, "step: no tokens");
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(next_pos_ + i);
+  merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_);
+  engine_.forward(tokens, pos.data(), n, merged, llama_engine::logits_for::logits_last, logits);
+  next_pos_ += n;
+  stats_.decode_tokens += n;
+}
+
+}  // namespace xctx

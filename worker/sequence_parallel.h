@@ -1,0 +1,124 @@
+// One sequence split across the ranks of a communicator. Every rank holds the full weights and
+// its shard of the cache; per layer the ranks combine partial attention (o, lse):
+//   exact prefill: ring pass of every rank's cache blocks (in the cache format's own bytes),
+//                  each rank merging the partials of its queries over all blocks by log-sum-exp;
+//                  the same logits as one rank, up to float summation order.
+//   star prefill:  (Star Attention, Acharya et al. 2024) each rank attends over
+//                  [anchor = first anchor_tokens of the context ‖ its own contiguous chunk];
+//                  anchor keys/values live in a temporary cache and are dropped afterwards.
+//   suffix/decode: every rank runs the same tokens through each layer, attends over its own
+//                  shard, one all-gather of the packed partials, then a max-shifted merge;
+//                  the tail rank (holder of the last context position) stores the new tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "worker/llama_engine.h"
+#include "worker/shard_plan.h"
+
+namespace xctx {
+
+enum class prefill_mode : uint8_t { prefill_exact, prefill_star };
+prefill_mode parse_prefill_mode(const std::string& name);  // exact | star
+const char* prefill_mode_name(prefill_mode m);
+
+struct sequence_options {
+  prefill_mode mode = prefill_mode::prefill_exact;
+  shard_layout layout = shard_layout::shard_zigzag;  // exact mode only; star is contiguous
+  int64_t anchor_tokens = 0;                         // star: 0 = the size of rank 0's chunk
+  int64_t max_new_tokens = 256;                      // capacity the tail rank reserves for decode
+};
+
+// Bytes this rank moved through the communicator, by purpose.
+struct sequence_comm_stats {
+  uint64_t ring_bytes_sent = 0;      // exact prefill: cache blocks passed on
+  uint64_t gather_bytes_sent = 0;    // decode/suffix: packed (o, lse) partials contributed
+  uint64_t gather_bytes_recv = 0;    // decode/suffix: partials received (all ranks')
+  uint64_t decode_tokens = 0;        // tokens run through the merged path
+};
+
+// Bytes of packed partials one rank contributes per token per layer: n_head·(head_dim + 1)
+// floats (o and lse); every rank receives n_rank times that.
+size_t partial_bytes_per_token_layer(const model_hparams& hp);
+
+class sequence_parallel_runner {
+ public:
+  sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be, cache_format format,
+                           const sequence_options& opt);
+  ~sequence_parallel_runner();
+
+  // Collective: every rank calls it with the same tokens. Prefills `context` with the chosen
+  // mode, then runs `suffix` (at least one token; if empty, the last context token is moved
+  // there) through the merged path. logits: [n_vocab] of the last token, on every rank.
+  void prefill(const std::vector<int32_t>& context, const std::vector<int32_t>& suffix, float* logits,
+               const llama_engine::progress_fn& progress = {});
+  // Collective: runs tokens through the merged path; logits of the last one on every rank.
+  void step(const int32_t* tokens, int64_t n, float* logits);
+
+  int64_t next_position() const { return next_pos_; }
+  const shard_plan& plan() const { return plan_; }
+  const kv_cache& cache() const { return *cache_; }
+  const sequence_comm_stats& stats() const { return stats_; }
+
+ private:
+  llama_engine& engine_;
+  communicator& comm_;
+  backend& be_;
+  cache_format format_;
+  sequence_options opt_;
+  shard_plan plan_;
+  std::unique_ptr<kv_cache> cache_;
+  int64_t next_pos_ = 0;
+  sequence_comm_stats stats_;
+};
+
+// The exchanges, exposed for tests.
+class ring_attention final : public attention_exchange {
+ public:
+  ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats);
+  void store(int layer, const layer_input& in) override;
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
+
+ private:
+  kv_cache& own_;
+  communicator& comm_;
+  backend& be_;
+  sequence_comm_stats& stats_;
+  std::vector<uint8_t> send_, recv_;
+  std::vector<float> o_parts_, lse_parts_;  // [2, n_q·n_head, head_dim], [2, n_q·n_head]
+};
+
+class merged_attention final : public attention_exchange {
+ public:
+  merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be, sequence_comm_stats& stats);
+  void store(int layer, const layer_input& in) override;
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
+
+ private:
+  kv_cache& own_;
+  bool is_tail_;
+  communicator& comm_;
+  backend& be_;
+  sequence_comm_stats& stats_;
+  std::vector<float> packed_, gathered_, o_parts_, lse_parts_, lse_;
+};
+
+class star_attention final : public attention_exchange {
+ public:
+  // anchor == nullptr on the rank whose own chunk starts with the anchor.
+  star_attention(kv_cache& own, kv_cache* anchor, int64_t anchor_end, backend& be);
+  void store(int layer, const layer_input& in) override;
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
+
+ private:
+  kv_cache& own_;
+  kv_cache* anchor_;
+  int64_t anchor_end_;
+  backend& be_;
+  std::vector<float> o_parts_, lse_parts_;
+};
+
+}  // namespace xctx

@@ -1,0 +1,34 @@
+// Which context positions each rank holds.
+//   contiguous: rank r holds one run [r·N/P, (r+1)·N/P)
+//   zigzag:     the context is cut into 2P pieces; rank r holds pieces r and 2P−1−r, so under a
+//               causal mask every rank has about the same attention work in the ring prefill
+// New tokens (decode, suffix) are appended by the tail rank: the holder of the last position.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace xctx {
+
+enum class shard_layout : uint8_t { shard_contiguous, shard_zigzag };
+
+struct shard_plan {
+  shard_layout layout = shard_layout::shard_contiguous;
+  int n_rank = 1;
+  int64_t n_tokens = 0;
+  // ranges[r]: the [begin, end) position runs rank r holds, ascending
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges;
+  int tail_rank = 0;
+
+  int64_t tokens_of(int rank) const;
+  // The positions of `rank` in ascending order.
+  std::vector<int32_t> positions_of(int rank) const;
+};
+
+shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout);
+shard_layout parse_shard_layout(const std::string& name);  // contiguous | zigzag
+const char* shard_layout_name(shard_layout l);
+
+}  // namespace xctx
