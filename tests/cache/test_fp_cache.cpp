@@ -112,6 +112,35 @@ TEST_P(fp_cache_test, capacity_overflow_is_a_clear_error) {
   }
 }
 
+// The ring passes exported blocks: attention over a received block must equal attention over
+// the cache it came from, and a block whose size disagrees with its header is rejected.
+TEST_P(fp_cache_test, exported_block_attends_like_the_cache) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = small_geometry(32);
+  auto src = make_cache(GetParam(), g, *be);
+  auto dst = make_cache(GetParam(), g, *be);
+  const int64_t n = 21;
+  const int kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+  std::vector<float> k(n * kv), v(n * kv), q(5 * qd);
+  for (auto* vec : {&k, &v, &q})
+    for (float& x : *vec) x = nd(rng);
+  std::vector<int32_t> pos(n), q_pos = {3, 40, 45, 50, 200};
+  for (int i = 0; i < n; ++i) pos[i] = 40 + i;  // the first query sees nothing
+  for (int l = 0; l < g.n_layer; ++l) src->append(l, layer_input{nullptr, k.data(), v.data(), pos.data(), n});
+  std::vector<uint8_t> block(src->exported_bytes(1));
+  src->export_layer(1, block.data());
+  std::vector<float> o1(5 * qd), o2(5 * qd), l1(5 * g.n_head), l2(5 * g.n_head);
+  src->attend(1, q.data(), q_pos.data(), 5, o1.data(), l1.data());
+  dst->attend_exported(1, block.data(), block.size(), q.data(), q_pos.data(), 5, o2.data(), l2.data());
+  for (size_t i = 0; i < o1.size(); ++i) ASSERT_EQ(o1[i], o2[i]) << i;
+  for (size_t i = 0; i < l1.size(); ++i) ASSERT_EQ(l1[i], l2[i]) << i;
+  EXPECT_TRUE(std::isinf(l1[0]) && l1[0] < 0);
+  EXPECT_THROW(dst->attend_exported(1, block.data(), block.size() - 2, q.data(), q_pos.data(), 5, o2.data(), l2.data()),
+               Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(formats, fp_cache_test, ::testing::Values(cache_format::cache_fp32, cache_format::cache_fp16),
                          [](const auto& info) { return std::string(format_traits(info.param).name); });
 
