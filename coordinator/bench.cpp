@@ -7,62 +7,97 @@
 #include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
+#include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
 #include "coordinator/sampler.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
+#include "worker/sequence_parallel.h"
 
 namespace xctx {
 
-int run_bench(const bench_options& opt) {
-  XCTX_CHECK(opt.prompt_tokens > 0, "--prompt-tokens must be positive");
+int run_bench(const bench_options& opt, communicator& comm) {
+  XCTX_CHECK(opt.prompt_tokens > 1, "--prompt-tokens must be at least 2");
   XCTX_CHECK(opt.gen_tokens >= 0, "--gen-tokens must be >= 0");
-  std::ifstream in(opt.text_file, std::ios::binary);
-  XCTX_CHECK(in.good(), "cannot read --text ", opt.text_file);
-  std::stringstream ss;
-  ss << in.rdbuf();
-
   model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, "", opt.run);
   const model_hparams& hp = s.weights.hp;
-  std::vector<int32_t> text_ids = s.tok->encode(ss.str(), false, false);
-  XCTX_CHECK(!text_ids.empty(), "--text ", opt.text_file, " holds no tokens");
   std::vector<int32_t> ids;
-  if (s.tok->vocab().add_bos) ids.push_back(s.tok->vocab().bos_id);
-  while ((int64_t)ids.size() < opt.prompt_tokens)
-    ids.insert(ids.end(), text_ids.begin(),
-               text_ids.begin() + std::min<int64_t>(text_ids.size(), opt.prompt_tokens - ids.size()));
+  if (comm.rank() == 0) {
+    std::ifstream in(opt.text_file, std::ios::binary);
+    XCTX_CHECK(in.good(), "cannot read --text ", opt.text_file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::vector<int32_t> text_ids = s.tok->encode(ss.str(), false, false);
+    XCTX_CHECK(!text_ids.empty(), "--text ", opt.text_file, " holds no tokens");
+    if (s.tok->vocab().add_bos) ids.push_back(s.tok->vocab().bos_id);
+    while ((int64_t)ids.size() < opt.prompt_tokens)
+      ids.insert(ids.end(), text_ids.begin(),
+                 text_ids.begin() + std::min<int64_t>(text_ids.size(), opt.prompt_tokens - ids.size()));
+  }
+  broadcast_tokens(comm, ids);
 
-  const int64_t n = opt.prompt_tokens, n_ctx = n + opt.gen_tokens;
   llama_engine engine(s.weights, *s.be, opt.run);
-  auto cache = make_cache(opt.run.cache, engine.cache_geometry_for(n_ctx), *s.be);
-  std::vector<int32_t> pos(n);
-  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  sequence_options seq = opt.seq;
+  seq.max_new_tokens = opt.gen_tokens + 1;
+  sequence_parallel_runner runner(engine, comm, *s.be, opt.run.cache, seq);
   std::vector<float> logits(hp.n_vocab);
 
+  comm.barrier();
   stopwatch prefill_clock;
-  engine.forward(ids.data(), pos.data(), n, *cache, llama_engine::logits_for::logits_last, logits.data());
+  runner.prefill(ids, {}, logits.data());
+  comm.barrier();
   const double prefill_s = prefill_clock.seconds();
+  const sequence_comm_stats after_prefill = runner.stats();
   stopwatch decode_clock;
-  int32_t p = (int32_t)n;
-  for (int t = 0; t < opt.gen_tokens; ++t, ++p) {
-    const int32_t id = argmax(logits.data(), hp.n_vocab);
-    engine.forward(&id, &p, 1, *cache, llama_engine::logits_for::logits_last, logits.data());
+  for (int t = 0; t < opt.gen_tokens; ++t) {
+    int32_t id = argmax(logits.data(), hp.n_vocab);
+    comm.broadcast(&id, sizeof id, 0);
+    runner.step(&id, 1, logits.data());
   }
+  comm.barrier();
   const double decode_s = decode_clock.seconds();
+
+  // Per-rank figures gathered to rank 0.
+  struct rank_figures {
+    double peak_rss, cache_used, cache_allocated, ring_sent, gather_sent_decode, gather_recv_decode;
+    double tokens;
+  } mine{(double)peak_rss_bytes(), (double)runner.cache().bytes_used(), (double)runner.cache().bytes_allocated(),
+         (double)runner.stats().ring_bytes_sent,
+         (double)(runner.stats().gather_bytes_sent - after_prefill.gather_bytes_sent),
+         (double)(runner.stats().gather_bytes_recv - after_prefill.gather_bytes_recv),
+         (double)runner.cache().n_tokens(0)};
+  std::vector<rank_figures> all(comm.size());
+  comm.all_gather(&mine, all.data(), sizeof mine);
+  if (comm.rank() != 0) return 0;
 
   nlohmann::json j;
   j["engine"] = "xctx";
   j["backend"] = s.be->name();
   j["cache"] = format_traits(opt.run.cache).name;
+  j["ranks"] = comm.size();
+  j["prefill_mode"] = prefill_mode_name(seq.mode);
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
-  j["prompt_tokens"] = n;
+  j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;
   j["prefill_s"] = prefill_s;
-  j["prefill_tok_s"] = n / prefill_s;
+  j["prefill_tok_s"] = opt.prompt_tokens / prefill_s;
   j["decode_s"] = decode_s;
   j["decode_tok_s"] = opt.gen_tokens > 0 ? opt.gen_tokens / decode_s : 0.0;
-  j["peak_rss_bytes"] = peak_rss_bytes();
-  j["cache_bytes"] = cache->bytes_allocated();
+  j["peak_rss_bytes"] = (uint64_t)all[0].peak_rss;
+  j["cache_bytes"] = (uint64_t)all[0].cache_allocated;
+  j["partial_bytes_per_token_layer"] = partial_bytes_per_token_layer(hp);
+  j["n_layer"] = hp.n_layer;
+  for (const rank_figures& f : all) {
+    nlohmann::json r;
+    r["peak_rss_bytes"] = (uint64_t)f.peak_rss;
+    r["cache_used_bytes"] = (uint64_t)f.cache_used;
+    r["cache_allocated_bytes"] = (uint64_t)f.cache_allocated;
+    r["tokens"] = (int64_t)f.tokens;
+    r["ring_bytes_sent"] = (uint64_t)f.ring_sent;
+    r["decode_gather_bytes_sent"] = (uint64_t)f.gather_sent_decode;
+    r["decode_gather_bytes_recv"] = (uint64_t)f.gather_recv_decode;
+    j["per_rank"].push_back(r);
+  }
   std::printf("%s\n", j.dump().c_str());
   return 0;
 }

@@ -48,7 +48,8 @@ struct bench_options {
   int64_t prompt_tokens = 512;
   int gen_tokens = 0;
   run_params run;
+  sequence_options seq;
 };
-int run_bench(const bench_options& opt);
+int run_bench(const bench_options& opt, communicator& comm);
 
 }  // namespace xctx

@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/jobs.h"
+#include "coordinator/passkey.h"
 
 namespace {
 
@@ -89,6 +90,26 @@ int main(int argc, char** argv) {
   b->add_option("--prompt-tokens", bench_prompt, "prompt length in tokens (e.g. 512, 8K)")->default_val("512");
   b->add_option("--gen-tokens", bench.gen_tokens, "greedy decode steps after the prompt")->default_val(0);
   add_run_options(b, bench.run, bench_cache, bench_ctx, bench_rope);
+  sequence_flags bench_seq;
+  add_sequence_options(b, bench_seq);
+
+  xctx::passkey_options pk;
+  std::string pk_cache, pk_ctx, pk_rope, pk_context = "4K", pk_depths = "0,0.25,0.5,0.75,1";
+  auto* pkc = app.add_subcommand("passkey", "passkey retrieval: find a 5-digit key hidden at several depths");
+  pkc->add_option("--model", pk.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
+  pkc->add_option("--tokenizer", pk.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
+  pkc->add_option("--context", pk_context, "prompt length in tokens (e.g. 4K)")->default_val("4K");
+  pkc->add_option("--trials", pk.trials, "trials per depth (trial t uses seed + t)")->default_val(3);
+  pkc->add_option("--depths", pk_depths, "comma-separated key depths in [0, 1]")->default_val("0,0.25,0.5,0.75,1");
+  pkc->add_option("--seed", pk.seed, "seed of the keys and the filler start")->default_val(1);
+  pkc->add_option("--filler", pk.filler, "classic (repeated grass/sky/sun lines) | austen (the novels)")
+      ->default_val("classic");
+  pkc->add_flag("--chat", pk.chat, "wrap the prompt in the model's chat template");
+  pkc->add_option("--max-answer-tokens", pk.max_answer_tokens, "greedy tokens decoded per answer")->default_val(8);
+  pkc->add_option("--json", pk.json_path, "also write per-trial results and the summary to this JSON file");
+  add_run_options(pkc, pk.run, pk_cache, pk_ctx, pk_rope);
+  sequence_flags pk_seq;
+  add_sequence_options(pkc, pk_seq);
 
   try {
     app.parse(argc, argv);
@@ -105,10 +126,20 @@ int main(int argc, char** argv) {
       apply_sequence_options(gen.seq, gen_seq);
       return xctx::run_generate(gen, *comm);
     }
+    if (*pkc) {
+      comm = xctx::make_default_communicator();
+      apply_run_options(pk.run, pk_cache, pk_ctx, pk_rope);
+      apply_sequence_options(pk.seq, pk_seq);
+      pk.context = xctx::parse_count(pk_context, "--context");
+      pk.depths = xctx::parse_depths(pk_depths);
+      return xctx::run_passkey(pk, *comm);
+    }
     if (*b) {
+      comm = xctx::make_default_communicator();
       apply_run_options(bench.run, bench_cache, bench_ctx, bench_rope);
+      apply_sequence_options(bench.seq, bench_seq);
       bench.prompt_tokens = xctx::parse_count(bench_prompt, "--prompt-tokens");
-      return xctx::run_bench(bench);
+      return xctx::run_bench(bench, *comm);
     }
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");
