@@ -20,17 +20,29 @@ function(xctx_resolve_cuda)
 endfunction()
 
 # Adds the CUDA backend library (kernels/cuda/*.cu) and links it into `core`.
-function(xctx_add_cuda_backend core)
-  enable_language(CUDA)
+# A macro, not a function: enable_language() must run in the directory scope, or the CUDA
+# rule variables it defines (CMAKE_CUDA_COMPILE_OBJECT, ...) vanish with the function scope.
+# The default architectures are set before enable_language(), which would otherwise fill in
+# the compiler's own default.
+macro(xctx_add_cuda_backend core)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
-    set(CMAKE_CUDA_ARCHITECTURES 80 90 PARENT_SCOPE)
-    set(CMAKE_CUDA_ARCHITECTURES 80 90)
+    set(CMAKE_CUDA_ARCHITECTURES 80 90 CACHE STRING "CUDA architectures of the xctx kernels" FORCE)
   endif()
+  # Shared cudart for every target from here on (tests link the CUDA objects with the C++
+  # linker), matching CUDA::cudart below; otherwise cudart_static is linked alongside it.
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+  enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
-  file(GLOB cu_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/cuda/*.cu)
-  add_library(xctx_cuda STATIC ${cu_sources})
-  set_target_properties(xctx_cuda PROPERTIES CUDA_STANDARD 20 CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}"
-    POSITION_INDEPENDENT_CODE ON CUDA_SEPARABLE_COMPILATION OFF)
+  file(GLOB xctx_cu_sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/kernels/cuda/*.cu)
+  # CMake < 3.26 knows no C++20 flag for nvcc (CUDA_STANDARD 20 then fails to generate); nvcc
+  # >= 12 accepts -std=c++20, so teach it.
+  if(NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION OR CMAKE_CUDA20_STANDARD_COMPILE_OPTION STREQUAL "")
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
+  add_library(xctx_cuda STATIC ${xctx_cu_sources})
+  set_target_properties(xctx_cuda PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF
+    CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}" POSITION_INDEPENDENT_CODE ON CUDA_SEPARABLE_COMPILATION OFF)
   target_include_directories(xctx_cuda PUBLIC ${PROJECT_SOURCE_DIR})
   target_compile_options(xctx_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
   target_link_libraries(xctx_cuda PUBLIC CUDA::cudart CUDA::cublas)
@@ -39,4 +51,4 @@ function(xctx_add_cuda_backend core)
     target_link_libraries(xctx_cuda PUBLIC ${NCCL_LIBRARY})
   endif()
   target_link_libraries(${core} PUBLIC xctx_cuda)
-endfunction()
+endmacro()

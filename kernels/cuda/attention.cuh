@@ -1,0 +1,66 @@
+// Launch planning of the CUDA attention kernels: host-only and free of CUDA headers, so the
+// test binary checks the plans (coverage of the cache, shared-memory budget) without a GPU.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace xctx::cuda {
+
+constexpr int attn_max_head_dim = 256;  // per-lane accumulators cover head_dim in 32-wide slices
+constexpr int attn_warps = 4;
+constexpr int attn_tile = 32;                    // keys per tile: one per lane
+constexpr int attn_decode_rows = 8;              // (query, head) rows per block, decode kernel
+constexpr int attn_prefill_rows = 32;            // rows per block, prefill kernel (8 per warp)
+constexpr int64_t attn_min_split_keys = 256;     // below this a split costs more than it brings
+constexpr size_t attn_scratch_cap = 256u << 20;  // split partials; bounds n_split for huge n_q
+
+// Rows are (query i, head h) pairs that share kv head g, flattened as i * group + (h - g*group):
+// consecutive rows reuse the same cached keys, so a block of rows reads each key once.
+struct attn_plan {
+  bool decode = true;        // decode kernel: keys split across warps; prefill: rows split, K/V tiles shared
+  int rows_per_block = attn_decode_rows;
+  int kd = 2;                // 32-wide head_dim slices per lane: 2, 4 or 8
+  int d4 = 0;                // head_dim rounded up to a multiple of 4 (smem row length, zero padded)
+  int k_stride = 0;          // prefill smem K row stride (floats), chosen for conflict-free 16-byte reads
+  int64_t rows_total = 0;    // n_q * group, per kv head
+  int64_t row_blocks = 0;
+  int n_split = 1;           // blocks along the key axis; > 1 means partials + a merge
+  int64_t chunk = attn_tile; // keys per split, a multiple of attn_tile
+  size_t smem_bytes = 0;     // dynamic shared memory per block
+};
+
+inline attn_plan plan_attention(int64_t n_q, int64_t n_kv, int n_head, int n_head_kv, int head_dim, int n_sm) {
+  attn_plan p;
+  const int group = n_head / n_head_kv;
+  p.rows_total = n_q * group;
+  p.decode = p.rows_total <= 4 * attn_decode_rows;
+  p.rows_per_block = p.decode ? attn_decode_rows : attn_prefill_rows;
+  p.kd = head_dim <= 64 ? 2 : (head_dim <= 128 ? 4 : 8);
+  p.d4 = (head_dim + 3) / 4 * 4;
+  p.k_stride = p.d4 % 8 == 0 ? p.d4 + 4 : p.d4;  // ≡ 4 (mod 8): 8 lanes of a 16-byte phase hit distinct banks
+  p.row_blocks = (p.rows_total + p.rows_per_block - 1) / p.rows_per_block;
+  const size_t R = (size_t)p.rows_per_block;
+  if (p.decode)  // q rows + one accumulator set per warp for the final cross-warp merge
+    p.smem_bytes = (R * p.d4 + (size_t)attn_warps * R * p.d4) * sizeof(float);
+  else  // q rows + a K tile + a V tile
+    p.smem_bytes = (R * p.d4 + (size_t)attn_tile * p.k_stride + (size_t)attn_tile * p.d4) * sizeof(float);
+
+  const int64_t tiles = std::max<int64_t>(1, (n_kv + attn_tile - 1) / attn_tile);
+  const int64_t base_blocks = std::max<int64_t>(1, p.row_blocks * n_head_kv);
+  const int64_t target = 2 * (int64_t)std::max(1, n_sm);
+  const int64_t min_tiles = attn_min_split_keys / attn_tile;
+  int64_t n_split = 1;
+  if (base_blocks < target && tiles > min_tiles) {
+    n_split = std::min((target + base_blocks - 1) / base_blocks, (tiles + min_tiles - 1) / min_tiles);
+    const size_t per_split = (size_t)std::max<int64_t>(1, n_q * n_head) * ((size_t)head_dim + 1) * sizeof(float);
+    n_split = std::max<int64_t>(1, std::min<int64_t>(n_split, (int64_t)(attn_scratch_cap / per_split)));
+  }
+  const int64_t chunk_tiles = (tiles + n_split - 1) / n_split;
+  p.chunk = chunk_tiles * attn_tile;
+  p.n_split = (int)((tiles + chunk_tiles - 1) / chunk_tiles);  // no split starts past the cache
+  return p;
+}
+
+}  // namespace xctx::cuda

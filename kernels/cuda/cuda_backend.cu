@@ -1,0 +1,284 @@
+// The CUDA backend: device memory, one stream per backend instance, cuBLAS for prefill GEMMs.
+//
+// Device choice: XCTX_CUDA_DEVICE if set, else the launcher's node-local rank modulo the device
+// count (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, LOCAL_RANK), else 0, so
+// ranks sharing a node spread over its GPUs without any configuration.
+// XCTX_CUDA_TF32=0 makes prefill GEMMs exact fp32 instead of TF32 tensor-core math.
+//
+// Every op is enqueued on the backend's stream and returns at once; upload, download and
+// synchronize wait for the stream, and are where device-side input errors (out-of-range ids,
+// decreasing kv positions) and asynchronous faults are reported as xctx::Error.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "common/error.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/kernels.cuh"
+
+namespace xctx::cuda {
+
+namespace {
+
+// Probed by device_present(): fails with "no kernel image" on GPUs older than the compiled
+// architectures (sm_80 SASS + PTX), which would otherwise fail at the first real launch.
+__global__ void probe_kernel() {}
+
+int env_int(const char* name, int fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  XCTX_CHECK(end != s && *end == '\0' && v >= 0 && v < (1L << 30), "environment ", name, "='", s,
+             "' is not a non-negative integer");
+  return (int)v;
+}
+
+int choose_device(int count) {
+  const int explicit_dev = env_int("XCTX_CUDA_DEVICE", -1);
+  if (explicit_dev >= 0) {
+    XCTX_CHECK(explicit_dev < count, "XCTX_CUDA_DEVICE=", explicit_dev, " but only ", count,
+               " CUDA device(s) are visible on ", where_am_i());
+    return explicit_dev;
+  }
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    const int local = env_int(var, -1);
+    if (local >= 0) return local % count;
+  }
+  return 0;
+}
+
+void* device_malloc(size_t bytes, int device) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));  // non-null even for 0 bytes, as ref
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // not sticky: clear it so the next call does not report it
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+    fail("cuda backend: out of device memory allocating ", bytes, " bytes on device ", device, " (", free_b, " of ",
+         total_b, " bytes free) on ", where_am_i());
+  }
+  CUDA_CHECK(e);
+  return p;
+}
+
+}  // namespace
+
+void* context::scratch(size_t bytes) {
+  if (bytes <= scratch_bytes) return scratch_ptr;
+  if (scratch_ptr != nullptr) {
+    CUDA_CHECK(cudaStreamSynchronize(stream));  // queued kernels may still use the old buffer
+    CUDA_CHECK(cudaFree(scratch_ptr));
+    scratch_ptr = nullptr;
+    scratch_bytes = 0;
+  }
+  const size_t want = (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);  // whole MiB: fewer regrowths
+  scratch_ptr = device_malloc(want, device);
+  scratch_bytes = want;
+  return scratch_ptr;
+}
+
+namespace {
+
+class cuda_backend final : public backend {
+ public:
+  explicit cuda_backend(int device) {
+    try {
+      init(device);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~cuda_backend() override { release(); }
+  cuda_backend(const cuda_backend&) = delete;
+  cuda_backend& operator=(const cuda_backend&) = delete;
+
+  std::string name() const override { return "cuda"; }
+
+  void* alloc(size_t bytes) override {
+    use_device();
+    return device_malloc(bytes, ctx_.device);
+  }
+  // Never throws: free() is typically reached from destructors. A failure here means the
+  // context is already broken, which the next checked call reports. Queued kernels may still
+  // use p, so the stream drains first.
+  void free(void* p) override {
+    if (p == nullptr) return;
+    if (cudaSetDevice(ctx_.device) != cudaSuccess || cudaStreamSynchronize(ctx_.stream) != cudaSuccess ||
+        cudaFree(p) != cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      std::fprintf(stderr, "xctx cuda: cudaFree(%p) failed: %s on %s\n", p, cudaGetErrorString(e),
+                   where_am_i().c_str());
+    }
+  }
+  void upload(void* dst, const void* src_host, size_t bytes) override {
+    if (bytes == 0) return;
+    use_device();
+    // cudaMemcpyDefault (UVA) also accepts device sources; waiting makes src reusable at return
+    // even when it is pinned memory.
+    CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyDefault, ctx_.stream));
+    synchronize();
+  }
+  void download(void* dst_host, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    use_device();
+    CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDefault, ctx_.stream));
+    synchronize();
+  }
+  void synchronize() override {
+    use_device();
+    CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+    raise_device_errors();
+  }
+
+  void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override {
+    use_device();
+    cuda::matmul(ctx_, w, x, n_tok, y);
+  }
+  void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
+    use_device();
+    const ggml_type_traits tr = ggml_traits(w.type);
+    XCTX_CHECK(tr.name != nullptr, "cuda::get_rows: unsupported weight type id ", (uint32_t)w.type);
+    XCTX_CHECK(w.n_rows >= 0 && w.n_cols > 0 && w.n_cols % tr.block_elems == 0, "cuda::get_rows: bad ", tr.name,
+               " weight shape ", w.n_rows, "x", w.n_cols);
+    XCTX_CHECK(n >= 0, "cuda::get_rows: negative n ", n);
+    if (n == 0) return;
+    XCTX_CHECK(w.data != nullptr && ids != nullptr && out != nullptr, "cuda::get_rows: null pointer");
+    dequant_rows(ctx_, w, ids, 0, n, out);
+  }
+  void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
+    use_device();
+    cuda::rms_norm(ctx_, x, weight, n_tok, dim, eps, y);
+  }
+  void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
+    use_device();
+    cuda::rope(ctx_, x, pos, n_tok, n_head, cfg);
+  }
+  void swiglu(const float* gate, const float* up, int64_t n, float* out) override {
+    use_device();
+    cuda::swiglu(ctx_, gate, up, n, out);
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    use_device();
+    cuda::add(ctx_, y, x, n);
+  }
+  void attention_partial(const attn_args& a) override {
+    use_device();
+    cuda::attention_partial(ctx_, a);
+  }
+  void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
+                      float* o, float* lse) override {
+    use_device();
+    cuda::merge_partials(ctx_, o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
+  }
+
+ private:
+  void init(int device) {
+    ctx_.device = device;
+    CUDA_CHECK(cudaSetDevice(device));
+    cudaFuncAttributes attr{};
+    const cudaError_t probe = cudaFuncGetAttributes(&attr, probe_kernel);
+    if (probe != cudaSuccess) {
+      (void)cudaGetLastError();
+      int major = 0, minor = 0;
+      (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+      fail("cuda backend: device ", device, " (sm_", major, minor, ") cannot run this build's kernels: ",
+           cudaGetErrorString(probe), "; rebuild with CMAKE_CUDA_ARCHITECTURES including it, on ", where_am_i());
+    }
+    int v = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    ctx_.n_sm = std::max(1, v);
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    ctx_.smem_optin = (size_t)std::max(v, 48 << 10);
+    const char* tf32 = std::getenv("XCTX_CUDA_TF32");
+    ctx_.tf32 = !(tf32 != nullptr && std::strcmp(tf32, "0") == 0);
+    // A blocking stream: it orders with the legacy default stream other libraries may use.
+    CUDA_CHECK(cudaStreamCreate(&ctx_.stream));
+    CUBLAS_CHECK(cublasCreate(&ctx_.blas));
+    CUBLAS_CHECK(cublasSetStream(ctx_.blas, ctx_.stream));
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), device_error_words * sizeof(int),
+                             cudaHostAllocMapped));
+    std::memset(err_host_, 0, device_error_words * sizeof(int));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx_.err), err_host_, 0));
+  }
+
+  // Tolerates a partly built object (constructor failure) and never throws.
+  void release() noexcept {
+    if (cudaSetDevice(ctx_.device) != cudaSuccess) (void)cudaGetLastError();
+    if (ctx_.stream != nullptr && cudaStreamSynchronize(ctx_.stream) != cudaSuccess) (void)cudaGetLastError();
+    if (ctx_.scratch_ptr != nullptr) (void)cudaFree(ctx_.scratch_ptr);
+    if (ctx_.blas != nullptr) (void)cublasDestroy(ctx_.blas);
+    if (ctx_.stream != nullptr) (void)cudaStreamDestroy(ctx_.stream);
+    if (err_host_ != nullptr) (void)cudaFreeHost(err_host_);
+    (void)cudaGetLastError();
+    ctx_ = context{};
+    err_host_ = nullptr;
+  }
+
+  void use_device() { CUDA_CHECK(cudaSetDevice(ctx_.device)); }
+
+  // Called after the stream has drained, so the kernels' writes to the mapped words are visible.
+  void raise_device_errors() {
+    volatile int* e = err_host_;
+    const int code = e[0];
+    if (code == 0) return;
+    const int a = e[1], b = e[2], c = e[3];
+    for (int k = 1; k < device_error_words; ++k) e[k] = 0;
+    e[0] = 0;
+    switch ((device_error)code) {
+      case device_error::device_error_none: return;
+      case device_error::device_error_row_id:
+        fail("cuda::get_rows: row id ", a, " at position ", b, " is outside [0, ", c, ")");
+      case device_error::device_error_kv_order:
+        fail("cuda attention: kv_pos must be non-decreasing, kv_pos[", a, "]=", b, " > kv_pos[", (int64_t)a + 1,
+             "]=", c);
+    }
+    fail("cuda backend: unknown device error code ", code);
+  }
+
+  context ctx_;
+  int* err_host_ = nullptr;  // [device_error_words] mapped; ctx_.err is its device address
+};
+
+}  // namespace
+
+bool device_present() {
+  static const bool present = [] {
+    int n = 0;
+    // No driver, no device, or a driver too old for this runtime: all mean "no device" here.
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    try {
+      // Probe the device this process would use, so no context is created on another rank's GPU.
+      const int dev = choose_device(n);
+      cudaFuncAttributes attr{};
+      if (cudaSetDevice(dev) != cudaSuccess || cudaFuncGetAttributes(&attr, probe_kernel) != cudaSuccess) {
+        const cudaError_t e = cudaGetLastError();
+        std::fprintf(stderr, "xctx cuda: device %d is visible but unusable: %s\n", dev, cudaGetErrorString(e));
+        return false;
+      }
+    } catch (const Error& err) {
+      std::fprintf(stderr, "xctx cuda: %s\n", err.what());
+      return false;
+    }
+    return true;
+  }();
+  return present;
+}
+
+std::unique_ptr<backend> make_cuda_backend() {
+  int n = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&n));
+  XCTX_CHECK(n > 0, "cuda backend: no CUDA device on ", where_am_i());
+  return std::make_unique<cuda_backend>(choose_device(n));
+}
+
+}  // namespace xctx::cuda

@@ -1,0 +1,725 @@
+// The CUDA backend against the reference backend, op by op, through the backend interface
+// (alloc/upload/run/download). Device tests GTEST_SKIP when no usable CUDA device is present
+// (or CUDA was not compiled in). Two host-only suites run everywhere: the block decoders the
+// kernels use (kernels/cuda/dequant.cuh, compiled here by the host compiler) must be bit-equal
+// to ref::dequantize_row, and the attention launch plans must cover the cache within the
+// shared-memory budget.
+//
+// Tolerances are worst-case bounds with eps = FLT_EPSILON (= 2u, a 2x margin per rounding):
+//  * fused matvec (n_tok <= 32): decoded weights are bit-equal to the reference, so only the
+//    fp32 accumulation counts: each lane chains n_cols/8 FMAs, then a 5-level shuffle tree:
+//      |y - y_ref| <= (n_cols/8 + 6) eps sum|w x| + eps |y_ref|
+//  * GEMM (n_tok > 32): cuBLAS's order is unknown: (n_cols + 2) eps sum|w x|, plus, with TF32,
+//    both operands rounded to 10 mantissa bits (truncation bound 2^-10 each): + 2^-9 sum|w x|.
+//  * rms_norm: a per-thread chain of dim/256 plus an 8-level tree for the sum of squares, half
+//    of that relative error through 1/sqrt, two float products: (dim/256 + 12) eps |y|.
+//  * rope: both sides work in double; CUDA's pow/sincos may differ from glibc's by a few double
+//    ulps of theta: (|x0|+|x1|) (2 eps + 8·2^-53 |theta|).
+//  * attention, per row: scores are FMA chains of length head_dim on pre-scaled q:
+//    ds = (head_dim + 2) eps max_j scale·sum|q k_j|; exp adds 2 ulps per weight and per online
+//    rescale; sums over n visible keys add n eps:
+//      tol_o = max|v| (4 ds + (2 n + 16) eps) + eps |o|,  tol_lse = 2 ds + (n + 8) eps (1 + |lse|)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/half.h"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/dequant.cuh"
+#include "kernels/ops.h"
+#include "kernels/ref/ref_ops.h"
+
+namespace xctx {
+
+// gtest prints parameters through PrintTo found by ADL; static keeps it out of other test files.
+[[maybe_unused]] static void PrintTo(ggml_type t, std::ostream* os) {
+  const char* n = ggml_traits(t).name;
+  *os << (n ? n : "?");
+}
+
+namespace {
+
+constexpr double kEps = FLT_EPSILON;
+constexpr double kTf32Operands = 2.0 / 1024.0;  // two operands, each within 2^-10 of exact
+constexpr double kDoubleUlp = 1.0 / 9007199254740992.0;  // 2^-53
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+#define XCTX_REQUIRE_CUDA()                                                    \
+  if (!backend_available(backend_kind::backend_cuda))                         \
+  GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)"
+
+// ---- shared helpers ----------------------------------------------------------------------
+
+const ggml_type kAllTypes[] = {
+    ggml_type::ggml_f32,  ggml_type::ggml_f16,  ggml_type::ggml_bf16, ggml_type::ggml_q4_0, ggml_type::ggml_q4_1,
+    ggml_type::ggml_q5_0, ggml_type::ggml_q5_1, ggml_type::ggml_q8_0, ggml_type::ggml_q8_1, ggml_type::ggml_q2_k,
+    ggml_type::ggml_q3_k, ggml_type::ggml_q4_k, ggml_type::ggml_q5_k, ggml_type::ggml_q6_k, ggml_type::ggml_q8_k};
+
+std::string type_name(ggml_type t) { return ggml_traits(t).name; }
+
+// Sets the fp16/f32 scale fields of a block of random bytes to finite, modest values, so random
+// code bytes decode to finite numbers. Offsets are the block layouts of quant_blocks.h.
+void fix_scales(ggml_type t, uint8_t* blk, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.001f, 0.05f);
+  auto half_at = [&](int off) {
+    const uint16_t h = fp32_to_fp16(u(rng));
+    std::memcpy(blk + off, &h, 2);
+  };
+  switch (t) {  // no default: every type decides
+    case ggml_type::ggml_f32:
+    case ggml_type::ggml_f16:
+    case ggml_type::ggml_bf16: return;
+    case ggml_type::ggml_q4_0:
+    case ggml_type::ggml_q5_0:
+    case ggml_type::ggml_q8_0: half_at(0); return;
+    case ggml_type::ggml_q4_1:
+    case ggml_type::ggml_q5_1:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k: half_at(0), half_at(2); return;
+    case ggml_type::ggml_q2_k: half_at(80), half_at(82); return;
+    case ggml_type::ggml_q3_k: half_at(108); return;
+    case ggml_type::ggml_q6_k: half_at(208); return;
+    case ggml_type::ggml_q8_k: {
+      const float d = u(rng);
+      std::memcpy(blk, &d, 4);
+      return;
+    }
+  }
+}
+
+// A weight matrix in `t`: plain types from uniform floats; types the reference can encode via
+// ref::quantize_row (realistic codes); the rest (K-quants) as random code bytes with sane scales.
+std::vector<uint8_t> make_weight(ggml_type t, int64_t n_rows, int64_t n_cols, std::mt19937& rng) {
+  const size_t row_bytes = ggml_row_bytes(t, n_cols);
+  std::vector<uint8_t> out(row_bytes * (size_t)n_rows);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  if (ref::can_quantize(t)) {
+    std::vector<float> row((size_t)n_cols);  // [n_cols]
+    for (int64_t r = 0; r < n_rows; ++r) {
+      for (float& v : row) v = u(rng);
+      ref::quantize_row(t, row.data(), out.data() + (size_t)r * row_bytes, n_cols);
+    }
+    return out;
+  }
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (uint8_t& b : out) b = (uint8_t)byte(rng);
+  const ggml_type_traits tr = ggml_traits(t);
+  for (size_t off = 0; off < out.size(); off += (size_t)tr.block_bytes) fix_scales(t, out.data() + off, rng);
+  return out;
+}
+
+std::vector<float> uniform(size_t n, float lo, float hi, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// A buffer in one backend's memory.
+class buffer {
+ public:
+  buffer(backend& be, size_t bytes) : be_(&be), p_(be.alloc(bytes)) {}
+  template <typename T>
+  buffer(backend& be, const std::vector<T>& host) : buffer(be, host.size() * sizeof(T)) {
+    be.upload(p_, host.data(), host.size() * sizeof(T));
+  }
+  ~buffer() { be_->free(p_); }
+  buffer(const buffer&) = delete;
+  buffer& operator=(const buffer&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p_); }
+  template <typename T>
+  std::vector<T> read(size_t n) const {
+    std::vector<T> v(n);
+    be_->download(v.data(), p_, n * sizeof(T));
+    return v;
+  }
+
+ private:
+  backend* be_;
+  void* p_;
+};
+
+struct backends {
+  std::unique_ptr<backend> ref = make_backend(backend_kind::backend_ref);
+  std::unique_ptr<backend> cuda = make_backend(backend_kind::backend_cuda);
+};
+
+// Compares element-wise; reports the first few violations and the count.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::vector<double>& tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool same_inf = std::isinf(want[i]) && got[i] == want[i];
+    const double err = std::fabs((double)got[i] - (double)want[i]);
+    if (!same_inf && !(err <= tol[i])) {
+      if (++bad <= 5)
+        ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << " ref " << want[i] << " |diff| " << err
+                      << " > tol " << tol[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements out of tolerance";
+}
+
+uint32_t seed_of(const std::string& name) {
+  uint32_t h = 2166136261u;  // FNV-1a: a stable seed per test case
+  for (char c : name) h = (h ^ (uint8_t)c) * 16777619u;
+  return h;
+}
+
+// ---- host-only: the device block decoders ------------------------------------------------
+
+class CudaDequantMath : public testing::TestWithParam<ggml_type> {};
+
+TEST_P(CudaDequantMath, BitEqualToReference) {
+  const ggml_type t = GetParam();
+  const uint32_t seed = seed_of("dequant" + type_name(t));
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int64_t n = 4 * qk_super;  // whole blocks of every type
+  for (int variant = 0; variant < 2; ++variant) {
+    std::vector<uint8_t> row;
+    if (variant == 0) {
+      row = make_weight(t, 1, n, rng);
+    } else {  // every code value: random bytes (finite scales) for all block types
+      if (ggml_traits(t).block_elems == 1) continue;
+      row.resize(ggml_row_bytes(t, n));
+      std::uniform_int_distribution<int> byte(0, 255);
+      for (uint8_t& b : row) b = (uint8_t)byte(rng);
+      for (size_t off = 0; off < row.size(); off += (size_t)ggml_traits(t).block_bytes)
+        fix_scales(t, row.data() + off, rng);
+    }
+    std::vector<float> want((size_t)n), got((size_t)n, -1.0f);
+    ref::dequantize_row(t, row.data(), want.data(), n);
+    ASSERT_TRUE(cuda::dispatch_weight_type(
+        t, [&](auto tag) { cuda::dequantize_row_via_device_math<decltype(tag)::value>(row.data(), got.data(), n); }));
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(float_to_bits(got[(size_t)i]), float_to_bits(want[(size_t)i]))
+          << type_name(t) << " variant " << variant << " element " << i << ": " << got[(size_t)i] << " vs "
+          << want[(size_t)i];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, CudaDequantMath, testing::ValuesIn(kAllTypes),
+                         [](const testing::TestParamInfo<ggml_type>& i) { return type_name(i.param); });
+
+// ---- host-only: attention launch plans ---------------------------------------------------
+
+TEST(CudaAttentionPlan, CoversCacheWithinBudget) {
+  // 99 KiB: the smallest opt-in shared memory per block among sm_80+ parts (sm_86/sm_89).
+  constexpr size_t kSmemOptinMin = 101376;
+  for (int n_sm : {1, 108, 132}) {
+    for (int64_t n_q : {1, 2, 5, 64, 4096}) {
+      for (int64_t n_kv : {0, 1, 31, 32, 33, 257, 5000, 1000000}) {
+        for (int head_dim : {1, 63, 64, 70, 80, 128, 200, 256}) {
+          for (auto [n_head, n_head_kv] : {std::pair{9, 3}, std::pair{32, 8}, std::pair{8, 1}, std::pair{4, 4}}) {
+            const cuda::attn_plan p = cuda::plan_attention(n_q, n_kv, n_head, n_head_kv, head_dim, n_sm);
+            SCOPED_TRACE(testing::Message() << "n_sm " << n_sm << " n_q " << n_q << " n_kv " << n_kv << " hd "
+                                            << head_dim << " heads " << n_head << "/" << n_head_kv);
+            ASSERT_GE(p.n_split, 1);
+            ASSERT_LE(p.n_split, 65535);
+            ASSERT_EQ(p.chunk % cuda::attn_tile, 0);
+            ASSERT_GE((int64_t)p.n_split * p.chunk, n_kv);                 // every key is covered
+            ASSERT_LT((int64_t)(p.n_split - 1) * p.chunk, std::max<int64_t>(n_kv, 1));  // no empty split
+            ASSERT_EQ(p.rows_total, n_q * (n_head / n_head_kv));
+            ASSERT_GE(p.row_blocks * p.rows_per_block, p.rows_total);
+            ASSERT_GE(p.kd * 32, head_dim);
+            ASSERT_EQ(p.d4 % 4, 0);
+            ASSERT_GE(p.d4, head_dim);
+            ASSERT_GE(p.k_stride, p.d4);
+            ASSERT_EQ(p.k_stride % 8, 4) << "16-byte smem reads of K rows would conflict";
+            ASSERT_LE(p.smem_bytes, p.decode ? (size_t)48 << 10 : kSmemOptinMin);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- device: matmul ----------------------------------------------------------------------
+
+struct matmul_case {
+  ggml_type type;
+  int64_t n_rows, n_cols, n_tok;
+  bool tf32 = true;  // only matters for the GEMM path (n_tok > 32)
+  std::string name() const {
+    return type_name(type) + "_" + std::to_string(n_rows) + "x" + std::to_string(n_cols) + "_t" +
+           std::to_string(n_tok) + (tf32 ? "" : "_fp32");
+  }
+};
+
+std::vector<matmul_case> matmul_cases() {
+  std::vector<matmul_case> cs;
+  for (ggml_type t : kAllTypes)
+    for (int64_t nt : {1, 5, 40}) cs.push_back({t, 48, 512, nt});
+  // SmolLM2-135M: q/o, k/v, gate/up, down; decode, a fused multi-pass batch, prefill.
+  for (auto [r, c] : {std::pair{576, 576}, {192, 576}, {1536, 576}, {576, 1536}})
+    for (int64_t nt : {1, 8, 13, 100}) cs.push_back({ggml_type::ggml_q4_1, r, c, nt});
+  cs.push_back({ggml_type::ggml_q8_0, 49152, 576, 1});  // tied output / embedding
+  cs.push_back({ggml_type::ggml_q8_0, 4096, 576, 33});
+  // Plain types with a row length that defeats the vector paths.
+  cs.push_back({ggml_type::ggml_f32, 100, 70, 3});
+  cs.push_back({ggml_type::ggml_f32, 100, 70, 40});
+  cs.push_back({ggml_type::ggml_f16, 96, 130, 2});
+  cs.push_back({ggml_type::ggml_bf16, 64, 576, 7});
+  // Exact-fp32 GEMM path.
+  cs.push_back({ggml_type::ggml_q4_0, 256, 512, 64, false});
+  cs.push_back({ggml_type::ggml_f32, 256, 512, 64, false});
+  return cs;
+}
+
+void PrintTo(const matmul_case& c, std::ostream* os) { *os << c.name(); }
+
+class CudaMatmul : public testing::TestWithParam<matmul_case> {};
+
+TEST_P(CudaMatmul, MatchesReference) {
+  XCTX_REQUIRE_CUDA();
+  const matmul_case c = GetParam();
+  const uint32_t seed = seed_of(c.name());
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<uint8_t> wbytes = make_weight(c.type, c.n_rows, c.n_cols, rng);
+  const std::vector<float> x = uniform((size_t)(c.n_tok * c.n_cols), -1.0f, 1.0f, rng);  // [n_tok, n_cols]
+
+  if (!c.tf32) setenv("XCTX_CUDA_TF32", "0", 1);  // read when the backend is created
+  backends be;
+  unsetenv("XCTX_CUDA_TF32");
+  std::vector<float> y[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    buffer w(*list[b], wbytes), xd(*list[b], x), yd(*list[b], (size_t)(c.n_tok * c.n_rows) * sizeof(float));
+    const weight_view wv{c.type, c.n_rows, c.n_cols, w.as<void>()};
+    list[b]->matmul(wv, xd.as<float>(), c.n_tok, yd.as<float>());
+    y[b] = yd.read<float>((size_t)(c.n_tok * c.n_rows));
+  }
+
+  // sum_c |w_rc x_tc| with the reference's decoded weights.
+  const bool gemm = c.n_tok > 32;
+  const double rel = gemm ? (double)(c.n_cols + 2) * kEps + (c.tf32 ? kTf32Operands : 0.0)
+                          : (double)(c.n_cols / 8 + 6) * kEps;
+  std::vector<float> wrow((size_t)c.n_cols);  // [n_cols]
+  std::vector<double> tol(y[0].size());
+  const size_t rb = ggml_row_bytes(c.type, c.n_cols);
+  for (int64_t r = 0; r < c.n_rows; ++r) {
+    ref::dequantize_row(c.type, wbytes.data() + (size_t)r * rb, wrow.data(), c.n_cols);
+    for (int64_t t = 0; t < c.n_tok; ++t) {
+      double s = 0.0;
+      for (int64_t k = 0; k < c.n_cols; ++k) s += std::fabs((double)wrow[(size_t)k] * x[(size_t)(t * c.n_cols + k)]);
+      const size_t i = (size_t)(t * c.n_rows + r);
+      tol[i] = rel * s + kEps * std::fabs(y[0][i]);
+    }
+  }
+  expect_close(y[1], y[0], tol, c.name());
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaMatmul, testing::ValuesIn(matmul_cases()),
+                         [](const testing::TestParamInfo<matmul_case>& i) { return i.param.name(); });
+
+// ---- device: get_rows --------------------------------------------------------------------
+
+class CudaGetRows : public testing::TestWithParam<ggml_type> {};
+
+TEST_P(CudaGetRows, BitEqualToReference) {
+  XCTX_REQUIRE_CUDA();
+  const ggml_type t = GetParam();
+  const bool embd = t == ggml_type::ggml_q8_0;  // SmolLM2's token_embd: 49152 x 576
+  const int64_t n_rows = embd ? 49152 : 40, n_cols = embd ? 576 : 512;
+  const uint32_t seed = seed_of("get_rows" + type_name(t));
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<uint8_t> wbytes = make_weight(t, n_rows, n_cols, rng);
+  const std::vector<int32_t> ids = {0, (int32_t)n_rows - 1, 7, 7, (int32_t)(n_rows / 2), 1};  // [n]
+  backends be;
+  std::vector<float> out[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    buffer w(*list[b], wbytes), idd(*list[b], ids), od(*list[b], ids.size() * n_cols * sizeof(float));
+    list[b]->get_rows({t, n_rows, n_cols, w.as<void>()}, idd.as<int32_t>(), (int64_t)ids.size(), od.as<float>());
+    out[b] = od.read<float>(ids.size() * n_cols);
+  }
+  ASSERT_EQ(out[0].size(), out[1].size());
+  for (size_t i = 0; i < out[0].size(); ++i)
+    ASSERT_EQ(float_to_bits(out[1][i]), float_to_bits(out[0][i])) << type_name(t) << " element " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, CudaGetRows, testing::ValuesIn(kAllTypes),
+                         [](const testing::TestParamInfo<ggml_type>& i) { return type_name(i.param); });
+
+TEST(CudaErrors, BadInputIsReported) {
+  XCTX_REQUIRE_CUDA();
+  backends be;
+  backend& cu = *be.cuda;
+  // Out-of-range row id: only the device sees it; reported at the next synchronizing call.
+  std::mt19937 rng(1);
+  const std::vector<uint8_t> wbytes = make_weight(ggml_type::ggml_q4_1, 4, 64, rng);
+  const std::vector<int32_t> ids = {1, 4};
+  buffer w(cu, wbytes), idd(cu, ids), od(cu, 2 * 64 * sizeof(float));
+  cu.get_rows({ggml_type::ggml_q4_1, 4, 64, w.as<void>()}, idd.as<int32_t>(), 2, od.as<float>());
+  EXPECT_THROW(cu.synchronize(), Error);
+  EXPECT_NO_THROW(cu.synchronize()) << "the error is reported once";
+
+  // Decreasing kv positions inside a scanned tile.
+  const int hd = 64;
+  const std::vector<float> q = uniform(hd, -1, 1, rng), kv = uniform(4 * hd, -1, 1, rng);
+  const std::vector<int32_t> q_pos = {10}, kv_pos = {0, 5, 3, 7};
+  buffer qd(cu, q), kd(cu, kv), vd(cu, kv), qp(cu, q_pos), kp(cu, kv_pos), o(cu, hd * sizeof(float)),
+      lse(cu, sizeof(float));
+  attn_args a;
+  a.q = qd.as<float>(), a.q_pos = qp.as<int32_t>(), a.n_q = 1;
+  a.k = kd.as<void>(), a.v = vd.as<void>(), a.kv_pos = kp.as<int32_t>(), a.n_kv = 4;
+  a.n_head = a.n_head_kv = 1, a.head_dim = hd, a.scale = 0.125f, a.o = o.as<float>(), a.lse = lse.as<float>();
+  cu.attention_partial(a);
+  EXPECT_THROW(cu.synchronize(), Error);
+
+  // Host-visible bad arguments throw at the call.
+  a.head_dim = 300;
+  EXPECT_THROW(cu.attention_partial(a), Error);
+  EXPECT_THROW(cu.matmul({ggml_type::ggml_q4_1, 4, 63, w.as<void>()}, o.as<float>(), 1, o.as<float>()), Error);
+}
+
+TEST(CudaMemory, RoundTripAndEdgeCases) {
+  XCTX_REQUIRE_CUDA();
+  backends be;
+  backend& cu = *be.cuda;
+  EXPECT_EQ(cu.name(), "cuda");
+  void* z = cu.alloc(0);
+  EXPECT_NE(z, nullptr);
+  cu.free(z);
+  cu.free(nullptr);
+  std::vector<uint8_t> host(1 << 20);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = (uint8_t)(i * 131 + 7);
+  buffer b(cu, host);
+  EXPECT_EQ(b.read<uint8_t>(host.size()), host);
+}
+
+// ---- device: elementwise -----------------------------------------------------------------
+
+struct rows_case {
+  int64_t n_tok, dim;
+  bool in_place;
+  std::string name() const {
+    return std::to_string(n_tok) + "x" + std::to_string(dim) + (in_place ? "_inplace" : "");
+  }
+};
+
+void PrintTo(const rows_case& c, std::ostream* os) { *os << c.name(); }
+
+class CudaRmsNorm : public testing::TestWithParam<rows_case> {};
+
+TEST_P(CudaRmsNorm, MatchesReference) {
+  XCTX_REQUIRE_CUDA();
+  const rows_case c = GetParam();
+  const uint32_t seed = seed_of("rms" + c.name());
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<float> x = uniform((size_t)(c.n_tok * c.dim), -3, 3, rng);  // [n_tok, dim]
+  const std::vector<float> w = uniform((size_t)c.dim, 0.5f, 1.5f, rng);          // [dim]
+  backends be;
+  std::vector<float> y[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    buffer xd(*list[b], x), wd(*list[b], w), yd(*list[b], x.size() * sizeof(float));
+    float* out = c.in_place ? xd.as<float>() : yd.as<float>();
+    list[b]->rms_norm(xd.as<float>(), wd.as<float>(), c.n_tok, c.dim, 1e-5f, out);
+    y[b] = (c.in_place ? xd : yd).read<float>(x.size());
+  }
+  std::vector<double> tol(y[0].size());
+  for (size_t i = 0; i < tol.size(); ++i) tol[i] = (double)(c.dim / 256 + 12) * kEps * std::fabs(y[0][i]) + FLT_MIN;
+  expect_close(y[1], y[0], tol, "rms_norm " + c.name());
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaRmsNorm,
+                         testing::Values(rows_case{1, 576, false}, rows_case{7, 576, true}, rows_case{3, 1536, false},
+                                         rows_case{2, 4096, false}, rows_case{5, 1000, true}, rows_case{64, 576, false}),
+                         [](const testing::TestParamInfo<rows_case>& i) { return i.param.name(); });
+
+struct rope_case {
+  int64_t n_tok;
+  int n_head;
+  rope_config cfg;
+  int32_t max_pos;
+  std::string name;
+};
+
+void PrintTo(const rope_case& c, std::ostream* os) { *os << c.name; }
+
+class CudaRope : public testing::TestWithParam<rope_case> {};
+
+TEST_P(CudaRope, MatchesReference) {
+  XCTX_REQUIRE_CUDA();
+  const rope_case c = GetParam();
+  const uint32_t seed = seed_of("rope" + c.name);
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int hd = c.cfg.head_dim;
+  const std::vector<float> x = uniform((size_t)(c.n_tok * c.n_head * hd), -2, 2, rng);  // [n_tok, n_head, hd]
+  std::vector<int32_t> pos((size_t)c.n_tok);                                            // [n_tok]
+  std::uniform_int_distribution<int32_t> up(0, c.max_pos);
+  for (auto& p : pos) p = up(rng);
+  pos[0] = 0, pos.back() = c.max_pos;
+  backends be;
+  std::vector<float> y[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    buffer xd(*list[b], x), pd(*list[b], pos);
+    list[b]->rope(xd.as<float>(), pd.as<int32_t>(), c.n_tok, c.n_head, c.cfg);
+    y[b] = xd.read<float>(x.size());
+  }
+  std::vector<double> tol(x.size(), 0.0);  // pass-through dimensions must be untouched
+  for (int64_t t = 0; t < c.n_tok; ++t)
+    for (int h = 0; h < c.n_head; ++h)
+      for (int i = 0; i < c.cfg.n_rot / 2; ++i) {
+        const size_t e = (size_t)((t * c.n_head + h) * hd + 2 * i);
+        const double theta = std::fabs(ref::rope_theta(c.cfg, pos[(size_t)t], i));
+        const double mag = std::fabs(x[e]) + std::fabs(x[e + 1]);
+        tol[e] = tol[e + 1] = mag * (2 * kEps + 8 * kDoubleUlp * theta);
+      }
+  expect_close(y[1], y[0], tol, "rope " + c.name);
+}
+
+rope_config rope_cfg(int hd, int n_rot, float base, rope_scaling s, float factor) {
+  rope_config c;
+  c.head_dim = hd, c.n_rot = n_rot, c.freq_base = base, c.scaling = s, c.scaling_factor = factor;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, CudaRope,
+    testing::Values(
+        rope_case{17, 9, rope_cfg(64, 64, 1e5f, rope_scaling::rope_scaling_none, 1), 8191, "smollm2_q"},
+        rope_case{17, 3, rope_cfg(64, 64, 1e5f, rope_scaling::rope_scaling_none, 1), 8191, "smollm2_k"},
+        rope_case{5, 4, rope_cfg(128, 64, 1e4f, rope_scaling::rope_scaling_linear, 4), 100000, "partial_linear"},
+        rope_case{9, 2, rope_cfg(128, 128, 5e5f, rope_scaling::rope_scaling_ntk, 8), 1000000, "ntk_1M"},
+        rope_case{3, 1, rope_cfg(64, 64, 1e4f, rope_scaling::rope_scaling_none, 1), 2000000000, "pos_2e9"}),
+    [](const testing::TestParamInfo<rope_case>& i) { return i.param.name; });
+
+class CudaPointwise : public testing::TestWithParam<int64_t> {};
+
+TEST_P(CudaPointwise, SwigluAndAddMatchReference) {
+  XCTX_REQUIRE_CUDA();
+  const int64_t n = GetParam();
+  const uint32_t seed = seed_of("pointwise" + std::to_string(n));
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::vector<float> gate = uniform((size_t)n, -12, 12, rng), up = uniform((size_t)n, -3, 3, rng);  // [n]
+  const float extremes[] = {-100.0f, -88.0f, -20.0f, 0.0f, 20.0f, 100.0f};
+  for (size_t i = 0; i < std::size(extremes) && i < gate.size(); ++i) gate[i] = extremes[i];
+  backends be;
+  std::vector<float> sw[2], sum[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    buffer g(*list[b], gate), u(*list[b], up), o(*list[b], gate.size() * sizeof(float));
+    list[b]->swiglu(g.as<float>(), u.as<float>(), n, o.as<float>());
+    sw[b] = o.read<float>((size_t)n);
+    list[b]->add(g.as<float>(), u.as<float>(), n);
+    sum[b] = g.read<float>((size_t)n);
+  }
+  std::vector<double> tol((size_t)n);
+  for (size_t i = 0; i < tol.size(); ++i) tol[i] = 8 * kEps * std::fabs(sw[0][i]) + FLT_MIN;
+  expect_close(sw[1], sw[0], tol, "swiglu");
+  expect_close(sum[1], sum[0], std::vector<double>((size_t)n, 0.0), "add");
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, CudaPointwise, testing::Values(1, 1537, 1536 * 7),
+                         [](const testing::TestParamInfo<int64_t>& i) { return "n" + std::to_string(i.param); });
+
+// ---- device: attention -------------------------------------------------------------------
+
+enum class pos_layout { layout_decode, layout_causal, layout_gapped };
+
+struct attn_case {
+  int64_t n_q, n_kv;
+  int n_head, n_head_kv, head_dim;
+  kv_dtype kv;
+  pos_layout layout;
+  std::string name() const {
+    const char* lay = layout == pos_layout::layout_decode ? "decode" : layout == pos_layout::layout_causal ? "causal" : "gapped";
+    return std::string(lay) + "_q" + std::to_string(n_q) + "_kv" + std::to_string(n_kv) + "_h" +
+           std::to_string(n_head) + "x" + std::to_string(n_head_kv) + "_d" + std::to_string(head_dim) +
+           (kv == kv_dtype::kv_f16 ? "_f16" : "_f32");
+  }
+};
+
+std::vector<attn_case> attn_cases() {
+  using L = pos_layout;
+  const kv_dtype f16 = kv_dtype::kv_f16, f32 = kv_dtype::kv_f32;
+  std::vector<attn_case> cs;
+  for (kv_dtype kv : {f16, f32}) {
+    for (int64_t n_kv : {0, 1, 31, 33, 1000, 20000}) cs.push_back({1, n_kv, 9, 3, 64, kv, L::layout_decode});
+    cs.push_back({77, 77, 9, 3, 64, kv, L::layout_causal});     // SmolLM2 prefill
+    cs.push_back({300, 300, 9, 3, 64, kv, L::layout_causal});
+    cs.push_back({64, 1000, 9, 3, 64, kv, L::layout_causal});   // chunked prefill over a cache
+    cs.push_back({5, 700, 9, 3, 64, kv, L::layout_gapped});     // repeats, gaps, blind queries
+    cs.push_back({40, 900, 9, 3, 64, kv, L::layout_gapped});
+  }
+  cs.push_back({1, 5000, 32, 8, 128, f16, L::layout_decode});   // Llama-3-8B-like
+  cs.push_back({3, 5000, 32, 8, 128, f16, L::layout_decode});
+  cs.push_back({100, 100, 32, 8, 128, f16, L::layout_causal});
+  cs.push_back({1, 3000, 8, 1, 80, f16, L::layout_decode});      // MQA, head_dim 80
+  cs.push_back({50, 400, 8, 1, 80, f32, L::layout_causal});
+  cs.push_back({2, 500, 4, 4, 70, f32, L::layout_decode});       // head_dim % 4 != 0: scalar loads
+  cs.push_back({33, 200, 4, 4, 70, f16, L::layout_gapped});
+  cs.push_back({1, 2000, 4, 2, 256, f16, L::layout_decode});     // largest head_dim
+  cs.push_back({70, 300, 4, 2, 256, f32, L::layout_causal});     // > 48 KiB shared memory
+  return cs;
+}
+
+void PrintTo(const attn_case& c, std::ostream* os) { *os << c.name(); }
+
+class CudaAttention : public testing::TestWithParam<attn_case> {};
+
+TEST_P(CudaAttention, MatchesReference) {
+  XCTX_REQUIRE_CUDA();
+  const attn_case c = GetParam();
+  const uint32_t seed = seed_of(c.name());
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int hd = c.head_dim;
+  const size_t kv_elems = (size_t)(c.n_kv * c.n_head_kv * hd);
+  const std::vector<float> q = uniform((size_t)(c.n_q * c.n_head * hd), -1, 1, rng);  // [n_q, n_head, hd]
+  std::vector<float> k = uniform(kv_elems, -1, 1, rng), v = uniform(kv_elems, -1, 1, rng);
+  std::vector<int32_t> kv_pos((size_t)c.n_kv), q_pos((size_t)c.n_q);
+  std::uniform_int_distribution<int> step(0, 3);
+  for (int64_t j = 0; j < c.n_kv; ++j)
+    kv_pos[(size_t)j] = c.layout == pos_layout::layout_gapped ? (j ? kv_pos[(size_t)j - 1] + step(rng) : 5) : (int32_t)j;
+  const int32_t last = c.n_kv ? kv_pos.back() : 0;
+  for (int64_t i = 0; i < c.n_q; ++i) {
+    switch (c.layout) {
+      case pos_layout::layout_decode: q_pos[(size_t)i] = last + (int32_t)i; break;
+      case pos_layout::layout_causal: q_pos[(size_t)i] = last - (int32_t)(c.n_q - 1 - i); break;
+      case pos_layout::layout_gapped: q_pos[(size_t)i] = std::uniform_int_distribution<int32_t>(0, last + 2)(rng); break;
+    }
+  }
+  if (c.layout == pos_layout::layout_gapped && c.n_q > 1) q_pos[0] = 0;  // sees nothing (kv_pos starts at 5)
+  // Both backends get the same K/V values: round through half first for f16 caches.
+  std::vector<uint16_t> k16(kv_elems), v16(kv_elems);
+  for (size_t e = 0; e < kv_elems; ++e) {
+    k16[e] = fp32_to_fp16(k[e]), v16[e] = fp32_to_fp16(v[e]);
+    if (c.kv == kv_dtype::kv_f16) k[e] = fp16_to_fp32(k16[e]), v[e] = fp16_to_fp32(v16[e]);
+  }
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const size_t n_o = q.size(), n_lse = (size_t)(c.n_q * c.n_head);
+
+  backends be;
+  std::vector<float> o[2], lse[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  for (int b = 0; b < 2; ++b) {
+    const bool h = c.kv == kv_dtype::kv_f16;
+    buffer qd(*list[b], q), qp(*list[b], q_pos), kp(*list[b], kv_pos);
+    buffer kd = h ? buffer(*list[b], k16) : buffer(*list[b], k);
+    buffer vd = h ? buffer(*list[b], v16) : buffer(*list[b], v);
+    buffer od(*list[b], n_o * sizeof(float)), ld(*list[b], n_lse * sizeof(float));
+    attn_args a;
+    a.q = qd.as<float>(), a.q_pos = qp.as<int32_t>(), a.n_q = c.n_q;
+    a.k = kd.as<void>(), a.v = vd.as<void>(), a.kv_pos = kp.as<int32_t>(), a.n_kv = c.n_kv, a.kv_type = c.kv;
+    a.n_head = c.n_head, a.n_head_kv = c.n_head_kv, a.head_dim = hd, a.scale = scale;
+    a.o = od.as<float>(), a.lse = ld.as<float>();
+    list[b]->attention_partial(a);
+    o[b] = od.read<float>(n_o);
+    lse[b] = ld.read<float>(n_lse);
+  }
+
+  std::vector<double> tol_o(n_o), tol_lse(n_lse);
+  const int group = c.n_head / c.n_head_kv;
+  for (int64_t i = 0; i < c.n_q; ++i) {
+    for (int h = 0; h < c.n_head; ++h) {
+      double smax = 0.0, vmax = 0.0;
+      int64_t n_vis = 0;
+      for (int64_t j = 0; j < c.n_kv; ++j) {
+        if (kv_pos[(size_t)j] > q_pos[(size_t)i]) continue;
+        ++n_vis;
+        const size_t kr = (size_t)((j * c.n_head_kv + h / group) * hd);
+        double s = 0.0;
+        for (int d = 0; d < hd; ++d) {
+          s += std::fabs((double)q[(size_t)((i * c.n_head + h) * hd + d)] * k[kr + d]);
+          vmax = std::max(vmax, (double)std::fabs(v[kr + d]));
+        }
+        smax = std::max(smax, s * scale);
+      }
+      const double ds = (hd + 2) * kEps * smax;
+      const size_t r = (size_t)(i * c.n_head + h);
+      for (int d = 0; d < hd; ++d)
+        tol_o[r * hd + d] = vmax * (4 * ds + (double)(2 * n_vis + 16) * kEps) + kEps * std::fabs(o[0][r * hd + d]);
+      tol_lse[r] = 2 * ds + (double)(n_vis + 8) * kEps * (1.0 + std::fabs(lse[0][r]));
+    }
+  }
+  expect_close(o[1], o[0], tol_o, c.name() + " o");
+  expect_close(lse[1], lse[0], tol_lse, c.name() + " lse");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention, testing::ValuesIn(attn_cases()),
+                         [](const testing::TestParamInfo<attn_case>& i) { return i.param.name(); });
+
+struct merge_case {
+  int n_part;
+  int64_t n_row;
+  int head_dim;
+  bool aliased;
+  std::string name() const {
+    return "p" + std::to_string(n_part) + "_r" + std::to_string(n_row) + "_d" + std::to_string(head_dim) +
+           (aliased ? "_aliased" : "");
+  }
+};
+
+void PrintTo(const merge_case& c, std::ostream* os) { *os << c.name(); }
+
+class CudaMerge : public testing::TestWithParam<merge_case> {};
+
+TEST_P(CudaMerge, MatchesReference) {
+  XCTX_REQUIRE_CUDA();
+  const merge_case c = GetParam();
+  const uint32_t seed = seed_of("merge" + c.name());
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::vector<float> o_parts = uniform((size_t)(c.n_part * c.n_row * c.head_dim), -1, 1, rng);
+  std::vector<float> lse_parts = uniform((size_t)(c.n_part * c.n_row), -6, 6, rng);
+  // Empty parts (lse = -inf, o = 0): a few per row, and one row empty in every part.
+  for (size_t e = 0; e < lse_parts.size(); e += 3) lse_parts[e] = -kInf;
+  for (int p = 0; p < c.n_part; ++p) lse_parts[(size_t)p * c.n_row] = -kInf;
+  for (int p = 0; p < c.n_part; ++p)
+    for (int64_t r = 0; r < c.n_row; ++r)
+      if (lse_parts[(size_t)(p * c.n_row + r)] == -kInf)
+        std::fill_n(o_parts.begin() + (p * c.n_row + r) * c.head_dim, c.head_dim, 0.0f);
+  backends be;
+  std::vector<float> o[2], lse[2];
+  backend* list[2] = {be.ref.get(), be.cuda.get()};
+  const size_t n_o = (size_t)(c.n_row * c.head_dim), n_lse = (size_t)c.n_row;
+  for (int b = 0; b < 2; ++b) {
+    buffer op(*list[b], o_parts), lp(*list[b], lse_parts), od(*list[b], n_o * 4), ld(*list[b], n_lse * 4);
+    float* out_o = c.aliased ? op.as<float>() : od.as<float>();
+    float* out_lse = c.aliased ? lp.as<float>() : ld.as<float>();
+    list[b]->merge_partials(op.as<float>(), lp.as<float>(), c.n_part, c.n_row, c.head_dim, out_o, out_lse);
+    o[b] = (c.aliased ? op : od).read<float>(n_o);
+    lse[b] = (c.aliased ? lp : ld).read<float>(n_lse);
+  }
+  // Weights exp(lse_p - max) carry expf's 2 ulps; the sums n_part roundings each.
+  std::vector<double> tol_o(n_o), tol_lse(n_lse);
+  for (size_t i = 0; i < n_o; ++i) tol_o[i] = (double)(2 * c.n_part + 8) * kEps + kEps * std::fabs(o[0][i]);
+  for (size_t r = 0; r < n_lse; ++r) tol_lse[r] = (double)(c.n_part + 4) * kEps * (1.0 + std::fabs(lse[0][r]));
+  expect_close(o[1], o[0], tol_o, c.name() + " o");
+  expect_close(lse[1], lse[0], tol_lse, c.name() + " lse");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaMerge,
+                         testing::Values(merge_case{1, 10, 64, false}, merge_case{2, 27, 64, true},
+                                         merge_case{5, 100, 128, false}, merge_case{40, 9, 64, true},
+                                         merge_case{3, 6, 300, false}),
+                         [](const testing::TestParamInfo<merge_case>& i) { return i.param.name(); });
+
+}  // namespace
+}  // namespace xctx
