@@ -9,6 +9,9 @@
 namespace xctx::cpu {
 
 bool has_avx2();  // AVX2 + FMA + F16C present on this CPU (cached)
+// Tests and benchmarks: while on, has_avx2() reports false so every kernel takes its scalar
+// fallback. The environment variable XCTX_NO_AVX2 (read once) has the same effect.
+void set_force_scalar(bool on);
 
 // ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights (activations

@@ -1,0 +1,374 @@
+// cpu::matmul and cpu::get_rows: path choice (decode vs prefill), OpenMP threading, the
+// OpenBLAS prefill path and the scalar fallbacks of the decode kernels (the AVX2 ones are in
+// matmul_avx2.cpp).
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_impl.h"
+
+namespace xctx::cpu {
+
+namespace detail {
+
+namespace {
+
+// Below this many weight bytes × tokens a matmul runs on the calling thread alone: waking the
+// second thread costs more than it saves. Q4_1 192x576 (110 KiB, hot): 2.8 us on 1 thread, 3.1 us on 2.
+// All 210 decode matmuls of SmolLM2-135M (cold weights, 2 threads) by threshold: 16 KiB
+// 2.47-2.55 ms, 128 KiB 2.39-2.47 ms, 256 KiB 2.53-2.66 ms.
+constexpr size_t k_min_parallel_bytes = 128 * 1024;
+
+// Weights dequantized per sgemm call in prefill_split_rows: 256K floats (1 MiB) stays in L2.
+// Single-thread n_tok = 512, Q4_1, GFLOP/s by panel size (64K / 128K / 256K / 1M floats):
+// 576x576 128 / 127 / 126 / 123; 576x1536 114 / 121 / 129 / 122 (narrower panels make the
+// 1536-wide matrix's sgemm calls too thin).
+constexpr int64_t k_panel_floats = 256 * 1024;
+
+template <typename F>
+void run_rows(int64_t n_rows, size_t work_bytes, F&& body) {
+  const int nth = omp_get_max_threads();
+  if (nth <= 1 || work_bytes < k_min_parallel_bytes || n_rows < 32) {
+    body(int64_t{0}, n_rows);
+    return;
+  }
+#pragma omp parallel num_threads(nth)
+  {
+    int64_t r0 = 0, r1 = 0;
+    thread_rows(n_rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+    if (r0 < r1) body(r0, r1);
+  }
+}
+
+// OpenBLAS keeps a thread pool of its own; running it next to the OpenMP team would put 4
+// busy threads on 2 cores. The split-rows prefill parallelizes with OpenMP and calls sgemm
+// single-threaded from each thread, so OpenBLAS is pinned to 1 thread except around the
+// whole-matrix sgemm.
+void set_blas_threads(int n) {
+  if (openblas_get_num_threads() != n) openblas_set_num_threads(n);
+}
+
+// Scalar view of a legacy block: w_j = d * q[j] + c.
+void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d, float* c) {
+  constexpr int half = qk_small / 2;
+  switch (type) {
+    case ggml_type::ggml_q4_0: {
+      const auto* b = (const block_q4_0*)p;
+      *d = fp16_to_fp32(b->d);
+      *c = -8.0f * *d;
+      for (int j = 0; j < half; ++j) {
+        q[j] = b->qs[j] & 0x0F;
+        q[j + half] = b->qs[j] >> 4;
+      }
+      return;
+    }
+    case ggml_type::ggml_q4_1: {
+      const auto* b = (const block_q4_1*)p;
+      *d = fp16_to_fp32(b->d);
+      *c = fp16_to_fp32(b->m);
+      for (int j = 0; j < half; ++j) {
+        q[j] = b->qs[j] & 0x0F;
+        q[j + half] = b->qs[j] >> 4;
+      }
+      return;
+    }
+    case ggml_type::ggml_q5_0:
+    case ggml_type::ggml_q5_1: {
+      const uint8_t* qs;
+      uint32_t qh;
+      if (type == ggml_type::ggml_q5_0) {
+        const auto* b = (const block_q5_0*)p;
+        *d = fp16_to_fp32(b->d);
+        *c = -16.0f * *d;
+        qs = b->qs;
+        std::memcpy(&qh, b->qh, 4);
+      } else {
+        const auto* b = (const block_q5_1*)p;
+        *d = fp16_to_fp32(b->d);
+        *c = fp16_to_fp32(b->m);
+        qs = b->qs;
+        std::memcpy(&qh, b->qh, 4);
+      }
+      for (int j = 0; j < half; ++j) {
+        q[j] = (qs[j] & 0x0F) | (int32_t)(((qh >> j) & 1u) << 4);
+        q[j + half] = (qs[j] >> 4) | (int32_t)(((qh >> (j + half)) & 1u) << 4);
+      }
+      return;
+    }
+    case ggml_type::ggml_q8_0: {
+      const auto* b = (const block_q8_0*)p;
+      *d = fp16_to_fp32(b->d);
+      *c = 0.0f;
+      for (int j = 0; j < qk_small; ++j) q[j] = b->qs[j];
+      return;
+    }
+    case ggml_type::ggml_f32:
+    case ggml_type::ggml_f16:
+    case ggml_type::ggml_bf16:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q2_k:
+    case ggml_type::ggml_q3_k:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k:
+    case ggml_type::ggml_q6_k:
+    case ggml_type::ggml_q8_k: break;
+  }
+  XCTX_ASSERT(false, "block_codes: not a legacy quant type: ", (uint32_t)type);
+}
+
+float load_float(ggml_type type, const void* row, int64_t c) {
+  if (type == ggml_type::ggml_f32) return ((const float*)row)[c];
+  if (type == ggml_type::ggml_f16) return fp16_to_fp32(((const uint16_t*)row)[c]);
+  return bf16_to_fp32(((const uint16_t*)row)[c]);
+}
+
+// Types that need the generic decode path make their reference dequantizer throw here, on
+// the calling thread, rather than inside an OpenMP region (where an exception terminates).
+void probe_dequantize(const weight_view& w) {
+  if (is_legacy_quant(w.type) || is_float_type(w.type) || w.n_rows == 0) return;
+  std::vector<float> row((size_t)w.n_cols);
+  dequantize_row(w.type, w.data, row.data(), w.n_cols);
+}
+
+}  // namespace
+
+bool is_legacy_quant(ggml_type type) {
+  return type == ggml_type::ggml_q4_0 || type == ggml_type::ggml_q4_1 || type == ggml_type::ggml_q5_0 ||
+         type == ggml_type::ggml_q5_1 || type == ggml_type::ggml_q8_0;
+}
+
+bool is_float_type(ggml_type type) {
+  return type == ggml_type::ggml_f32 || type == ggml_type::ggml_f16 || type == ggml_type::ggml_bf16;
+}
+
+void thread_rows(int64_t n_rows, int ith, int nth, int64_t* r0, int64_t* r1) {
+  constexpr int64_t align = 16;  // 16 floats = one 64-byte line of y
+  const int64_t per = ((n_rows + nth - 1) / nth + align - 1) / align * align;
+  *r0 = std::min(n_rows, per * ith);
+  *r1 = std::min(n_rows, *r0 + per);
+}
+
+void quantize_act_scalar(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+  for (int64_t b = 0; b < n / qk_small; ++b) {
+    const float* xb = x + b * qk_small;
+    float amax = 0.0f;
+    for (int j = 0; j < qk_small; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < qk_small; ++j) {
+      const int q = (int)std::nearbyint(xb[j] * id);  // round-half-even, as _mm256_round_ps
+      qs[b * qk_small + j] = (int8_t)q;
+      sum += q;
+    }
+    d[b] = db;
+    s[b] = db * (float)sum;
+  }
+}
+
+void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  const size_t block_bytes = (size_t)ggml_traits(w.type).block_bytes;
+  const int64_t nb = xq.n_blocks;
+  std::vector<float> acc((size_t)n_tok), off((size_t)n_tok);  // [n_tok]
+  int32_t q[qk_small];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(off.begin(), off.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      float d, c;
+      block_codes(w.type, row + (size_t)b * block_bytes, q, &d, &c);
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const int8_t* xb = xq.qs + (t * nb + b) * qk_small;
+        int32_t isum = 0;
+        for (int j = 0; j < qk_small; ++j) isum += q[j] * xb[j];
+        acc[(size_t)t] += d * xq.d[t * nb + b] * (float)isum;
+        off[(size_t)t] += c * xq.s[t * nb + b];
+      }
+    }
+    for (int64_t t = 0; t < n_tok; ++t) y[t * ldy + r] = acc[(size_t)t] + off[(size_t)t];
+  }
+}
+
+void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,
+                       int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* xt = x + t * w.n_cols;
+      float acc = 0.0f;
+      for (int64_t c = 0; c < w.n_cols; ++c) acc += load_float(w.type, row, c) * xt[c];
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+  const bool simd = has_avx2();
+  const int64_t n_rows = w.n_rows, n_cols = w.n_cols;
+  if (is_legacy_quant(w.type)) {
+    const int64_t nb = n_cols / qk_small;
+    thread_local std::vector<int8_t> qs;  // [n_tok, n_cols]
+    thread_local std::vector<float> d, s;  // [n_tok, nb]
+    qs.resize((size_t)(n_tok * n_cols));
+    d.resize((size_t)(n_tok * nb));
+    s.resize((size_t)(n_tok * nb));
+    for (int64_t t = 0; t < n_tok; ++t) {
+      (simd ? quantize_act_avx2 : quantize_act_scalar)(x + t * n_cols, n_cols, qs.data() + t * n_cols,
+                                                        d.data() + t * nb, s.data() + t * nb);
+    }
+    const q8_act xq{qs.data(), d.data(), s.data(), nb};
+    run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+      (simd ? dot_rows_q_avx2 : dot_rows_q_scalar)(w, r0, r1, xq, n_tok, y, n_rows);
+    });
+  } else if (is_float_type(w.type)) {
+    run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+      (simd ? dot_rows_f_avx2 : dot_rows_f_scalar)(w, r0, r1, x, n_tok, y, n_rows);
+    });
+  } else {
+    // K-quants: dequantize a row at a time and take the f32 dot.
+    probe_dequantize(w);
+    const size_t row_bytes = w.row_bytes();
+    run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<float> row;  // [n_cols]
+      row.resize((size_t)n_cols);
+      const weight_view one{ggml_type::ggml_f32, 1, n_cols, row.data()};
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_row(w.type, (const uint8_t*)w.data + (size_t)r * row_bytes, row.data(), n_cols);
+        (simd ? dot_rows_f_avx2 : dot_rows_f_scalar)(one, 0, 1, x, n_tok, y + r, n_rows);
+      }
+    });
+  }
+}
+
+void matmul_prefill(const weight_view& w, const float* x, int64_t n_tok, float* y, prefill_mode mode) {
+  probe_dequantize(w);
+  const int64_t n_rows = w.n_rows, n_cols = w.n_cols;
+  const size_t row_bytes = w.row_bytes();
+  const bool is_f32 = w.type == ggml_type::ggml_f32;
+  // y[:, r0:r0+n] = x · W[r0:r0+n]ᵀ with W rows given as f32 [n, n_cols].
+  auto gemm = [&](const float* rows, int64_t r0, int64_t n) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n_tok, (int)n, (int)n_cols, 1.0f, x, (int)n_cols, rows,
+                (int)n_cols, 0.0f, y + r0, (int)n_rows);
+  };
+  switch (mode) {
+    case prefill_mode::prefill_split_rows: {
+      set_blas_threads(1);
+      const int64_t panel = std::max<int64_t>(16, k_panel_floats / n_cols / 16 * 16);
+      run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+        if (is_f32) {
+          gemm((const float*)w.data + r0 * n_cols, r0, r1 - r0);
+          return;
+        }
+        thread_local std::vector<float> buf;  // [panel, n_cols]
+        buf.resize((size_t)(panel * n_cols));
+        for (int64_t p = r0; p < r1; p += panel) {
+          const int64_t n = std::min(panel, r1 - p);
+          for (int64_t r = 0; r < n; ++r) {
+            dequantize_row(w.type, (const uint8_t*)w.data + (size_t)(p + r) * row_bytes, buf.data() + r * n_cols,
+                           n_cols);
+          }
+          gemm(buf.data(), p, n);
+        }
+      });
+      return;
+    }
+    case prefill_mode::prefill_whole_matrix: {
+      const float* all = (const float*)w.data;
+      thread_local std::vector<float> buf;  // [n_rows, n_cols]
+      if (!is_f32) {
+        buf.resize((size_t)(n_rows * n_cols));
+        float* dst = buf.data();  // the caller's buffer: inside the region `buf` names each thread's own
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < n_rows; ++r) {
+          dequantize_row(w.type, (const uint8_t*)w.data + (size_t)r * row_bytes, dst + r * n_cols, n_cols);
+        }
+        all = dst;
+      }
+      set_blas_threads(omp_get_max_threads());
+      gemm(all, 0, n_rows);
+      set_blas_threads(1);
+      return;
+    }
+  }
+}
+
+int64_t prefill_min_tokens(ggml_type type) {
+  // Where the dequantize + sgemm path overtakes the fused decode path, single thread (both
+  // paths split rows the same way over threads), microseconds decode / prefill:
+  //   Q4_1 1536x576: n_tok 16: 289 / 392, 24: 421 / 471, 32: 562 / 596, 40: 711 / 711,
+  //                  64: 1129 / 1021, 96: 1726 / 1475
+  //   Q8_0 1536x576: n_tok 24: 368 / 471, 40: 625 / 713, 64: 971 / 999
+  //        49152x576 (output): n_tok 32: 33.4 / 38.3 ms, 64: 49.0 / 51.7 ms, 96: 78.1 / 72.0 ms
+  //   F32  1536x576: n_tok 4: 107 / 185, 8: 209 / 238, 16: 461 / 323
+  //   F16  1536x576: n_tok 8: 194 / 287, 16: 403 / 384
+  // K-quants dequantize each row once in either path, so they cross over like F32.
+  switch (type) {
+    case ggml_type::ggml_q4_0:
+    case ggml_type::ggml_q4_1:
+    case ggml_type::ggml_q5_0:
+    case ggml_type::ggml_q5_1: return 40;
+    case ggml_type::ggml_q8_0: return 64;
+    case ggml_type::ggml_f16:
+    case ggml_type::ggml_bf16: return 16;
+    case ggml_type::ggml_f32:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q2_k:
+    case ggml_type::ggml_q3_k:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k:
+    case ggml_type::ggml_q6_k:
+    case ggml_type::ggml_q8_k: return 8;
+  }
+  return 8;
+}
+
+}  // namespace detail
+
+// Decode path below prefill_min_tokens (crossover table there), prefill path above. Measured
+// on this 2-core machine, SmolLM2-135M shapes, hot cache, 1 / 2 threads (bench_matmul):
+//   n_tok = 1:   Q4_1 576x576 8.6 / 5.7 us, 192x576 3.0 us, 1536x576 22.5 / 12.9 us,
+//                576x1536 21.5 / 12.6 us, Q8_0 49152x576 762 / 349 us (39 / 86 GB/s of weights)
+//   n_tok = 512: Q4_1 576x576 2.80 / 1.56 ms, 1536x576 7.56 / 3.94 ms, 576x1536 7.79 / 4.11 ms
+// All decode matmuls of one token (96 MB of weights, cold): 3.9 ms / 2.4 ms.
+void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+  const ggml_type_traits tr = ggml_traits(w.type);
+  XCTX_CHECK(tr.name != nullptr, "cpu::matmul: unsupported weight type id ", (uint32_t)w.type);
+  XCTX_CHECK(w.n_rows >= 0 && w.n_cols > 0, "cpu::matmul: bad ", tr.name, " weight shape ", w.n_rows, "x", w.n_cols);
+  XCTX_CHECK(w.n_cols % tr.block_elems == 0, "cpu::matmul: ", tr.name, " row length ", w.n_cols,
+             " is not a multiple of the block size ", tr.block_elems);
+  XCTX_CHECK(n_tok >= 0, "cpu::matmul: negative n_tok ", n_tok);
+  if (n_tok == 0 || w.n_rows == 0) return;
+  if (n_tok >= detail::prefill_min_tokens(w.type)) {
+    detail::matmul_prefill(w, x, n_tok, y);
+  } else {
+    detail::matmul_decode(w, x, n_tok, y);
+  }
+}
+
+void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) {
+  const ggml_type_traits tr = ggml_traits(w.type);
+  XCTX_CHECK(tr.name != nullptr, "cpu::get_rows: unsupported weight type id ", (uint32_t)w.type);
+  for (int64_t i = 0; i < n; ++i) {
+    XCTX_CHECK(ids[i] >= 0 && ids[i] < w.n_rows, "cpu::get_rows: row id ", ids[i], " at position ", i,
+               " is outside [0, ", w.n_rows, ")");
+  }
+  if (n == 0) return;
+  detail::probe_dequantize(w);
+  const size_t row_bytes = w.row_bytes();
+#pragma omp parallel for schedule(static) if (n >= 64)
+  for (int64_t i = 0; i < n; ++i) {
+    dequantize_row(w.type, (const uint8_t*)w.data + (size_t)ids[i] * row_bytes, out + i * w.n_cols, w.n_cols);
+  }
+}
+
+}  // namespace xctx::cpu

@@ -1,0 +1,356 @@
+// AVX2/FMA/F16C matmul kernels (this file is compiled with -mavx2 -mfma -mf16c and only entered
+// after cpu::has_avx2()).
+//
+// Integer path (legacy block quants against q8_act activations). Per 32-element block:
+//   weight codes as 32 bytes: unsigned 0..15 / 0..31 for Q4_x / Q5_x, signed for Q8_0;
+//   maddubs (u8 x s8 -> pairs summed to s16; at most 2*31*127 or 2*128*127, no saturation),
+//   madd with ones -> 8 x s32, converted to float and FMA'd with d_w * d_x into the token's
+//   accumulator. The weight's offset (Q4_1/Q5_1: + m; Q4_0: -8 d; Q5_0: -16 d) contributes
+//   offset * (d_x * sum q_x), the block sum precomputed with the activations.
+// Each weight row is unpacked once per group of up to 4 tokens, so for n_tok <= 4 the weights
+// are read from memory exactly once and further groups re-read the row from L1.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/cpu/matmul_impl.h"
+
+namespace xctx::cpu::detail {
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float load_f16(const uint16_t& h) { return _cvtsh_ss(h); }
+
+// 16 bytes of packed nibbles -> 32 bytes in element order: byte j (< 16) holds the low nibble of
+// qs[j] (element j), byte 16 + j the high nibble (element j + 16).
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qs));
+  const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+// The 32 fifth bits of a Q5 block -> 0x10 in byte j where bit j of qh is set.
+inline __m256i unpack_high_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  // Byte j takes byte j/8 of the word, then every bit but (j%8) is forced on: the byte is all
+  // ones exactly when bit j was set.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32((int)bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                     2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+  const __m256i set = _mm256_cmpeq_epi8(probe, _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// Per-format block decoding for the integer path: codes (unsigned, except Q8_0), scale d and the
+// offset c such that w_j = d * code_j + c.
+template <ggml_type T>
+struct qfmt;
+
+template <>
+struct qfmt<ggml_type::ggml_q4_0> {
+  using block = block_q4_0;
+  static constexpr bool has_offset = true;
+  static __m256i codes(const block* b, float* d, float* c) {
+    *d = load_f16(b->d);
+    *c = -8.0f * *d;
+    return unpack_nibbles(b->qs);
+  }
+};
+template <>
+struct qfmt<ggml_type::ggml_q4_1> {
+  using block = block_q4_1;
+  static constexpr bool has_offset = true;
+  static __m256i codes(const block* b, float* d, float* c) {
+    int dm;
+    std::memcpy(&dm, &b->d, 4);  // d and m are adjacent fp16s: convert both at once
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    *d = _mm_cvtss_f32(f);
+    *c = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    return unpack_nibbles(b->qs);
+  }
+};
+template <>
+struct qfmt<ggml_type::ggml_q5_0> {
+  using block = block_q5_0;
+  static constexpr bool has_offset = true;
+  static __m256i codes(const block* b, float* d, float* c) {
+    *d = load_f16(b->d);
+    *c = -16.0f * *d;
+    return _mm256_or_si256(unpack_nibbles(b->qs), unpack_high_bits(b->qh));
+  }
+};
+template <>
+struct qfmt<ggml_type::ggml_q5_1> {
+  using block = block_q5_1;
+  static constexpr bool has_offset = true;
+  static __m256i codes(const block* b, float* d, float* c) {
+    int dm;
+    std::memcpy(&dm, &b->d, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    *d = _mm_cvtss_f32(f);
+    *c = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    return _mm256_or_si256(unpack_nibbles(b->qs), unpack_high_bits(b->qh));
+  }
+};
+template <>
+struct qfmt<ggml_type::ggml_q8_0> {
+  using block = block_q8_0;
+  static constexpr bool has_offset = false;
+  static __m256i codes(const block* b, float* d, float* c) {
+    *d = load_f16(b->d);
+    *c = 0.0f;
+    return _mm256_loadu_si256((const __m256i*)b->qs);
+  }
+};
+
+// One weight row against NT activation rows. U independent accumulator sets hide the FMA
+// latency when a single token gives too little independent work.
+template <ggml_type T, int NT, int U>
+void dot_row_q(const void* row, int64_t nb, const int8_t* const* xq /*[NT]*/, const float* const* xd /*[NT]*/,
+               const float* const* xs /*[NT]*/, float* out /*[NT]*/) {
+  using F = qfmt<T>;
+  const auto* blk = (const typename F::block*)row;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[U][NT];
+  float off[U][NT];
+  for (int u = 0; u < U; ++u) {
+    for (int t = 0; t < NT; ++t) {
+      acc[u][t] = _mm256_setzero_ps();
+      off[u][t] = 0.0f;
+    }
+  }
+  auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
+    float d, c;
+    const __m256i q = F::codes(blk + b, &d, &c);
+    __m256i q_unsigned = q;
+    if constexpr (T == ggml_type::ggml_q8_0) q_unsigned = _mm256_sign_epi8(q, q);  // |q|, sign moved to x
+    for (int t = 0; t < NT; ++t) {
+      __m256i x = _mm256_loadu_si256((const __m256i*)(xq[t] + b * qk_small));
+      if constexpr (T == ggml_type::ggml_q8_0) x = _mm256_sign_epi8(x, q);
+      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q_unsigned, x), ones);
+      acc[u][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * xd[t][b]), acc[u][t]);
+      if constexpr (F::has_offset) off[u][t] += c * xs[t][b];
+    }
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U) {
+    for (int u = 0; u < U; ++u) step(b + u, u);
+  }
+  for (; b < nb; ++b) step(b, 0);
+  for (int t = 0; t < NT; ++t) {
+    __m256 a = acc[0][t];
+    float o = off[0][t];
+    for (int u = 1; u < U; ++u) {
+      a = _mm256_add_ps(a, acc[u][t]);
+      o += off[u][t];
+    }
+    out[t] = hsum(a) + o;
+  }
+}
+
+template <ggml_type T, int NT>
+void dot_row_q_group(const void* row, int64_t nb, const q8_act& xq, int64_t t0, float* y, int64_t ldy, int64_t r) {
+  const int8_t* qs[NT];
+  const float* d[NT];
+  const float* s[NT];
+  for (int t = 0; t < NT; ++t) {
+    qs[t] = xq.qs + (t0 + t) * nb * qk_small;
+    d[t] = xq.d + (t0 + t) * nb;
+    s[t] = xq.s + (t0 + t) * nb;
+  }
+  float out[NT];
+  dot_row_q<T, NT, (NT == 1 ? 2 : 1)>(row, nb, qs, d, s, out);
+  for (int t = 0; t < NT; ++t) y[(t0 + t) * ldy + r] = out[t];
+}
+
+template <ggml_type T>
+void dot_rows_q(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  const int64_t nb = xq.n_blocks;
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    int64_t t = 0;
+    for (; t + 4 <= n_tok; t += 4) dot_row_q_group<T, 4>(row, nb, xq, t, y, ldy, r);
+    switch (n_tok - t) {
+      case 3: dot_row_q_group<T, 3>(row, nb, xq, t, y, ldy, r); break;
+      case 2: dot_row_q_group<T, 2>(row, nb, xq, t, y, ldy, r); break;
+      case 1: dot_row_q_group<T, 1>(row, nb, xq, t, y, ldy, r); break;
+      case 0: break;
+    }
+  }
+}
+
+// ---- float weights -------------------------------------------------------------------------
+
+template <ggml_type T>
+inline __m256 load8(const void* row, int64_t c) {
+  if constexpr (T == ggml_type::ggml_f32) {
+    return _mm256_loadu_ps((const float*)row + c);
+  } else if constexpr (T == ggml_type::ggml_f16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + c)));
+  } else {  // bf16: the upper half of an fp32
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+template <ggml_type T>
+inline float load1(const void* row, int64_t c) {
+  if constexpr (T == ggml_type::ggml_f32) {
+    return ((const float*)row)[c];
+  } else if constexpr (T == ggml_type::ggml_f16) {
+    return load_f16(((const uint16_t*)row)[c]);
+  } else {
+    return bf16_to_fp32(((const uint16_t*)row)[c]);
+  }
+}
+
+template <ggml_type T, int NT, int U>
+void dot_row_f(const void* row, int64_t n, const float* const* x /*[NT]*/, float* out /*[NT]*/) {
+  __m256 acc[U][NT];
+  for (int u = 0; u < U; ++u) {
+    for (int t = 0; t < NT; ++t) acc[u][t] = _mm256_setzero_ps();
+  }
+  int64_t c = 0;
+  for (; c + 8 * U <= n; c += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8<T>(row, c + 8 * u);
+      for (int t = 0; t < NT; ++t) acc[u][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + c + 8 * u), acc[u][t]);
+    }
+  }
+  for (; c + 8 <= n; c += 8) {
+    const __m256 wv = load8<T>(row, c);
+    for (int t = 0; t < NT; ++t) acc[0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + c), acc[0][t]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m256 a = acc[0][t];
+    for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[u][t]);
+    float sum = hsum(a);
+    for (int64_t k = c; k < n; ++k) sum += load1<T>(row, k) * x[t][k];
+    out[t] = sum;
+  }
+}
+
+template <ggml_type T, int NT>
+void dot_row_f_group(const void* row, int64_t n, const float* x, int64_t t0, float* y, int64_t ldy, int64_t r) {
+  const float* xt[NT];
+  for (int t = 0; t < NT; ++t) xt[t] = x + (t0 + t) * n;
+  float out[NT];
+  dot_row_f<T, NT, (NT == 1 ? 4 : NT == 2 ? 2 : 1)>(row, n, xt, out);
+  for (int t = 0; t < NT; ++t) y[(t0 + t) * ldy + r] = out[t];
+}
+
+template <ggml_type T>
+void dot_rows_f(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y, int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    int64_t t = 0;
+    for (; t + 4 <= n_tok; t += 4) dot_row_f_group<T, 4>(row, w.n_cols, x, t, y, ldy, r);
+    switch (n_tok - t) {
+      case 3: dot_row_f_group<T, 3>(row, w.n_cols, x, t, y, ldy, r); break;
+      case 2: dot_row_f_group<T, 2>(row, w.n_cols, x, t, y, ldy, r); break;
+      case 1: dot_row_f_group<T, 1>(row, w.n_cols, x, t, y, ldy, r); break;
+      case 0: break;
+    }
+  }
+}
+
+}  // namespace
+
+void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < n / qk_small; ++b) {
+    const float* xb = x + b * qk_small;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                             _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    // Same scalar operations as quantize_act_scalar, so both produce identical bits.
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(r);
+    }
+    const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    // packs work within 128-bit lanes; the permute restores element order.
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)(qs + b * qk_small), p8);
+    d[b] = db;
+    s[b] = db * (float)sum;
+  }
+}
+
+void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                     int64_t ldy) {
+  switch (w.type) {
+    case ggml_type::ggml_q4_0: return dot_rows_q<ggml_type::ggml_q4_0>(w, r0, r1, xq, n_tok, y, ldy);
+    case ggml_type::ggml_q4_1: return dot_rows_q<ggml_type::ggml_q4_1>(w, r0, r1, xq, n_tok, y, ldy);
+    case ggml_type::ggml_q5_0: return dot_rows_q<ggml_type::ggml_q5_0>(w, r0, r1, xq, n_tok, y, ldy);
+    case ggml_type::ggml_q5_1: return dot_rows_q<ggml_type::ggml_q5_1>(w, r0, r1, xq, n_tok, y, ldy);
+    case ggml_type::ggml_q8_0: return dot_rows_q<ggml_type::ggml_q8_0>(w, r0, r1, xq, n_tok, y, ldy);
+    case ggml_type::ggml_f32:
+    case ggml_type::ggml_f16:
+    case ggml_type::ggml_bf16:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q2_k:
+    case ggml_type::ggml_q3_k:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k:
+    case ggml_type::ggml_q6_k:
+    case ggml_type::ggml_q8_k: break;
+  }
+  XCTX_ASSERT(false, "dot_rows_q_avx2: not a legacy quant type: ", (uint32_t)w.type);
+}
+
+void dot_rows_f_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,
+                     int64_t ldy) {
+  switch (w.type) {
+    case ggml_type::ggml_f32: return dot_rows_f<ggml_type::ggml_f32>(w, r0, r1, x, n_tok, y, ldy);
+    case ggml_type::ggml_f16: return dot_rows_f<ggml_type::ggml_f16>(w, r0, r1, x, n_tok, y, ldy);
+    case ggml_type::ggml_bf16: return dot_rows_f<ggml_type::ggml_bf16>(w, r0, r1, x, n_tok, y, ldy);
+    case ggml_type::ggml_q4_0:
+    case ggml_type::ggml_q4_1:
+    case ggml_type::ggml_q5_0:
+    case ggml_type::ggml_q5_1:
+    case ggml_type::ggml_q8_0:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q2_k:
+    case ggml_type::ggml_q3_k:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k:
+    case ggml_type::ggml_q6_k:
+    case ggml_type::ggml_q8_k: break;
+  }
+  XCTX_ASSERT(false, "dot_rows_f_avx2: not a float type: ", (uint32_t)w.type);
+}
+
+}  // namespace xctx::cpu::detail

@@ -1,0 +1,76 @@
+// Internals of the CPU matmul shared by matmul.cpp (dispatch, threading, scalar kernels),
+// matmul_avx2.cpp (SIMD kernels), the tests and the benchmark. Not part of the backend API.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ops.h"
+
+namespace xctx::cpu::detail {
+
+// Activations for the integer dot products: every 32-element block of a row quantized
+// symmetrically to int8 (d = max|x| / 127, q = round-half-even(x / d)), with the block sum kept
+// so weight formats with an offset (Q4_0: q - 8, Q4_1: + m, ...) cost one multiply per block.
+// Scales stay in float (not fp16 as GGML's Q8_1 has them) so the only error is the rounding
+// of x to the 8-bit grid: |x - d q| <= d / 2.
+struct q8_act {
+  const int8_t* qs = nullptr;  // [n_tok, n_cols]
+  const float* d = nullptr;    // [n_tok, n_blocks]
+  const float* s = nullptr;    // [n_tok, n_blocks]  d * sum(q) of the block
+  int64_t n_blocks = 0;        // per row: n_cols / 32
+};
+
+// Quantizes one row of n (multiple of 32) floats. The scalar and AVX2 versions give identical
+// bits (same operations, round-half-even in both).
+void quantize_act_scalar(const float* x /*[n]*/, int64_t n, int8_t* qs /*[n]*/, float* d /*[n/32]*/,
+                         float* s /*[n/32]*/);
+void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s);
+
+// Rows [r0, r1) of a legacy-quant weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against n_tok quantized
+// activation rows: y[t * ldy + r] = dot(W[r], x[t]).
+void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok,
+                       float* y /*[n_tok, ldy]*/, int64_t ldy);
+void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok,
+                     float* y /*[n_tok, ldy]*/, int64_t ldy);
+
+// Rows [r0, r1) of an F32 / F16 / BF16 weight against float activations.
+void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x /*[n_tok, n_cols]*/,
+                       int64_t n_tok, float* y /*[n_tok, ldy]*/, int64_t ldy);
+void dot_rows_f_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x /*[n_tok, n_cols]*/,
+                     int64_t n_tok, float* y /*[n_tok, ldy]*/, int64_t ldy);
+
+// AVX2 dequantizers, bit-identical to ref::dequantize_row; false if `type` has none (then the
+// caller falls back to the reference one).
+bool dequantize_row_avx2(ggml_type type, const void* src, float* dst /*[n]*/, int64_t n);
+
+// Whether the integer path applies (legacy block quants) or the float path (F32/F16/BF16).
+bool is_legacy_quant(ggml_type type);
+bool is_float_type(ggml_type type);
+
+// The two matmul strategies behind cpu::matmul, callable directly by tests and benchmarks.
+void matmul_decode(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                   float* y /*[n_tok, n_rows]*/);
+// Measured at n_tok = 512, Q4_1, 2 threads (1 thread: ~120-125 GFLOP/s either way):
+//   split_rows:   576x576 1.56 ms (218 GFLOP/s), 1536x576 3.94 ms (230), 576x1536 4.11 ms (221)
+//   whole_matrix: 576x576 17.0 ms, 1536x576 11.2 ms, 576x1536 11.4 ms
+// whole_matrix loses because the OpenMP worker still spins after the dequantization region
+// while OpenBLAS's thread needs its core (worst under real-time scheduling, where the spinner is
+// never preempted; 1.7x slower than split_rows under normal scheduling on a busy machine).
+// cpu::matmul therefore uses split_rows; whole_matrix stays for the benchmark's comparison.
+enum class prefill_mode : uint8_t {
+  // Each OpenMP thread dequantizes panels of its own rows and runs a single-threaded sgemm on
+  // them: no second thread pool competes for the cores.
+  prefill_split_rows,
+  // The whole matrix is dequantized (OpenMP), then one sgemm runs on OpenBLAS's own threads.
+  prefill_whole_matrix,
+};
+void matmul_prefill(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                    float* y /*[n_tok, n_rows]*/, prefill_mode mode = prefill_mode::prefill_split_rows);
+// n_tok at which cpu::matmul switches from matmul_decode to matmul_prefill.
+int64_t prefill_min_tokens(ggml_type type);
+
+// Row range of thread ith of nth, cut at multiples of 16 rows so two threads never write the
+// same 64-byte line of y.
+void thread_rows(int64_t n_rows, int ith, int nth, int64_t* r0, int64_t* r1);
+
+}  // namespace xctx::cpu::detail
