@@ -1,0 +1,431 @@
+// `xctx passkey`: builds the prompts, runs every (depth, trial) through a fresh sequence-parallel
+// runner and scores greedy answers.
+#include "coordinator/passkey.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+
+#include "common/error.h"
+#include "common/sys.h"
+#include "coordinator/corpus.h"
+#include "coordinator/distributed.h"
+#include "coordinator/sampler.h"
+#include "coordinator/session.h"
+#include "worker/llama_engine.h"
+
+namespace xctx {
+namespace {
+
+// The wording of the landmark-attention / LongLoRA passkey prompt.
+constexpr const char* kIntro =
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you "
+    "about the important information there.";
+constexpr const char* kQuestion = " What is the pass key? The pass key is";
+const std::vector<std::string> kClassicSentences = {" The grass is green.", " The sky is blue.", " The sun is yellow.",
+                                                    " Here we go.", " There and back again."};
+
+std::string needle_lead() { return " The pass key is "; }
+std::string needle_text(int key) {
+  const std::string k = std::to_string(key);
+  return needle_lead() + k + ". Remember it. " + k + " is the pass key.";
+}
+
+bool is_abbreviation(const std::string& text, size_t dot) {
+  // Titles before a name end in '.' without ending the sentence.
+  static const char* const kTitles[] = {"Mr", "Mrs", "Dr", "St", "Messrs", "Esq"};
+  size_t b = dot;
+  while (b > 0 && std::isalpha((unsigned char)text[b - 1])) --b;
+  const std::string word = text.substr(b, dot - b);
+  for (const char* t : kTitles)
+    if (word == t) return true;
+  return false;
+}
+
+// All six novels as one run of sentences, whitespace collapsed, each with a leading space.
+const std::vector<std::string>& austen_sentences() {
+  static const std::vector<std::string> sentences = [] {
+    std::string flat;
+    for (const auto& [name, text] : read_austen_novels()) {
+      for (char c : text) {
+        const bool space = std::isspace((unsigned char)c);
+        if (space && (flat.empty() || flat.back() == ' ')) continue;
+        flat += space ? ' ' : c;
+      }
+      if (!flat.empty() && flat.back() != ' ') flat += ' ';
+    }
+    std::vector<std::string> out;
+    size_t start = 0;
+    for (size_t i = 0; i < flat.size(); ++i) {
+      const char c = flat[i];
+      if (c != '.' && c != '!' && c != '?') continue;
+      size_t end = i + 1;  // closing quotes, brackets and emphasis marks stay with the sentence
+      while (end < flat.size() && (flat[end] == '"' || flat[end] == '\'' || flat[end] == ')' || flat[end] == '_'))
+        ++end;
+      if (end < flat.size() && flat[end] != ' ') continue;
+      if (c == '.' && is_abbreviation(flat, i)) continue;
+      std::string s = flat.substr(start, end - start);
+      if (!s.empty() && s.front() == ' ') s.erase(0, 1);
+      if (!s.empty()) out.push_back(" " + s);
+      start = end;
+      i = end;
+    }
+    XCTX_CHECK(!out.empty(), "the Austen corpus has no sentences");
+    return out;
+  }();
+  return sentences;
+}
+
+// Consecutive filler sentences from a seeded start, endlessly.
+class filler_source {
+ public:
+  filler_source(const std::string& kind, uint64_t seed) {
+    if (kind == "classic") {
+      sentences_ = &kClassicSentences;
+    } else if (kind == "austen") {
+      sentences_ = &austen_sentences();
+      std::mt19937_64 rng(seed ^ 0x9E3779B97F4A7C15ull);  // decorrelated from the key's stream
+      next_ = rng() % sentences_->size();
+    } else {
+      fail("--filler: unknown '", kind, "' (classic, austen)");
+    }
+  }
+  const std::string& next() {
+    const std::string& s = (*sentences_)[next_];
+    next_ = (next_ + 1) % sentences_->size();
+    return s;
+  }
+
+ private:
+  const std::vector<std::string>* sentences_ = nullptr;
+  size_t next_ = 0;
+};
+
+struct filler_piece {
+  std::string text;
+  int64_t tokens = 0;
+  bool ends_sentence = true;
+};
+
+// Filler of about `budget` tokens, counted piece by piece (each piece starts with a space, so the
+// byte-level pre-tokenizer never merges across pieces). Whole sentences while they fit; when the
+// remainder is more than `slack`, the next sentence is cut at a word boundary.
+std::vector<filler_piece> build_filler(const tokenizer& tok, const std::string& kind, uint64_t seed, int64_t budget,
+                                       int64_t slack) {
+  std::vector<filler_piece> out;
+  if (budget <= 0) return out;
+  filler_source src(kind, seed);
+  int64_t total = 0;
+  while (total < budget) {
+    const std::string& s = src.next();
+    const int64_t t = (int64_t)tok.encode(s, false, false).size();
+    if (total + t <= budget) {
+      out.push_back({s, t, true});
+      total += t;
+      continue;
+    }
+    if (budget - total <= slack) break;
+    size_t b = 0;
+    while (b < s.size()) {
+      size_t e = s.find(' ', b + 1);
+      if (e == std::string::npos) e = s.size();
+      std::string word = s.substr(b, e - b);
+      const int64_t tw = (int64_t)tok.encode(word, false, false).size();
+      if (total + tw > budget) break;
+      out.push_back({std::move(word), tw, false});
+      total += tw;
+      b = e;
+    }
+    break;
+  }
+  return out;
+}
+
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+std::string one_line(const std::string& s) {
+  std::string out;
+  for (char c : s) out += (c == '\n') ? ' ' : c;
+  return out;
+}
+
+}  // namespace
+
+int64_t passkey_token_tolerance(int64_t context_tokens) {
+  return std::max<int64_t>(32, (context_tokens + 99) / 100);
+}
+
+int passkey_for_seed(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  return 10000 + (int)(rng() % 90000);
+}
+
+int extract_passkey(const std::string& answer) {
+  for (size_t i = 0; i < answer.size();) {
+    if (!is_digit(answer[i])) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < answer.size() && is_digit(answer[j])) ++j;
+    if (j - i == 5) return std::stoi(answer.substr(i, 5));
+    i = j;
+  }
+  return -1;
+}
+
+std::vector<double> parse_depths(const std::string& text) {
+  std::vector<double> out;
+  size_t b = 0;
+  while (b <= text.size()) {
+    size_t e = text.find(',', b);
+    if (e == std::string::npos) e = text.size();
+    const std::string item = text.substr(b, e - b);
+    size_t used = 0;
+    double d = 0;
+    try {
+      d = std::stod(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    XCTX_CHECK(!item.empty() && used == item.size(), "--depths: '", item, "' is not a number (e.g. 0,0.5,1)");
+    XCTX_CHECK(d >= 0.0 && d <= 1.0, "--depths: ", d, " is outside [0, 1]");
+    out.push_back(d);
+    b = e + 1;
+  }
+  return out;
+}
+
+passkey_prompt make_passkey_prompt(const tokenizer& tok, int64_t context_tokens, double depth, int key,
+                                   const std::string& filler_kind, uint64_t seed, bool chat,
+                                   const std::string& chat_template) {
+  XCTX_CHECK(depth >= 0.0 && depth <= 1.0, "passkey depth ", depth, " is outside [0, 1]");
+  XCTX_CHECK(key >= 10000 && key <= 99999, "passkey ", key, " is not a 5-digit number");
+  XCTX_CHECK(context_tokens > 0, "passkey context must be > 0 tokens, got ", context_tokens);
+  const bool add_bos = tok.vocab().add_bos;
+  const int64_t tol = passkey_token_tolerance(context_tokens);
+
+  // (context text, suffix text) for given filler halves; the suffix starts at the question.
+  auto render = [&](const std::string& before, const std::string& after) {
+    const std::string head = kIntro + before + needle_text(key) + after;
+    if (!chat) return std::pair<std::string, std::string>(head, kQuestion);
+    const std::string full =
+        apply_chat_template(detect_chat_style(chat_template), std::vector<chat_message>{chat_message{"user", head + kQuestion}},
+                            /*add_generation_prompt=*/true);
+    const size_t q = full.rfind(kQuestion);
+    XCTX_ASSERT(q != std::string::npos, "chat template dropped the question");
+    return std::pair<std::string, std::string>(full.substr(0, q), full.substr(q));
+  };
+  auto encode = [&](const std::string& s) { return tok.encode(s, add_bos, /*parse_special=*/chat); };
+
+  const auto [bare_ctx, bare_suffix] = render("", "");
+  const int64_t n_fixed = (int64_t)encode(bare_ctx + bare_suffix).size();
+  XCTX_CHECK(n_fixed < context_tokens, "passkey --context ", context_tokens,
+             " is too small: the prompt without filler already takes ", n_fixed, " tokens");
+
+  passkey_prompt p;
+  p.key = key;
+  int64_t budget = context_tokens - n_fixed;
+  // Piece counts are exact for a byte-level BPE; the loop only corrects tokenizers whose pieces
+  // interact at the joins.
+  for (int attempt = 0;; ++attempt) {
+    const std::vector<filler_piece> pieces = build_filler(tok, filler_kind, seed, budget, tol / 2);
+    int64_t filler_total = 0;
+    for (const auto& pc : pieces) filler_total += pc.tokens;
+    // The key goes at the sentence boundary nearest to depth × filler.
+    const double target = depth * (double)filler_total;
+    size_t split = 0;
+    double best = target;  // distance at boundary 0
+    int64_t run = 0;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      run += pieces[i].tokens;
+      const bool boundary = pieces[i].ends_sentence || i + 1 == pieces.size();
+      if (boundary && std::abs((double)run - target) < best) {
+        best = std::abs((double)run - target);
+        split = i + 1;
+      }
+    }
+    std::string before, after;
+    for (size_t i = 0; i < pieces.size(); ++i) (i < split ? before : after) += pieces[i].text;
+    const auto [ctx_text, suffix_text] = render(before, after);
+    p.text = ctx_text + suffix_text;
+    p.ids = encode(p.text);
+    p.filler_tokens = filler_total;
+    const int64_t diff = (int64_t)p.ids.size() - context_tokens;
+    if (std::abs(diff) <= tol) {
+      const size_t n_ctx = encode(ctx_text).size();
+      XCTX_CHECK(n_ctx <= p.ids.size() && std::equal(p.ids.begin(), p.ids.begin() + n_ctx, encode(ctx_text).begin()),
+                 "the tokenizer merges across the start of the question; cannot split context and suffix");
+      p.context_ids.assign(p.ids.begin(), p.ids.begin() + n_ctx);
+      p.suffix_ids.assign(p.ids.begin() + n_ctx, p.ids.end());
+      const std::string key_lead = ctx_text.substr(0, ctx_text.find(needle_text(key))) + needle_lead();
+      // The lead ends in a space that joins the first digit's token, so count without it.
+      p.key_token = (int64_t)encode(key_lead.substr(0, key_lead.size() - 1)).size();
+      return p;
+    }
+    XCTX_CHECK(attempt < 4, "could not build a passkey prompt of ", context_tokens, " tokens (±", tol, "): got ",
+               p.ids.size());
+    budget -= diff;
+  }
+}
+
+int run_passkey(const passkey_options& opt, communicator& comm) {
+  const bool coordinator = comm.rank() == 0;
+  XCTX_CHECK(opt.trials >= 1, "--trials must be >= 1, got ", opt.trials);
+  XCTX_CHECK(!opt.depths.empty(), "--depths is empty");
+  for (double d : opt.depths) XCTX_CHECK(d >= 0.0 && d <= 1.0, "--depths: ", d, " is outside [0, 1]");
+  XCTX_CHECK(opt.filler == "classic" || opt.filler == "austen", "--filler: unknown '", opt.filler,
+             "' (classic, austen)");
+  XCTX_CHECK(opt.max_answer_tokens >= 1, "--max-answer-tokens must be >= 1");
+
+  stopwatch load_clock;
+  const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
+  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  const model_hparams& hp = s.weights.hp;
+
+  // Every rank checks the same numbers, so a bad setting fails everywhere before a collective.
+  // The prompt may overshoot --context by the tolerance; the answer follows it.
+  const int64_t need = opt.context + passkey_token_tolerance(opt.context) + opt.max_answer_tokens;
+  const int64_t suggest_ctx = (need + 1023) / 1024 * 1024;
+  if (opt.run.rope_scale == rope_scaling::rope_scaling_none) {
+    const int64_t factor = (opt.context + hp.n_ctx_train - 1) / hp.n_ctx_train;
+    XCTX_CHECK(need <= hp.n_ctx_train, "passkey --context ", opt.context, " needs up to ", need,
+               " tokens, beyond the model's trained context of ", hp.n_ctx_train,
+               "; pass --rope-scaling linear --rope-factor ", factor, " --ctx ", suggest_ctx);
+  }
+  const int64_t capacity = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
+  XCTX_CHECK(need <= capacity, "passkey --context ", opt.context, " needs up to ", need, " tokens but the context is ",
+             capacity, " (pass --ctx ", suggest_ctx, ")");
+  if (coordinator && opt.run.rope_scale != rope_scaling::rope_scaling_none &&
+      opt.context > (int64_t)(hp.n_ctx_train * opt.run.rope_factor))
+    std::fprintf(stderr, "[passkey] warning: --context %lld exceeds the trained context %d x --rope-factor %.2f\n",
+                 (long long)opt.context, hp.n_ctx_train, opt.run.rope_factor);
+
+  llama_engine engine(s.weights, *s.be, opt.run);
+  sequence_options seq = opt.seq;
+  seq.max_new_tokens = opt.max_answer_tokens + 1;
+  std::unique_ptr<sequence_parallel_runner> runner;  // the last trial's, kept for the shard report
+  std::vector<float> logits(hp.n_vocab);
+
+  if (coordinator)
+    std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
+  if (coordinator)
+    std::printf("passkey: model %s | %d rank(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
+                hp.name.c_str(), comm.size(), prefill_mode_name(seq.mode), format_traits(opt.run.cache).name,
+                opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
+                (long long)passkey_token_tolerance(opt.context));
+
+  nlohmann::json trials_json = nlohmann::json::array();
+  std::vector<int> correct(opt.depths.size(), 0);
+  double prefill_total_s = 0;
+  for (size_t di = 0; di < opt.depths.size(); ++di) {
+    for (int t = 0; t < opt.trials; ++t) {
+      const uint64_t trial_seed = opt.seed + (uint64_t)t;
+      const int key = passkey_for_seed(trial_seed);
+      passkey_prompt prompt;
+      stopwatch build_clock;
+      if (coordinator)
+        prompt = make_passkey_prompt(*s.tok, opt.context, opt.depths[di], key, opt.filler, trial_seed, opt.chat,
+                                     s.chat_template);
+      broadcast_tokens(comm, prompt.context_ids);
+      broadcast_tokens(comm, prompt.suffix_ids);
+      const double build_s = build_clock.seconds();
+      const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
+
+      runner.reset();  // free the previous trial's cache before allocating the next
+      runner = std::make_unique<sequence_parallel_runner>(engine, comm, *s.be, opt.run.cache, seq);
+      stopwatch prefill_clock;
+      const bool show_progress = coordinator && n_prompt >= 4 * opt.run.n_batch;
+      runner->prefill(prompt.context_ids, prompt.suffix_ids, logits.data(), [&](int64_t done, int64_t total) {
+        if (show_progress)
+          std::fprintf(stderr, "\r[passkey] depth %.2f trial %d: prefill %lld/%lld", opt.depths[di], t,
+                       (long long)done, (long long)total);
+      });
+      if (show_progress) std::fprintf(stderr, "\n");
+      const double prefill_s = prefill_clock.seconds();
+      prefill_total_s += prefill_s;
+
+      stopwatch decode_clock;
+      std::vector<int32_t> answer_ids;
+      for (int i = 0; i < opt.max_answer_tokens; ++i) {
+        int32_t id = coordinator ? argmax(logits.data(), hp.n_vocab) : 0;
+        comm.broadcast(&id, sizeof id, 0);  // rank 0 decides; every rank runs the same token
+        if (s.tok->is_end_of_generation(id)) break;
+        answer_ids.push_back(id);
+        if (i + 1 == opt.max_answer_tokens) break;
+        runner->step(&id, 1, logits.data());
+      }
+      const double decode_s = decode_clock.seconds();
+      if (!coordinator) continue;
+
+      const std::string answer = s.tok->decode(answer_ids);
+      const int got = extract_passkey(answer);
+      const bool ok = got == key;
+      correct[di] += ok;
+      std::printf("depth %.2f trial %d key %d | %lld tokens, key at %lld | answer \"%s\" | %s | prompt %.2f s, prefill %.2f s, decode %.2f s\n",
+                  opt.depths[di], t, key, (long long)n_prompt, (long long)prompt.key_token, one_line(answer).c_str(),
+                  ok ? "ok" : "WRONG", build_s, prefill_s, decode_s);
+      std::fflush(stdout);
+      trials_json.push_back({{"depth", opt.depths[di]},
+                             {"trial", t},
+                             {"seed", trial_seed},
+                             {"key", key},
+                             {"answer", answer},
+                             {"extracted", got},
+                             {"ok", ok},
+                             {"prompt_tokens", n_prompt},
+                             {"suffix_tokens", prompt.suffix_ids.size()},
+                             {"key_token", prompt.key_token},
+                             {"prefill_s", prefill_s},
+                             {"decode_s", decode_s}});
+    }
+  }
+
+  if (coordinator) {
+    nlohmann::json per_depth = nlohmann::json::array();
+    int all = 0;
+    std::printf("\n%-8s %9s %9s\n", "depth", "correct", "accuracy");
+    for (size_t di = 0; di < opt.depths.size(); ++di) {
+      all += correct[di];
+      std::printf("%-8.2f %6d/%-2d %8.0f%%\n", opt.depths[di], correct[di], opt.trials,
+                  100.0 * correct[di] / opt.trials);
+      per_depth.push_back({{"depth", opt.depths[di]},
+                           {"correct", correct[di]},
+                           {"trials", opt.trials},
+                           {"accuracy", (double)correct[di] / opt.trials}});
+    }
+    const int n_total = opt.trials * (int)opt.depths.size();
+    std::printf("%-8s %6d/%-2d %8.0f%%\n", "all", all, n_total, 100.0 * all / n_total);
+    std::fflush(stdout);  // the table before the memory and shard lines on stderr
+    std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
+                 prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());
+    if (!opt.json_path.empty()) {
+      const nlohmann::json out = {
+          {"model", hp.name},
+          {"context", opt.context},
+          {"filler", opt.filler},
+          {"chat", opt.chat},
+          {"prefill", prefill_mode_name(seq.mode)},
+          {"cache", format_traits(opt.run.cache).name},
+          {"ranks", comm.size()},
+          {"seed", opt.seed},
+          {"trials", trials_json},
+          {"summary", {{"per_depth", per_depth}, {"correct", all}, {"total", n_total},
+                       {"accuracy", (double)all / n_total}, {"prefill_s_total", prefill_total_s}}}};
+      std::ofstream f(opt.json_path);
+      XCTX_CHECK(f.good(), "--json: cannot write ", opt.json_path);
+      f << out.dump(2) << "\n";
+      XCTX_CHECK(f.good(), "--json: write failed on ", opt.json_path);
+    }
+  }
+  report_shards(comm, *runner, opt.run.cache);
+  return 0;
+}
+
+}  // namespace xctx
