@@ -2,7 +2,10 @@
 #include "common/error.h"
 #include "kernels/ops.h"
 
+#include "comm/communicator.h"
+
 #if XCTX_USE_CUDA
+#include "comm/nccl.h"
 #include "kernels/cuda/cuda_backend.h"
 #endif
 
@@ -47,6 +50,23 @@ std::unique_ptr<backend> make_backend(backend_kind kind) {
 #endif
   }
   fail("unknown backend kind ", (int)kind);
+}
+
+bool nccl_available() {
+#if XCTX_USE_CUDA
+  return cuda::device_present();
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<communicator> make_nccl_communicator_or_fail(communicator& bootstrap) {
+#if XCTX_USE_CUDA
+  XCTX_CHECK(cuda::device_present(), "nccl: no CUDA device is visible to rank ", bootstrap.rank());
+  return make_nccl_communicator(bootstrap);
+#else
+  fail("nccl: this xctx was built without CUDA (configure with -DXCTX_CUDA=ON)");
+#endif
 }
 
 }  // namespace xctx

@@ -16,8 +16,10 @@ namespace {
 
 // Float summation order is the only difference between one pass and the ring: the attention
 // sums are split into per-block partials merged by log-sum-exp (relative ~1e-6 each); through
-// 30 layers this stays below 1e-3 on logits of magnitude ~20 (measured ~1e-4).
-constexpr float kLogitTol = 2e-3f;
+// 30 layers this stays below 1e-3 on logits of magnitude ~20 (measured ~1e-4 with fp32).
+// With the fp16 cache such a 1e-6 difference can flip the rounding of a stored K/V element by
+// one half-precision step (relative 2^-11), which moves logits by up to a few 1e-3.
+float logit_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 2e-3f : 1e-2f; }
 constexpr int kGreedy = 12;
 
 std::vector<int32_t> golden_ids(size_t n) {
@@ -107,12 +109,12 @@ TEST_P(sequence_parallel, matches_single_process) {
   }
   // Star with an anchor that covers all earlier context is exact too.
   if (c.mode == prefill_mode::prefill_exact || c.anchor_tokens >= (int64_t)ids.size()) {
-    EXPECT_LE(worst, kLogitTol) << "rank " << comm.rank() << " of " << comm.size();
+    EXPECT_LE(worst, logit_tolerance(c.format)) << "rank " << comm.rank() << " of " << comm.size();
     EXPECT_EQ(greedy, ref.greedy) << "rank " << comm.rank();
   } else {
     // Star attention approximates: ranks > 0 do not see the context between the anchor and
     // their chunk during prefill. With one rank it is exact.
-    if (comm.size() == 1) EXPECT_LE(worst, kLogitTol);
+    if (comm.size() == 1) EXPECT_LE(worst, logit_tolerance(c.format));
     EXPECT_EQ(argmax(logits.data(), w.hp.n_vocab) >= 0, true);
   }
   // Every rank holds its shard (+ the tail's new tokens), and nothing else.

@@ -1,0 +1,19 @@
+// NCCL communicator (CUDA builds): collectives on device buffers, one CUDA stream per rank,
+// bootstrapped by broadcasting the NCCL unique id over an existing (MPI) communicator, which
+// also serves the host-side operations (barrier, abort). Implemented in comm/nccl.cu; created
+// through kernels/registry.cpp.
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+
+namespace xctx {
+
+// `bootstrap` must outlive the returned communicator. Selects the device the CUDA backend
+// uses (XCTX_CUDA_DEVICE, else node-local rank mod device count). Buffers passed to the
+// returned communicator are device pointers; every call is stream-ordered and synchronizes
+// before it returns (the worker's step loop is host-driven).
+std::unique_ptr<communicator> make_nccl_communicator(communicator& bootstrap);
+
+}  // namespace xctx
