@@ -14,9 +14,24 @@ bool has_avx2();  // AVX2 + FMA + F16C present on this CPU (cached)
 void set_force_scalar(bool on);
 
 // ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
-// Small n_tok (decode): fused dequantize-and-dot on the quantized weights (activations
-// quantized to Q8_0/Q8_1 blocks, integer dot products, as llama.cpp does). Large n_tok
+// Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok
 // (prefill): weight row panels dequantized to f32 and multiplied with OpenBLAS sgemm.
+//
+// Activations of the decode path for legacy block quants (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0):
+//  * act_f32 (default): the weight codes are widened to floats in registers and multiplied
+//    with the f32 activations, so the result differs from the exact product of the dequantized
+//    weights only by float accumulation (~1e-7 relative), like the sgemm prefill path.
+//    The result is a continuous function of x: splitting a sequence over a different number of
+//    ranks (which changes float summation orders upstream by ~1e-6) moves the logits by ~1e-6.
+//  * act_q8: activations rounded to 8-bit blocks and integer dot products, mirroring
+//    llama.cpp's arithmetic (faster). The rounding is discontinuous: a 1e-6 change of one
+//    activation can flip a rounding and move the logits by ~0.5, so multi-rank runs stop
+//    reproducing single-rank logits and greedy continuations diverge from a float64 reference.
+// Process-wide; XCTX_DECODE_ACT=q8 in the environment (read once) selects act_q8.
+enum class decode_activations : uint8_t { act_f32, act_q8 };
+void set_decode_activations(decode_activations act);
+decode_activations get_decode_activations();
+
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
 void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out);
 void dequantize_row(ggml_type type, const void* src, float* dst, int64_t n);

@@ -5,8 +5,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "common/error.h"
@@ -198,6 +201,34 @@ void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_ac
   }
 }
 
+void dot_rows_qf_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,
+                        int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  const size_t block_bytes = (size_t)ggml_traits(w.type).block_bytes;
+  const int64_t nb = w.n_cols / qk_small;
+  std::vector<float> acc((size_t)n_tok);  // [n_tok]
+  int32_t q[qk_small];
+  float wb[qk_small];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      float d, c;
+      block_codes(w.type, row + (size_t)b * block_bytes, q, &d, &c);
+      // The reference dequantizer's values: exact for Q4_0/Q5_0/Q8_0 (d·(q - 8) = d·q - 8d), one
+      // rounding of d·q + m for Q4_1/Q5_1.
+      for (int j = 0; j < qk_small; ++j) wb[j] = d * (float)q[j] + c;
+      for (int64_t t = 0; t < n_tok; ++t) {
+        const float* xb = x + t * w.n_cols + b * qk_small;
+        float s = 0.0f;
+        for (int j = 0; j < qk_small; ++j) s += wb[j] * xb[j];
+        acc[(size_t)t] += s;
+      }
+    }
+    for (int64_t t = 0; t < n_tok; ++t) y[t * ldy + r] = acc[(size_t)t];
+  }
+}
+
 void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,
                        int64_t ldy) {
   const size_t row_bytes = w.row_bytes();
@@ -212,11 +243,30 @@ void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float
   }
 }
 
-void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y, decode_activations act) {
   const bool simd = has_avx2();
   const int64_t n_rows = w.n_rows, n_cols = w.n_cols;
-  if (is_legacy_quant(w.type)) {
-    const int64_t nb = n_cols / qk_small;
+  const int64_t nb = n_cols / qk_small;
+  if (is_legacy_quant(w.type) && act == decode_activations::act_f32) {
+    thread_local std::vector<float> x_sum;  // [n_tok, nb]
+    if (simd) {
+      x_sum.resize((size_t)(n_tok * nb));
+      for (int64_t i = 0; i < n_tok * nb; ++i) {
+        const float* xb = x + i * qk_small;
+        float s = 0.0f;
+        for (int j = 0; j < qk_small; ++j) s += xb[j];
+        x_sum[(size_t)i] = s;
+      }
+    }
+    const float* xs = x_sum.data();  // inside the region `x_sum` names each thread's own
+    run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+      if (simd) {
+        dot_rows_qf_avx2(w, r0, r1, x, xs, n_tok, y, n_rows);
+      } else {
+        dot_rows_qf_scalar(w, r0, r1, x, n_tok, y, n_rows);
+      }
+    });
+  } else if (is_legacy_quant(w.type)) {
     thread_local std::vector<int8_t> qs;  // [n_tok, n_cols]
     thread_local std::vector<float> d, s;  // [n_tok, nb]
     qs.resize((size_t)(n_tok * n_cols));
@@ -302,22 +352,32 @@ void matmul_prefill(const weight_view& w, const float* x, int64_t n_tok, float* 
   }
 }
 
-int64_t prefill_min_tokens(ggml_type type) {
+int64_t prefill_min_tokens(ggml_type type, decode_activations act) {
   // Where the dequantize + sgemm path overtakes the fused decode path, single thread (both
-  // paths split rows the same way over threads), microseconds decode / prefill:
+  // paths split rows the same way over threads), microseconds decode / prefill.
+  // act_q8 (integer dots):
   //   Q4_1 1536x576: n_tok 16: 289 / 392, 24: 421 / 471, 32: 562 / 596, 40: 711 / 711,
   //                  64: 1129 / 1021, 96: 1726 / 1475
   //   Q8_0 1536x576: n_tok 24: 368 / 471, 40: 625 / 713, 64: 971 / 999
   //        49152x576 (output): n_tok 32: 33.4 / 38.3 ms, 64: 49.0 / 51.7 ms, 96: 78.1 / 72.0 ms
+  // act_f32 (codes widened to float; ~4 conversions + 4 FMAs per block and token, so it loses
+  // to sgemm much earlier; busy machine, chrt -f 50, bench_matmul BM_crossover):
+  //   Q4_1 1536x576: n_tok 8: 230 / 457, 12: 358 / 378, 16: 664 / 442, 32: 988 / 672,
+  //                  64: 2271 / 1129
+  //   Q8_0 49152x576: n_tok 8: 5.5 / 10.1 ms, 12: 9.2 / 12.7 ms, 16: 15.1 / 20.8 ms,
+  //                   24: 28.3 / 18.7 ms, 32: 41.3 / 21.4 ms
+  // Q4_0/Q5_0/Q5_1 were not measured separately; they share Q4_1's per-block work up to the
+  // fifth-bit unpacking, so they take its crossovers.
   //   F32  1536x576: n_tok 4: 107 / 185, 8: 209 / 238, 16: 461 / 323
   //   F16  1536x576: n_tok 8: 194 / 287, 16: 403 / 384
   // K-quants dequantize each row once in either path, so they cross over like F32.
+  const bool f32 = act == decode_activations::act_f32;
   switch (type) {
     case ggml_type::ggml_q4_0:
     case ggml_type::ggml_q4_1:
     case ggml_type::ggml_q5_0:
-    case ggml_type::ggml_q5_1: return 40;
-    case ggml_type::ggml_q8_0: return 64;
+    case ggml_type::ggml_q5_1: return f32 ? 12 : 40;
+    case ggml_type::ggml_q8_0: return f32 ? 20 : 64;
     case ggml_type::ggml_f16:
     case ggml_type::ggml_bf16: return 16;
     case ggml_type::ggml_f32:
@@ -334,10 +394,39 @@ int64_t prefill_min_tokens(ggml_type type) {
 
 }  // namespace detail
 
+namespace {
+
+// -1 until first read: then XCTX_DECODE_ACT decides, unless set_decode_activations came first.
+std::atomic<int> g_decode_act{-1};
+
+}  // namespace
+
+void set_decode_activations(decode_activations act) { g_decode_act.store((int)act, std::memory_order_relaxed); }
+
+decode_activations get_decode_activations() {
+  int v = g_decode_act.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("XCTX_DECODE_ACT");
+    const std::string_view e = env != nullptr ? env : "";
+    XCTX_CHECK(e.empty() || e == "f32" || e == "q8", "XCTX_DECODE_ACT must be f32 or q8, not '", e, "'");
+    const bool q8 = e == "q8";
+    int expected = -1;
+    const int want = (int)(q8 ? decode_activations::act_q8 : decode_activations::act_f32);
+    v = g_decode_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
+  }
+  return (decode_activations)v;
+}
+
 // Decode path below prefill_min_tokens (crossover table there), prefill path above. Measured
 // on this 2-core machine, SmolLM2-135M shapes, hot cache, 1 / 2 threads (bench_matmul):
-//   n_tok = 1:   Q4_1 576x576 8.6 / 5.7 us, 192x576 3.0 us, 1536x576 22.5 / 12.9 us,
-//                576x1536 21.5 / 12.6 us, Q8_0 49152x576 762 / 349 us (39 / 86 GB/s of weights)
+//   n_tok = 1, act_q8 (first run; a later, busier run in brackets):
+//                Q4_1 576x576 8.6 / 5.7 us [10.6 / 7.6], 192x576 3.0 us [3.3], 1536x576 22.5 /
+//                12.9 us [25.0 / 16.3], 576x1536 21.5 / 12.6 us [23.7 / 14.4],
+//                Q8_0 49152x576 762 / 349 us [1198 / 428] (39 / 86 GB/s of weights)
+//   n_tok = 1, act_f32 (the busier run): Q4_1 576x576 16.8 / 10.3 us, 192x576 5.3 us,
+//                1536x576 50.2 / 24.6 us, 576x1536 43.1 / 23.7 us, Q8_0 49152x576 1500 / 733 us
+//                (the per-block float conversions make it compute bound: ~1.6-2x act_q8 hot;
+//                one token's matmuls from these: ~3.9 ms act_f32 vs ~2.5 ms act_q8, 2 threads)
 //   n_tok = 512: Q4_1 576x576 2.80 / 1.56 ms, 1536x576 7.56 / 3.94 ms, 576x1536 7.79 / 4.11 ms
 // All decode matmuls of one token (96 MB of weights, cold): 3.9 ms / 2.4 ms.
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
@@ -348,10 +437,11 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
              " is not a multiple of the block size ", tr.block_elems);
   XCTX_CHECK(n_tok >= 0, "cpu::matmul: negative n_tok ", n_tok);
   if (n_tok == 0 || w.n_rows == 0) return;
-  if (n_tok >= detail::prefill_min_tokens(w.type)) {
+  const decode_activations act = get_decode_activations();
+  if (n_tok >= detail::prefill_min_tokens(w.type, act)) {
     detail::matmul_prefill(w, x, n_tok, y);
   } else {
-    detail::matmul_decode(w, x, n_tok, y);
+    detail::matmul_decode(w, x, n_tok, y, act);
   }
 }
 

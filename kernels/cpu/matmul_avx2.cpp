@@ -1,7 +1,9 @@
 // AVX2/FMA/F16C matmul kernels (this file is compiled with -mavx2 -mfma -mf16c and only entered
 // after cpu::has_avx2()).
 //
-// Integer path (legacy block quants against q8_act activations). Per 32-element block:
+// Float-activation path for legacy block quants (act_f32, the default): see dot_row_qf below.
+//
+// Integer path (legacy block quants against q8_act activations, act_q8). Per 32-element block:
 //   weight codes as 32 bytes: unsigned 0..15 / 0..31 for Q4_x / Q5_x, signed for Q8_0;
 //   maddubs (u8 x s8 -> pairs summed to s16; at most 2*31*127 or 2*128*127, no saturation),
 //   madd with ones -> 8 x s32, converted to float and FMA'd with d_w * d_x into the token's
@@ -198,6 +200,196 @@ void dot_rows_q(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, 
   }
 }
 
+// ---- legacy quants against float activations (act_f32) ------------------------------------
+//
+// Per 32-element block the codes are widened to 4 x 8 int32 (pmovzx/pmovsx straight from the
+// block: the 16 nibble bytes give elements j and j + 16 from the same lane), converted to float
+// and FMA'd with x. The scale is applied once per block: y += d · Σ q x. The signed formats
+// (Q4_0: q - 8, Q5_0: q - 16) subtract the offset in the integers, which is exact and keeps the
+// error relative to Σ|w x|; Q4_1/Q5_1 add m · Σx with the block sums of x computed once per call.
+
+template <ggml_type T>
+struct ffmt;
+
+inline void widen_nibbles(const uint8_t* qs, __m256i* v /*[4]*/) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  v[0] = _mm256_and_si256(lo, mask);  // elements 0..7
+  v[1] = _mm256_and_si256(hi, mask);  // 8..15
+  v[2] = _mm256_srli_epi32(lo, 4);    // 16..23
+  v[3] = _mm256_srli_epi32(hi, 4);    // 24..31
+}
+
+// Adds the fifth bit (bit j of qh, as 16) to element j's code.
+inline void add_high_bits(const uint8_t* qh, __m256i* v /*[4]*/) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  // Lane j of vector i shifts bit 8i + j down to bit 4; bits 0..27 come from bits << 4 (so no
+  // shift goes negative), bits 28..31 from bits itself.
+  const __m256i h4 = _mm256_set1_epi32((int)(bits << 4));
+  const __m256i h = _mm256_set1_epi32((int)bits);
+  const __m256i sixteen = _mm256_set1_epi32(16);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < 3; ++i) {
+    const __m256i sh = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i));
+    v[i] = _mm256_or_si256(v[i], _mm256_and_si256(_mm256_srlv_epi32(h4, sh), sixteen));
+  }
+  const __m256i sh3 = _mm256_add_epi32(lane, _mm256_set1_epi32(20));
+  v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srlv_epi32(h, sh3), sixteen));
+}
+
+inline void to_float(const __m256i* v, __m256* f, int offset) {
+  const __m256i o = _mm256_set1_epi32(offset);
+  for (int i = 0; i < 4; ++i) f[i] = _mm256_cvtepi32_ps(offset ? _mm256_sub_epi32(v[i], o) : v[i]);
+}
+
+inline void load_dm(const void* dm_pair, float* d, float* m) {
+  int dm;
+  std::memcpy(&dm, dm_pair, 4);  // d and m are adjacent fp16s: convert both at once
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+  *d = _mm_cvtss_f32(f);
+  *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
+}
+
+template <>
+struct ffmt<ggml_type::ggml_q4_0> {
+  using block = block_q4_0;
+  static constexpr bool has_min = false;
+  static void expand(const block* b, __m256* f, float* d, float* m) {
+    __m256i v[4];
+    widen_nibbles(b->qs, v);
+    to_float(v, f, 8);
+    *d = load_f16(b->d);
+    *m = 0.0f;
+  }
+};
+template <>
+struct ffmt<ggml_type::ggml_q4_1> {
+  using block = block_q4_1;
+  static constexpr bool has_min = true;
+  static void expand(const block* b, __m256* f, float* d, float* m) {
+    __m256i v[4];
+    widen_nibbles(b->qs, v);
+    to_float(v, f, 0);
+    load_dm(&b->d, d, m);
+  }
+};
+template <>
+struct ffmt<ggml_type::ggml_q5_0> {
+  using block = block_q5_0;
+  static constexpr bool has_min = false;
+  static void expand(const block* b, __m256* f, float* d, float* m) {
+    __m256i v[4];
+    widen_nibbles(b->qs, v);
+    add_high_bits(b->qh, v);
+    to_float(v, f, 16);
+    *d = load_f16(b->d);
+    *m = 0.0f;
+  }
+};
+template <>
+struct ffmt<ggml_type::ggml_q5_1> {
+  using block = block_q5_1;
+  static constexpr bool has_min = true;
+  static void expand(const block* b, __m256* f, float* d, float* m) {
+    __m256i v[4];
+    widen_nibbles(b->qs, v);
+    add_high_bits(b->qh, v);
+    to_float(v, f, 0);
+    load_dm(&b->d, d, m);
+  }
+};
+template <>
+struct ffmt<ggml_type::ggml_q8_0> {
+  using block = block_q8_0;
+  static constexpr bool has_min = false;
+  static void expand(const block* b, __m256* f, float* d, float* m) {
+    for (int i = 0; i < 4; ++i) {
+      f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b->qs + 8 * i))));
+    }
+    *d = load_f16(b->d);
+    *m = 0.0f;
+  }
+};
+
+// One weight row against NT activation rows; U accumulator sets as in dot_row_q.
+template <ggml_type T, int NT, int U>
+void dot_row_qf(const void* row, int64_t nb, const float* const* x /*[NT]*/, const float* const* xs /*[NT]*/,
+                float* out /*[NT]*/) {
+  using F = ffmt<T>;
+  const auto* blk = (const typename F::block*)row;
+  __m256 acc[U][NT];
+  float off[U][NT];
+  for (int u = 0; u < U; ++u) {
+    for (int t = 0; t < NT; ++t) {
+      acc[u][t] = _mm256_setzero_ps();
+      off[u][t] = 0.0f;
+    }
+  }
+  auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
+    __m256 f[4];
+    float d, m;
+    F::expand(blk + b, f, &d, &m);
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int t = 0; t < NT; ++t) {
+      const float* xb = x[t] + b * qk_small;
+      __m256 p = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+      p = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), p);
+      p = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), p);
+      p = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), p);
+      acc[u][t] = _mm256_fmadd_ps(p, dv, acc[u][t]);
+      if constexpr (F::has_min) off[u][t] += m * xs[t][b];
+    }
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U) {
+    for (int u = 0; u < U; ++u) step(b + u, u);
+  }
+  for (; b < nb; ++b) step(b, 0);
+  for (int t = 0; t < NT; ++t) {
+    __m256 a = acc[0][t];
+    float o = off[0][t];
+    for (int u = 1; u < U; ++u) {
+      a = _mm256_add_ps(a, acc[u][t]);
+      o += off[u][t];
+    }
+    out[t] = hsum(a) + o;
+  }
+}
+
+template <ggml_type T, int NT>
+void dot_row_qf_group(const void* row, int64_t nb, const float* x, const float* x_sum, int64_t t0, float* y,
+                      int64_t ldy, int64_t r) {
+  const float* xt[NT];
+  const float* st[NT];
+  for (int t = 0; t < NT; ++t) {
+    xt[t] = x + (t0 + t) * nb * qk_small;
+    st[t] = x_sum + (t0 + t) * nb;
+  }
+  float out[NT];
+  dot_row_qf<T, NT, (NT == 1 ? 2 : 1)>(row, nb, xt, st, out);
+  for (int t = 0; t < NT; ++t) y[(t0 + t) * ldy + r] = out[t];
+}
+
+template <ggml_type T>
+void dot_rows_qf(const weight_view& w, int64_t r0, int64_t r1, const float* x, const float* x_sum, int64_t n_tok,
+                 float* y, int64_t ldy) {
+  const size_t row_bytes = w.row_bytes();
+  const int64_t nb = w.n_cols / qk_small;
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
+    int64_t t = 0;
+    for (; t + 4 <= n_tok; t += 4) dot_row_qf_group<T, 4>(row, nb, x, x_sum, t, y, ldy, r);
+    switch (n_tok - t) {
+      case 3: dot_row_qf_group<T, 3>(row, nb, x, x_sum, t, y, ldy, r); break;
+      case 2: dot_row_qf_group<T, 2>(row, nb, x, x_sum, t, y, ldy, r); break;
+      case 1: dot_row_qf_group<T, 1>(row, nb, x, x_sum, t, y, ldy, r); break;
+      case 0: break;
+    }
+  }
+}
+
 // ---- float weights -------------------------------------------------------------------------
 
 template <ggml_type T>
@@ -329,6 +521,28 @@ void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act&
     case ggml_type::ggml_q8_k: break;
   }
   XCTX_ASSERT(false, "dot_rows_q_avx2: not a legacy quant type: ", (uint32_t)w.type);
+}
+
+void dot_rows_qf_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x, const float* x_sum,
+                      int64_t n_tok, float* y, int64_t ldy) {
+  switch (w.type) {
+    case ggml_type::ggml_q4_0: return dot_rows_qf<ggml_type::ggml_q4_0>(w, r0, r1, x, x_sum, n_tok, y, ldy);
+    case ggml_type::ggml_q4_1: return dot_rows_qf<ggml_type::ggml_q4_1>(w, r0, r1, x, x_sum, n_tok, y, ldy);
+    case ggml_type::ggml_q5_0: return dot_rows_qf<ggml_type::ggml_q5_0>(w, r0, r1, x, x_sum, n_tok, y, ldy);
+    case ggml_type::ggml_q5_1: return dot_rows_qf<ggml_type::ggml_q5_1>(w, r0, r1, x, x_sum, n_tok, y, ldy);
+    case ggml_type::ggml_q8_0: return dot_rows_qf<ggml_type::ggml_q8_0>(w, r0, r1, x, x_sum, n_tok, y, ldy);
+    case ggml_type::ggml_f32:
+    case ggml_type::ggml_f16:
+    case ggml_type::ggml_bf16:
+    case ggml_type::ggml_q8_1:
+    case ggml_type::ggml_q2_k:
+    case ggml_type::ggml_q3_k:
+    case ggml_type::ggml_q4_k:
+    case ggml_type::ggml_q5_k:
+    case ggml_type::ggml_q6_k:
+    case ggml_type::ggml_q8_k: break;
+  }
+  XCTX_ASSERT(false, "dot_rows_qf_avx2: not a legacy quant type: ", (uint32_t)w.type);
 }
 
 void dot_rows_f_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,

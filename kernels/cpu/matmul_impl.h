@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 
 namespace xctx::cpu::detail {
@@ -33,6 +34,17 @@ void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_ac
 void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok,
                      float* y /*[n_tok, ldy]*/, int64_t ldy);
 
+// Rows [r0, r1) of a legacy-quant weight against n_tok float activation rows (the act_f32
+// decode path): each block's codes are widened to floats in registers and FMA'd with x, so
+// nothing but float accumulation separates the result from the exact product with the
+// dequantized weights. x_sum[t * n_blocks + b] = Σ of block b of x[t], used by the AVX2 kernel
+// for the Q4_1/Q5_1 offset (m · Σx); the scalar kernel dequantizes each weight instead.
+void dot_rows_qf_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x /*[n_tok, n_cols]*/,
+                        int64_t n_tok, float* y /*[n_tok, ldy]*/, int64_t ldy);
+void dot_rows_qf_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x /*[n_tok, n_cols]*/,
+                      const float* x_sum /*[n_tok, n_cols / 32]*/, int64_t n_tok, float* y /*[n_tok, ldy]*/,
+                      int64_t ldy);
+
 // Rows [r0, r1) of an F32 / F16 / BF16 weight against float activations.
 void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x /*[n_tok, n_cols]*/,
                        int64_t n_tok, float* y /*[n_tok, ldy]*/, int64_t ldy);
@@ -48,8 +60,9 @@ bool is_legacy_quant(ggml_type type);
 bool is_float_type(ggml_type type);
 
 // The two matmul strategies behind cpu::matmul, callable directly by tests and benchmarks.
+// `act` matters only for legacy quants (the other types always use float activations).
 void matmul_decode(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
-                   float* y /*[n_tok, n_rows]*/);
+                   float* y /*[n_tok, n_rows]*/, decode_activations act = get_decode_activations());
 // Measured at n_tok = 512, Q4_1, 2 threads (1 thread: ~120-125 GFLOP/s either way):
 //   split_rows:   576x576 1.56 ms (218 GFLOP/s), 1536x576 3.94 ms (230), 576x1536 4.11 ms (221)
 //   whole_matrix: 576x576 17.0 ms, 1536x576 11.2 ms, 576x1536 11.4 ms
@@ -66,8 +79,9 @@ enum class prefill_mode : uint8_t {
 };
 void matmul_prefill(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
                     float* y /*[n_tok, n_rows]*/, prefill_mode mode = prefill_mode::prefill_split_rows);
-// n_tok at which cpu::matmul switches from matmul_decode to matmul_prefill.
-int64_t prefill_min_tokens(ggml_type type);
+// n_tok at which cpu::matmul switches from matmul_decode (with activations `act`) to
+// matmul_prefill.
+int64_t prefill_min_tokens(ggml_type type, decode_activations act = get_decode_activations());
 
 // Row range of thread ith of nth, cut at multiples of 16 rows so two threads never write the
 // same 64-byte line of y.

@@ -10,6 +10,13 @@
 //    magnitude (|w_i| + 2|c_b|)·|x̃_i| <= (|w_i| + 2|c_b|)(|x_i| + d_b).
 //  * float paths (F32/F16/BF16 and K-quant decode, every sgemm prefill): only accumulation
 //    error, <= (n_cols + 8)·2^-23·Σ|w_i||x_i|.
+//  * float-activation decode path of the legacy quants (act_f32, the default): only accumulation
+//    error too, with c = 1 in  |y - y_ref| <= c·(n_cols + 8)·2^-23·Σ a_i  (a chain of n terms
+//    errs by at most (n - 1)·2^-24 of the sum of magnitudes; the 8 covers the lane and block
+//    sums). a_i = |w_i x_i| where the kernel computes d·Σ(q - offset)·x with exact integer
+//    codes (Q4_0, Q5_0, Q8_0, and every type in the scalar kernel, which dequantizes like the
+//    reference); for Q4_1/Q5_1 the AVX2 kernel computes d·Σq·x + m·Σx, whose terms are
+//    |d q_i x_i| and |m x_i| <= (|w_i| + 2|m|)|x_i|, so a_i = (|w_i| + 2|m|)|x_i| there.
 //  * the reference itself rounds its double sum to float: 2^-24·|y| <= 2^-24·Σ|w_i||x_i|.
 // The activation bound is a worst case (all roundings aligned), so a subtly wrong kernel could
 // hide under it; the integer path is therefore also held to the float-error bound alone against
@@ -20,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -195,6 +203,8 @@ class matmul_test : public testing::TestWithParam<mm_case> {
     const int64_t nb = n_cols / qk_small;
     const size_t row_bytes = w_.row_bytes();
     abs_dot_.assign((size_t)(n_tok * n_rows), 0.0);
+    abs_terms_f_.assign((size_t)(n_tok * n_rows), 0.0);
+    const bool has_min = c.type == ggml_type::ggml_q4_1 || c.type == ggml_type::ggml_q5_1;
     quant_term_.assign((size_t)(n_tok * n_rows), 0.0);
     int_float_err_.assign((size_t)(n_tok * n_rows), 0.0);
     std::vector<float> w((size_t)n_cols);  // [n_cols]
@@ -239,6 +249,14 @@ class matmul_test : public testing::TestWithParam<mm_case> {
         double ad = 0.0;
         for (int64_t i = 0; i < n_cols; ++i) ad += std::fabs((double)w[(size_t)i] * (double)xt[i]);
         abs_dot_[(size_t)(t * n_rows + r)] = ad;
+        double af = ad;
+        if (has_min) {
+          af = 0.0;
+          for (int64_t i = 0; i < n_cols; ++i) {
+            af += (std::fabs((double)w[(size_t)i]) + 2.0 * blk_off[(size_t)(i / qk_small)]) * std::fabs((double)xt[i]);
+          }
+        }
+        abs_terms_f_[(size_t)(t * n_rows + r)] = af;
         if (legacy) {
           double yg = 0.0;
           for (int64_t i = 0; i < n_cols; ++i) yg += (double)w[(size_t)i] * x_grid[(size_t)(t * n_cols + i)];
@@ -260,9 +278,17 @@ class matmul_test : public testing::TestWithParam<mm_case> {
     const double n = (double)GetParam().s.n_cols;
     return ((n + 8.0) * k_f32_eps + k_unit_round) * abs_dot_[(size_t)i] + std::numeric_limits<float>::denorm_min();
   }
-  // The decode path's bound: integer path for legacy quants, float dot otherwise.
-  double decode_bound(int64_t i) const {
+  // The float-activation decode path of the legacy quants (header comment).
+  double decode_f32_bound(int64_t i) const {
+    const double n = (double)GetParam().s.n_cols;
+    return (n + 8.0) * k_f32_eps * abs_terms_f_[(size_t)i] + k_unit_round * abs_dot_[(size_t)i] +
+           std::numeric_limits<float>::denorm_min();
+  }
+  // The decode path's bound with activations `act`: integer path for legacy quants under
+  // act_q8, float dot otherwise.
+  double decode_bound(int64_t i, cpu::decode_activations act) const {
     if (!cpu::detail::is_legacy_quant(GetParam().type)) return float_bound(i);
+    if (act == cpu::decode_activations::act_f32) return decode_f32_bound(i);
     return quant_term_[(size_t)i] + int_float_err_[(size_t)i] + k_unit_round * abs_dot_[(size_t)i] +
            std::numeric_limits<float>::denorm_min();
   }
@@ -306,6 +332,7 @@ class matmul_test : public testing::TestWithParam<mm_case> {
   std::vector<float> x_;           // [n_tok, n_cols]
   std::vector<float> y_ref_;       // [n_tok, n_rows]
   std::vector<double> abs_dot_;    // [n_tok, n_rows]
+  std::vector<double> abs_terms_f_;  // [n_tok, n_rows] Σ a_i of the act_f32 bound
   std::vector<double> quant_term_;  // [n_tok, n_rows]
   std::vector<double> int_float_err_;  // [n_tok, n_rows]
   std::vector<double> y_grid_;  // [n_tok, n_rows] Σ w·x̃ in double, x̃ = the int8-grid activations
@@ -316,27 +343,45 @@ class matmul_test : public testing::TestWithParam<mm_case> {
 TEST_P(matmul_test, all_paths_match_ref) {
   const mm_case& c = GetParam();
   const bool legacy = cpu::detail::is_legacy_quant(c.type);
+  using cpu::decode_activations;
 
-  std::vector<float> y_simd = nan_output();
-  cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data());
-  expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i); },
-               cpu::has_avx2() ? "decode avx2" : "decode");
-  expect_near_grid(y_simd, "decode vs grid activations");
+  // Float activations: both kernels within the accumulation bound of ref, and of each other.
+  {
+    const decode_activations act = decode_activations::act_f32;
+    std::vector<float> y_simd = nan_output();
+    cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
+    expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
+                 cpu::has_avx2() ? "decode f32 avx2" : "decode f32");
+    std::vector<float> y_scalar = nan_output();
+    cpu::set_force_scalar(true);
+    cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_scalar.data(), act);
+    cpu::set_force_scalar(false);
+    expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i, act); }, "decode f32 scalar");
+    expect_close(y_scalar, y_simd, [&](int64_t i) { return 2.0 * decode_bound(i, act); },
+                 "decode f32 scalar vs simd");
+  }
 
-  std::vector<float> y_scalar = nan_output();
-  cpu::set_force_scalar(true);
-  cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_scalar.data());
-  cpu::set_force_scalar(false);
-  expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i); }, "decode scalar");
-  expect_near_grid(y_scalar, "decode scalar vs grid activations");
-  // Both quantize the activations to identical bits, so they differ by float rounding only: at
-  // most each side's own accumulation error.
-  expect_close(y_scalar, y_simd,
-               [&](int64_t i) {
-                 return legacy ? 2.0 * int_float_err_[(size_t)i] + std::numeric_limits<float>::denorm_min()
-                               : 2.0 * float_bound(i);
-               },
-               "decode scalar vs simd");
+  // 8-bit activations (legacy quants only; other types ignore the setting).
+  if (legacy) {
+    const decode_activations act = decode_activations::act_q8;
+    std::vector<float> y_simd = nan_output();
+    cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
+    expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
+                 cpu::has_avx2() ? "decode q8 avx2" : "decode q8");
+    expect_near_grid(y_simd, "decode q8 vs grid activations");
+
+    std::vector<float> y_scalar = nan_output();
+    cpu::set_force_scalar(true);
+    cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_scalar.data(), act);
+    cpu::set_force_scalar(false);
+    expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i, act); }, "decode q8 scalar");
+    expect_near_grid(y_scalar, "decode q8 scalar vs grid activations");
+    // Both quantize the activations to identical bits, so they differ by float rounding only: at
+    // most each side's own accumulation error.
+    expect_close(y_scalar, y_simd,
+                 [&](int64_t i) { return 2.0 * int_float_err_[(size_t)i] + std::numeric_limits<float>::denorm_min(); },
+                 "decode q8 scalar vs simd");
+  }
 
   for (prefill_mode mode : {prefill_mode::prefill_split_rows, prefill_mode::prefill_whole_matrix}) {
     std::vector<float> y = nan_output();
@@ -347,8 +392,10 @@ TEST_P(matmul_test, all_paths_match_ref) {
 
   std::vector<float> y = nan_output();
   cpu::matmul(w_, x_.data(), c.n_tok, y.data());
-  const bool prefill = c.n_tok >= cpu::detail::prefill_min_tokens(c.type);
-  expect_close(y, y_ref_, [&](int64_t i) { return prefill ? float_bound(i) : decode_bound(i); }, "cpu::matmul");
+  const decode_activations act = cpu::get_decode_activations();
+  const bool prefill = c.n_tok >= cpu::detail::prefill_min_tokens(c.type, act);
+  expect_close(y, y_ref_, [&](int64_t i) { return prefill ? float_bound(i) : decode_bound(i, act); },
+               "cpu::matmul");
 }
 
 std::vector<mm_case> matmul_cases() {
@@ -438,14 +485,118 @@ TEST(matmul_threads, one_and_two_threads_give_identical_bits) {
   std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
   const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
   std::vector<float> x = random_activations(n_tok, n_cols, rng);
-  std::vector<float> y1((size_t)(n_tok * n_rows)), y2((size_t)(n_tok * n_rows));
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  cpu::detail::matmul_decode(w, x.data(), n_tok, y1.data());
-  omp_set_num_threads(2);
-  cpu::detail::matmul_decode(w, x.data(), n_tok, y2.data());
-  omp_set_num_threads(saved);
-  EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)));
+  for (cpu::decode_activations act : {cpu::decode_activations::act_f32, cpu::decode_activations::act_q8}) {
+    std::vector<float> y1((size_t)(n_tok * n_rows)), y2((size_t)(n_tok * n_rows));
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    cpu::detail::matmul_decode(w, x.data(), n_tok, y1.data(), act);
+    omp_set_num_threads(2);
+    cpu::detail::matmul_decode(w, x.data(), n_tok, y2.data(), act);
+    omp_set_num_threads(saved);
+    EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)))
+        << (act == cpu::decode_activations::act_f32 ? "f32" : "q8") << " activations";
+  }
+}
+
+// ---- continuity: why act_f32 is the default ------------------------------------------------
+//
+// A relative 1e-6 change of the activations (what a different float summation order upstream
+// produces, e.g. the same sequence split over another number of ranks) may move y by about as
+// much: |Δy| <= 1e-6·Σ|w x| plus the difference of the two runs' rounding errors, which follow
+// the same order on operands equal to 1e-6 and stay far below 1e-5·Σ|w x| (random walk of
+// n_cols roundings of 2^-24: ~2e-6 at n_cols = 576 even with partial sums as large as Σ|w x|).
+// Hence k_continuity_tol = 1e-5 relative to Σ|w x|. Rounding x to an int8 grid breaks this: an
+// element sitting on a rounding tie moves a whole grid step (d_x·|w_i|) under any perturbation.
+constexpr double k_continuity_rel = 1e-6;
+constexpr double k_continuity_tol = 1e-5;
+
+class matmul_continuity_test : public testing::TestWithParam<ggml_type> {};
+
+TEST_P(matmul_continuity_test, f32_activations_are_continuous_q8_are_not) {
+  const ggml_type type = GetParam();
+  const uint32_t seed = 700 + (uint32_t)type;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const int64_t n_rows = 64, n_cols = 576;
+  std::vector<uint8_t> w_data = quantized_weights(type, n_rows, n_cols, rng);
+  const weight_view w{type, n_rows, n_cols, w_data.data()};
+  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+  std::vector<float> x((size_t)n_cols), u((size_t)n_cols);  // [n_cols]
+  for (auto& v : x) v = ud(rng);
+  for (auto& v : u) v = ud(rng);
+  // Block 0: max |x| = 127 makes the q8 grid step exactly 1, and 40.5 sits on a tie (rounds
+  // half-even to 40). The perturbation keeps x[0] (so the step stays 1) and pushes x[1] up by the
+  // full relative 1e-6, to 41 on the grid; every other element moves by a random relative
+  // amount within ±1e-6.
+  x[0] = 127.0f;
+  x[1] = 40.5f;
+  u[0] = 0.0f;
+  u[1] = 1.0f;
+  std::vector<float> xp((size_t)n_cols);
+  for (int64_t i = 0; i < n_cols; ++i) xp[(size_t)i] = x[(size_t)i] * (1.0f + (float)k_continuity_rel * u[(size_t)i]);
+  ASSERT_NE(x[1], xp[1]);
+
+  std::vector<float> wrow((size_t)n_cols);  // [n_cols]
+  std::vector<double> scale((size_t)n_rows);  // [n_rows] Σ|w x|
+  for (int64_t r = 0; r < n_rows; ++r) {
+    ref::dequantize_row(type, w_data.data() + (size_t)r * w.row_bytes(), wrow.data(), n_cols);
+    double s = 0.0;
+    for (int64_t i = 0; i < n_cols; ++i) s += std::fabs((double)wrow[(size_t)i] * x[(size_t)i]);
+    scale[(size_t)r] = s;
+  }
+  // Largest |y(x') - y(x)| / Σ|w x| over the rows, per path.
+  auto max_rel_move = [&](cpu::decode_activations act) {
+    std::vector<float> y((size_t)n_rows), yp((size_t)n_rows);
+    cpu::detail::matmul_decode(w, x.data(), 1, y.data(), act);
+    cpu::detail::matmul_decode(w, xp.data(), 1, yp.data(), act);
+    double m = 0.0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      m = std::max(m, std::fabs((double)yp[(size_t)r] - (double)y[(size_t)r]) / scale[(size_t)r]);
+    }
+    return m;
+  };
+  for (bool scalar : {false, true}) {
+    cpu::set_force_scalar(scalar);
+    const double f32 = max_rel_move(cpu::decode_activations::act_f32);
+    const double q8 = max_rel_move(cpu::decode_activations::act_q8);
+    cpu::set_force_scalar(false);
+    const char* kind = scalar ? "scalar" : "simd";
+    EXPECT_LE(f32, k_continuity_tol) << kind << ": f32 activations moved y discontinuously";
+    // The documented reason for the default: the grid step shows up in y.
+    EXPECT_GT(q8, k_continuity_tol) << kind << ": q8 activations did not flip the tie at x[1] = 40.5";
+    std::printf("%s: max |dy| / sum|w x|: f32 %.3g, q8 %.3g\n", kind, f32, q8);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(types, matmul_continuity_test,
+                         testing::Values(ggml_type::ggml_q4_0, ggml_type::ggml_q4_1, ggml_type::ggml_q5_0,
+                                         ggml_type::ggml_q5_1, ggml_type::ggml_q8_0),
+                         [](const testing::TestParamInfo<ggml_type>& info) { return ggml_traits(info.param).name; });
+
+// The process-wide switch reaches cpu::matmul (decode-sized n_tok), and f32 is the default
+// unless XCTX_DECODE_ACT=q8 is set.
+TEST(matmul_activations, setting_selects_the_decode_path) {
+  const char* env = std::getenv("XCTX_DECODE_ACT");
+  const cpu::decode_activations saved = cpu::get_decode_activations();
+  EXPECT_EQ(saved, env != nullptr && std::string(env) == "q8" ? cpu::decode_activations::act_q8
+                                                              : cpu::decode_activations::act_f32);
+  const uint32_t seed = 92;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const int64_t n_rows = 100, n_cols = 576, n_tok = 2;
+  std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
+  const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
+  std::vector<float> x = random_activations(n_tok, n_cols, rng);
+  for (cpu::decode_activations act : {cpu::decode_activations::act_q8, cpu::decode_activations::act_f32}) {
+    cpu::set_decode_activations(act);
+    EXPECT_EQ(cpu::get_decode_activations(), act);
+    std::vector<float> want((size_t)(n_tok * n_rows)), got((size_t)(n_tok * n_rows));
+    cpu::detail::matmul_decode(w, x.data(), n_tok, want.data(), act);
+    cpu::matmul(w, x.data(), n_tok, got.data());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+        << (act == cpu::decode_activations::act_f32 ? "f32" : "q8");
+  }
+  cpu::set_decode_activations(saved);
 }
 
 TEST(matmul_errors, bad_input_throws) {
