@@ -6,9 +6,9 @@
 // Why two. llama.cpp rounds every activation vector to 8-bit blocks (Q8_1/Q8_0, step 1/127 of
 // the block's max) before its quantized matmuls and rounds q to fp16 for K·q; that alone moves
 // its logits away from exact arithmetic by up to 1.3 (mean ~0.14) on these prompts, enough to
-// flip top-1 at 54 of 1,506 Austen positions where the top two are within ~0.2. xctx's batched
-// path multiplies unrounded f32 activations with the dequantized weights, so it tracks exact
-// arithmetic far more closely. The test therefore asserts:
+// flip top-1 at 54 of 1,506 Austen positions where the top two are within ~0.2. xctx never
+// rounds activations (batched: dequantized weights + sgemm; decode: fused dequantize-and-dot
+// with f32 activations), so it tracks exact arithmetic far more closely. The test asserts:
 //   * vs exact: |Δlogit| <= kExactTol and top-1 equal wherever the exact top-2 gap > 2·kExactTol;
 //     greedy continuation equal to the exact one.
 //   * vs llama.cpp: |Δlogit| <= (llama.cpp's own distance from exact, recorded per prompt) +
@@ -35,6 +35,10 @@ namespace xctx {
 namespace {
 
 float exact_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 0.01f : 0.05f; }
+// The decode path against llama.cpp's own decode logits: llama.cpp is up to 1.3 logits from
+// exact arithmetic on these prompts (recorded per prompt); xctx's decode path is within
+// exact_tolerance of exact, so the two differ by at most about that much.
+constexpr float kLlamaDecodeTol = 1.5f;
 
 struct golden_case {
   std::string name, text;
@@ -146,8 +150,9 @@ TEST_P(engine_golden, logits_and_greedy_continuations) {
   }
 }
 
-// The one-token decode path, teacher-forced along each implementation's own continuation:
-// logits compared with the logits that implementation chose each token from.
+// The one-token decode path (weights quantized, activations f32), teacher-forced along each
+// implementation's own continuation: logits compared with the logits that implementation chose
+// each token from.
 TEST_P(engine_golden, decode_path_teacher_forced) {
   XCTX_REQUIRE_MODEL(path);
   const model_weights w = load_model(path);
@@ -168,6 +173,7 @@ TEST_P(engine_golden, decode_path_teacher_forced) {
       for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
       std::vector<float> last(n_vocab);
       engine.forward(g.ids.data(), pos.data(), n, *cache, llama_engine::logits_for::logits_last, last.data());
+      const float tol = exact ? exact_tolerance(GetParam()) : kLlamaDecodeTol;
       float worst = 0;
       double sum = 0;
       int cnt = 0, top1_diff = 0;
@@ -181,9 +187,13 @@ TEST_P(engine_golden, decode_path_teacher_forced) {
             sum += d;
             ++cnt;
           }
-          top1_diff += argmax(last.data(), n_vocab) != ref_ids[t][0];
+          const int32_t top = argmax(last.data(), n_vocab);
+          top1_diff += top != ref_ids[t][0];
+          if (exact && ref_logits[t][0] - ref_logits[t][1] > 2 * tol)
+            EXPECT_EQ(top, ref_ids[t][0]) << g.name << " step " << t;
         }
       }
+      EXPECT_LE(worst, tol) << g.name << (exact ? " vs exact" : " vs llama.cpp");
       std::printf("[golden-decode] %s cache, %s vs %s: max |Δ| %.4f mean %.4f, top-1 differs at %d of %zu\n",
                   format_traits(GetParam()).name, g.name.c_str(), exact ? "exact" : "llama.cpp", worst,
                   sum / std::max(1, cnt), top1_diff, toks.size() - 1);
