@@ -1,0 +1,392 @@
+// CPU attention: dispatch, the decode (split-K, flash-decoding style) and prefill (BLAS tiles)
+// drivers, the scalar fallbacks, and merge_partials. AVX2 bodies live in attention_avx2.cpp.
+//
+// OpenBLAS threading: the sgemm calls run inside our own OpenMP region, one tile per thread.
+// The Debian OpenBLAS is the pthreads build, whose own pool would otherwise split each (large
+// enough) tile again from every OpenMP thread at once. We pin it to one thread for the region
+// and restore the caller's setting afterwards. Measured on the 2-core dev VM (causal prefill,
+// 9/3 heads, hd 64, n = 512 / 2048): pinned 52 / 84 GFLOP/s; OpenBLAS left at 2 threads inside
+// the region 11 / 20 (and as low as 4 when the machine was busy) — oversubscription.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/error.h"
+#include "common/half.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/elementwise_attention_impl.h"
+
+namespace xctx::cpu {
+namespace impl {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Up to this many queries the decode kernel (register-blocked rows, K/V streamed once) runs;
+// above, BLAS tiles. Measured single-threaded on 4096 f16 keys, 9/3 heads: the decode kernel
+// costs ~125 us per query at any n_q <= 64, the BLAS tiles 630 us at n_q = 1 and 110-190 us per
+// query from 16 on, so the switch point is not sharp; BLAS tiles also skip whole masked tiles
+// in causal prefill.
+constexpr int64_t kDecodeMaxQ = 8;
+// Shortest kv chunk one decode work item streams: below this, per-item set-up and the final
+// merge cost more than the extra parallelism returns.
+constexpr int64_t kDecodeMinChunk = 256;
+
+size_t kv_elt_bytes(kv_dtype t) {
+  switch (t) {
+    case kv_dtype::kv_f32: return 4;
+    case kv_dtype::kv_f16: return 2;
+  }
+  return 4;
+}
+
+// ---- scalar fallbacks ----------------------------------------------------------------------
+
+void f16_to_f32_scalar(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+}
+float max_scalar(const float* x, int64_t n) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+float exp_sub_sum_scalar(float* x, int64_t n, float m) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += (x[i] = std::exp(x[i] - m));
+  return s;
+}
+void scale_scalar(float* x, int64_t n, float a) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= a;
+}
+const row_ops kScalarRowOps = {f16_to_f32_scalar, max_scalar, exp_sub_sum_scalar, scale_scalar};
+
+void decode_block_scalar(const decode_job& jb) {
+  const int hd = jb.hd, R = jb.R, T = kDecodeTile;
+  float* kt = jb.scratch;
+  float* vt = kt + (int64_t)T * hd;
+  float* s = vt + (int64_t)T * hd;
+  float* m = s + T;
+  float* l = m + R;
+  int64_t j_end = jb.j0;
+  for (int r = 0; r < R; ++r) {
+    m[r] = kNegInf, l[r] = 0.0f;
+    std::fill(jb.o + (int64_t)r * hd, jb.o + (int64_t)(r + 1) * hd, 0.0f);
+    j_end = std::max(j_end, std::min(jb.row_end[r], jb.j1));
+  }
+  const size_t elt = kv_elt_bytes(jb.type);
+  const int rows_per_head = R / jb.n_kvh;
+  for (int64_t t0 = jb.j0; t0 < j_end; t0 += T) {
+    const int nt = (int)std::min<int64_t>(T, j_end - t0);
+    for (int h = 0; h < jb.n_kvh; ++h) {
+      const char* kb = (const char*)jb.k + (t0 * jb.ld + (int64_t)h * hd) * elt;
+      const char* vb = (const char*)jb.v + (t0 * jb.ld + (int64_t)h * hd) * elt;
+      const float *kp = (const float*)kb, *vp = (const float*)vb;
+      int64_t ldk = jb.ld;
+      switch (jb.type) {
+        case kv_dtype::kv_f32: break;
+        case kv_dtype::kv_f16:
+          for (int j = 0; j < nt; ++j) {
+            f16_to_f32_scalar((const uint16_t*)kb + j * jb.ld, hd, kt + (int64_t)j * hd);
+            f16_to_f32_scalar((const uint16_t*)vb + j * jb.ld, hd, vt + (int64_t)j * hd);
+          }
+          kp = kt, vp = vt, ldk = hd;
+          break;
+      }
+      for (int r = h * rows_per_head; r < (h + 1) * rows_per_head; ++r) {
+        const int n = (int)std::min<int64_t>(nt, jb.row_end[r] - t0);
+        if (n <= 0) continue;
+        const float* q = jb.q + (int64_t)r * hd;
+        for (int j = 0; j < n; ++j) {
+          float acc = 0.0f;
+          for (int d = 0; d < hd; ++d) acc += q[d] * kp[j * ldk + d];
+          s[j] = acc;
+        }
+        const float m_new = std::max(m[r], max_scalar(s, n));
+        const float alpha = std::exp(m[r] - m_new);
+        l[r] = l[r] * alpha + exp_sub_sum_scalar(s, n, m_new);
+        m[r] = m_new;
+        float* o = jb.o + (int64_t)r * hd;
+        for (int d = 0; d < hd; ++d) o[d] *= alpha;
+        for (int j = 0; j < n; ++j)
+          for (int d = 0; d < hd; ++d) o[d] += s[j] * vp[j * ldk + d];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (l[r] == 0.0f) {
+      jb.lse[r] = kNegInf;
+      continue;
+    }
+    scale_scalar(jb.o + (int64_t)r * hd, hd, 1.0f / l[r]);
+    jb.lse[r] = m[r] + std::log(l[r]);
+  }
+}
+
+void merge_row_scalar(const float* parts, int64_t part_stride, const float* coef, int n_part, int hd, float* o) {
+  for (int d = 0; d < hd; ++d) {
+    float acc = 0.0f;
+    for (int p = 0; p < n_part; ++p) acc += coef[p] * parts[p * part_stride + d];
+    o[d] = acc;
+  }
+}
+
+// ---- drivers -------------------------------------------------------------------------------
+
+// Where a work item's rows go: straight into a.o / a.lse, or into part `c` of the split buffers.
+struct out_target {
+  float* o;    // [n_q, n_head, head_dim]
+  float* lse;  // [n_q, n_head]
+};
+
+// Keys [j0, j1) of every kv head, split into chunks that become separate work items (each its
+// own partial) when the natural work items are too few to keep the threads busy.
+struct kv_split {
+  int64_t n_chunk = 1;
+  int64_t chunk_len = 0;
+};
+kv_split plan_split(int64_t kv_len, int64_t n_items, int64_t min_chunk, int64_t align) {
+  kv_split sp;
+  const int64_t threads = omp_get_max_threads();
+  // ~4 items per thread balance uneven chunks; one thread gains nothing from splitting.
+  const int64_t want = threads == 1 ? 1 : (4 * threads + n_items - 1) / n_items;
+  const int64_t most = std::max<int64_t>(1, kv_len / min_chunk);
+  sp.n_chunk = std::clamp<int64_t>(want, 1, most);
+  sp.chunk_len = (kv_len + sp.n_chunk - 1) / sp.n_chunk;
+  sp.chunk_len = (sp.chunk_len + align - 1) / align * align;
+  sp.n_chunk = std::max<int64_t>(1, (kv_len + sp.chunk_len - 1) / sp.chunk_len);
+  return sp;
+}
+
+void attention_decode(isa v, const attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len) {
+  const int g = a.n_head / a.n_head_kv, hd = a.head_dim;
+  const int R = (int)(a.n_q * a.n_head);
+  const int64_t n_row = a.n_q * a.n_head;
+  // Work items are chunks of tokens covering every kv head: each streams one contiguous slab.
+  const kv_split sp = plan_split(kv_len, 1, kDecodeMinChunk, kDecodeTile);
+  std::vector<float> o_parts, lse_parts;  // [n_chunk, n_row, hd], [n_chunk, n_row]
+  if (sp.n_chunk > 1) {
+    o_parts.resize((size_t)(sp.n_chunk * n_row * hd));
+    lse_parts.resize((size_t)(sp.n_chunk * n_row));
+  }
+  // Rows ordered by kv head: r = (kvh * n_q + i) * g + u is query i of head kvh * g + u.
+  std::vector<float> qs((size_t)R * hd);  // [R, hd]
+  std::vector<int64_t> row_end((size_t)R);  // [R]
+  std::vector<int64_t> row_of((size_t)R);   // [R] -> row of o / lse
+  for (int kvh = 0; kvh < a.n_head_kv; ++kvh)
+    for (int64_t i = 0; i < a.n_q; ++i)
+      for (int u = 0; u < g; ++u) {
+        const int64_t r = ((int64_t)kvh * a.n_q + i) * g + u;
+        row_of[r] = i * a.n_head + (int64_t)kvh * g + u;
+        const float* q = a.q + row_of[r] * hd;
+        for (int d = 0; d < hd; ++d) qs[r * hd + d] = q[d] * a.scale;
+        row_end[r] = q_end[i];
+      }
+  const bool use_avx2 = v == isa::isa_avx2 && hd % 8 == 0;
+  const bool parallel = (int64_t)R * kv_len * hd >= (1 << 16) && sp.n_chunk > 1;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> o_tmp((size_t)R * hd), lse_tmp((size_t)R);  // [R, hd], [R]
+    std::vector<float> scratch((size_t)decode_scratch_floats(R, hd));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < sp.n_chunk; ++c) {
+      decode_job jb;
+      jb.q = qs.data(), jb.row_end = row_end.data(), jb.R = R, jb.n_kvh = a.n_head_kv, jb.hd = hd;
+      jb.k = a.k, jb.v = a.v, jb.type = a.kv_type, jb.ld = (int64_t)a.n_head_kv * hd;
+      jb.j0 = c * sp.chunk_len, jb.j1 = std::min(kv_len, (c + 1) * sp.chunk_len);
+      jb.o = o_tmp.data(), jb.lse = lse_tmp.data(), jb.scratch = scratch.data();
+      if (use_avx2)
+        avx2::decode_block(jb);
+      else
+        decode_block_scalar(jb);
+      const out_target dst = sp.n_chunk == 1 ? out_target{a.o, a.lse}
+                                             : out_target{o_parts.data() + c * n_row * hd, lse_parts.data() + c * n_row};
+      for (int r = 0; r < R; ++r) {
+        std::copy(o_tmp.begin() + (int64_t)r * hd, o_tmp.begin() + (int64_t)(r + 1) * hd, dst.o + row_of[r] * hd);
+        dst.lse[row_of[r]] = lse_tmp[r];
+      }
+    }
+  }
+  if (sp.n_chunk > 1) merge_partials(v, o_parts.data(), lse_parts.data(), (int)sp.n_chunk, n_row, hd, a.o, a.lse);
+}
+
+void attention_prefill(isa v, const attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len) {
+  const int g = a.n_head / a.n_head_kv, hd = a.head_dim;
+  const int BQ = kPrefillQTile, BK = kPrefillKTile;
+  const int64_t n_row = a.n_q * a.n_head;
+  const int64_t n_qt = (a.n_q + BQ - 1) / BQ;
+  const kv_split sp = plan_split(kv_len, n_qt * a.n_head_kv, 2 * BK, BK);
+  std::vector<float> o_parts, lse_parts;  // [n_chunk, n_row, hd], [n_chunk, n_row]
+  if (sp.n_chunk > 1) {
+    o_parts.resize((size_t)(sp.n_chunk * n_row * hd));
+    lse_parts.resize((size_t)(sp.n_chunk * n_row));
+  }
+  const row_ops& ops = v == isa::isa_avx2 ? avx2::prefill_row_ops() : kScalarRowOps;
+  const size_t elt = kv_elt_bytes(a.kv_type);
+  const int64_t ld = (int64_t)a.n_head_kv * hd;
+  const int64_t n_item = n_qt * a.n_head_kv * sp.n_chunk;
+  const int M_max = g * BQ;
+
+  // Small calls (short chunks, few queries) finish before a second thread would have started.
+  const bool parallel = n_item > 1 && a.n_q * a.n_head * kv_len * hd >= (1 << 20);
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> qp((size_t)M_max * hd), op((size_t)M_max * hd);  // [M, hd]
+    std::vector<float> s((size_t)M_max * BK);                           // [M, BK] scores, then P
+    std::vector<float> kc((size_t)BK * hd), vc((size_t)BK * hd);         // [BK, hd] converted f16 tiles
+    std::vector<float> m((size_t)M_max), l((size_t)M_max);
+    std::vector<int64_t> row_end((size_t)M_max);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_item; ++it) {
+      const int64_t c = it % sp.n_chunk;
+      const int kvh = (int)((it / sp.n_chunk) % a.n_head_kv);
+      const int64_t i0 = (it / sp.n_chunk / a.n_head_kv) * BQ;
+      const int nq = (int)std::min<int64_t>(BQ, a.n_q - i0);
+      const int M = g * nq;
+      // Row rr = u * nq + ii holds query i0 + ii of head kvh * g + u, pre-scaled.
+      int64_t hi_end = 0;
+      for (int u = 0; u < g; ++u)
+        for (int ii = 0; ii < nq; ++ii) {
+          const int rr = u * nq + ii;
+          const float* q = a.q + ((i0 + ii) * a.n_head + (int64_t)kvh * g + u) * hd;
+          for (int d = 0; d < hd; ++d) qp[(size_t)rr * hd + d] = q[d] * a.scale;
+          row_end[rr] = q_end[i0 + ii];
+          hi_end = std::max(hi_end, row_end[rr]);
+        }
+      std::fill(m.begin(), m.begin() + M, kNegInf);
+      std::fill(l.begin(), l.begin() + M, 0.0f);
+      std::fill(op.begin(), op.begin() + (size_t)M * hd, 0.0f);
+      const int64_t j0 = c * sp.chunk_len, j1 = std::min(hi_end, (c + 1) * sp.chunk_len);
+      // Key tiles at or beyond every row's end are skipped: causal masks are prefixes.
+      for (int64_t t0 = j0; t0 < j1; t0 += BK) {
+        const int nk = (int)std::min<int64_t>(BK, j1 - t0);
+        const char* kb = (const char*)a.k + ((size_t)t0 * ld + (size_t)kvh * hd) * elt;
+        const char* vb = (const char*)a.v + ((size_t)t0 * ld + (size_t)kvh * hd) * elt;
+        const float *kp = (const float*)kb, *vp = (const float*)vb;
+        int ldk = (int)ld;
+        switch (a.kv_type) {
+          case kv_dtype::kv_f32: break;
+          case kv_dtype::kv_f16:
+            for (int j = 0; j < nk; ++j) {
+              ops.f16_to_f32((const uint16_t*)kb + j * ld, hd, kc.data() + (size_t)j * hd);
+              ops.f16_to_f32((const uint16_t*)vb + j * ld, hd, vc.data() + (size_t)j * hd);
+            }
+            kp = kc.data(), vp = vc.data(), ldk = hd;
+            break;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nk, hd, 1.0f, qp.data(), hd, kp, ldk, 0.0f, s.data(),
+                    BK);
+        for (int rr = 0; rr < M; ++rr) {
+          float* srow = s.data() + (size_t)rr * BK;
+          const int vis = (int)std::clamp<int64_t>(row_end[rr] - t0, 0, nk);
+          if (vis == 0) {  // this row sees none of the tile: P = 0, state unchanged
+            std::fill(srow, srow + nk, 0.0f);
+            continue;
+          }
+          const float m_new = std::max(m[rr], ops.max(srow, vis));
+          const float alpha = std::exp(m[rr] - m_new);
+          l[rr] = l[rr] * alpha + ops.exp_sub_sum(srow, vis, m_new);
+          std::fill(srow + vis, srow + nk, 0.0f);
+          m[rr] = m_new;
+          if (alpha != 1.0f) ops.scale(op.data() + (size_t)rr * hd, hd, alpha);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, nk, 1.0f, s.data(), BK, vp, ldk, 1.0f, op.data(),
+                    hd);
+      }
+      const out_target dst = sp.n_chunk == 1 ? out_target{a.o, a.lse}
+                                             : out_target{o_parts.data() + c * n_row * hd, lse_parts.data() + c * n_row};
+      for (int u = 0; u < g; ++u)
+        for (int ii = 0; ii < nq; ++ii) {
+          const int rr = u * nq + ii;
+          const int64_t row = (i0 + ii) * a.n_head + (int64_t)kvh * g + u;
+          float* o = dst.o + row * hd;
+          if (l[rr] == 0.0f) {
+            std::fill(o, o + hd, 0.0f);
+            dst.lse[row] = kNegInf;
+            continue;
+          }
+          const float inv = 1.0f / l[rr];
+          for (int d = 0; d < hd; ++d) o[d] = op[(size_t)rr * hd + d] * inv;
+          dst.lse[row] = m[rr] + std::log(l[rr]);
+        }
+    }
+  }
+  openblas_set_num_threads(blas_threads);
+  if (sp.n_chunk > 1) merge_partials(v, o_parts.data(), lse_parts.data(), (int)sp.n_chunk, n_row, hd, a.o, a.lse);
+}
+
+}  // namespace
+
+void attention_partial(isa v, const attn_args& a) {
+  XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
+  XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
+             "attention: n_head=", a.n_head, " must be a positive multiple of n_head_kv=", a.n_head_kv);
+  XCTX_CHECK(a.head_dim > 0, "attention: head_dim must be positive, got ", a.head_dim);
+  for (int64_t j = 1; j < a.n_kv; ++j)
+    XCTX_CHECK(a.kv_pos[j - 1] <= a.kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
+               "]=", a.kv_pos[j - 1], " > kv_pos[", j, "]=", a.kv_pos[j]);
+  if (a.n_q == 0) return;
+  // Key j is visible to query i iff kv_pos[j] <= q_pos[i]; kv_pos being sorted, that is the
+  // prefix [0, q_end[i]).
+  std::vector<int64_t> q_end((size_t)a.n_q);  // [n_q]
+  int64_t kv_len = 0;
+  for (int64_t i = 0; i < a.n_q; ++i) {
+    q_end[i] = std::upper_bound(a.kv_pos, a.kv_pos + a.n_kv, a.q_pos[i]) - a.kv_pos;
+    kv_len = std::max(kv_len, q_end[i]);
+  }
+  if (kv_len == 0) {
+    std::fill(a.o, a.o + a.n_q * a.n_head * a.head_dim, 0.0f);
+    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
+    return;
+  }
+  if (a.n_q <= kDecodeMaxQ)
+    attention_decode(v, a, q_end, kv_len);
+  else
+    attention_prefill(v, a, q_end, kv_len);
+}
+
+void merge_partials(isa v, const float* o_parts /*[n_part, n_row, head_dim]*/, const float* lse_parts /*[n_part, n_row]*/,
+                    int n_part, int64_t n_row, int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/) {
+  XCTX_CHECK(n_part > 0, "merge_partials: need at least one part, got ", n_part);
+  XCTX_CHECK(head_dim > 0 && n_row >= 0, "merge_partials: bad shape n_row=", n_row, " head_dim=", head_dim);
+  const int64_t stride = n_row * head_dim;
+#pragma omp parallel if (n_row * head_dim * n_part >= (1 << 16))
+  {
+    std::vector<float> coef((size_t)n_part);  // [n_part]
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_row; ++r) {
+      float mx = kNegInf;
+      for (int p = 0; p < n_part; ++p) mx = std::max(mx, lse_parts[p * n_row + r]);
+      if (mx == kNegInf) {
+        std::fill(o + r * head_dim, o + (r + 1) * head_dim, 0.0f);
+        lse[r] = kNegInf;
+        continue;
+      }
+      // Shifting by the largest lse keeps every weight in (0, 1] whatever the magnitudes.
+      float sum = 0.0f;
+      for (int p = 0; p < n_part; ++p) sum += (coef[p] = std::exp(lse_parts[p * n_row + r] - mx));
+      const float inv = 1.0f / sum;
+      for (int p = 0; p < n_part; ++p) coef[p] *= inv;
+      switch (v) {
+        case isa::isa_avx2: avx2::merge_row(o_parts + r * head_dim, stride, coef.data(), n_part, head_dim, o + r * head_dim); break;
+        case isa::isa_scalar: merge_row_scalar(o_parts + r * head_dim, stride, coef.data(), n_part, head_dim, o + r * head_dim); break;
+      }
+      lse[r] = mx + std::log(sum);
+    }
+  }
+}
+
+}  // namespace impl
+
+void attention_partial(const attn_args& a) { impl::attention_partial(impl::best_isa(), a); }
+void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim, float* o,
+                    float* lse) {
+  impl::merge_partials(impl::best_isa(), o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
+}
+
+}  // namespace xctx::cpu

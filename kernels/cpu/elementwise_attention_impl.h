@@ -1,0 +1,90 @@
+// Internal to the cpu elementwise and attention kernels: the instruction-set-specific pieces
+// behind the dispatch in elementwise.cpp / attention.cpp. Exposed so the tests can run the
+// scalar fallback on AVX2 machines and measure the fast exp directly.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ops.h"
+
+namespace xctx::cpu::impl {
+
+enum class isa : uint8_t { isa_scalar, isa_avx2 };
+isa best_isa();  // isa_avx2 iff cpu::has_avx2()
+const char* isa_name(isa v);
+
+// The cpu_ops.h kernels with the instruction set chosen by the caller (isa_avx2 only if
+// best_isa() says so; shapes the AVX2 path does not cover fall back to scalar inside).
+void rms_norm(isa v, const float* x /*[n_tok, dim]*/, const float* weight /*[dim]*/, int64_t n_tok, int64_t dim,
+              float eps, float* y /*[n_tok, dim]*/);
+void rope(isa v, float* x /*[n_tok, n_head, head_dim]*/, const int32_t* pos /*[n_tok]*/, int64_t n_tok, int n_head,
+          const rope_config& cfg);
+void swiglu(isa v, const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/);
+void attention_partial(isa v, const attn_args& a);
+void merge_partials(isa v, const float* o_parts /*[n_part, n_row, head_dim]*/, const float* lse_parts /*[n_part, n_row]*/,
+                    int n_part, int64_t n_row, int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/);
+
+// The fast exp (avx2::exp_fast, and inside swiglu and the attention softmax): accurate on
+// [kFastExpLo, kFastExpHi] (results stay normal floats there); below it returns exactly 0,
+// above it +inf. Degree-6 polynomial on |r| <= ln2/2 after Cody-Waite reduction; the fit
+// itself is good to 3.6e-9, the rest is float rounding. Every float in the range was checked
+// once against double exp (max 8.29e-8 = 0.70 FLT_EPSILON at x = 5.1995); the tests re-check a
+// dense sample against this bound.
+inline constexpr float kFastExpLo = -87.33f;
+inline constexpr float kFastExpHi = 88.37f;
+inline constexpr double kFastExpMaxRelErr = 9e-8;
+
+// Attention tile sizes (keys per tile in the decode kernel; queries x keys per prefill tile).
+inline constexpr int kDecodeTile = 32;
+inline constexpr int kPrefillQTile = 64;
+inline constexpr int kPrefillKTile = 256;
+
+// One decode work item: keys [j0, j1) of n_kvh consecutive kv heads, against R query rows
+// (already multiplied by the softmax scale) grouped by kv head: rows [h*R/n_kvh, (h+1)*R/n_kvh)
+// read kv head h. Row r sees keys j < row_end[r] (causality as a prefix length). Produces the
+// normalized partial o and its natural-log lse; rows that see nothing get o = 0, lse = -inf.
+// All heads of a token are read together, so the item streams one contiguous slab of the cache.
+struct decode_job {
+  const float* q = nullptr;          // [R, hd]
+  const int64_t* row_end = nullptr;  // [R]
+  int R = 0;
+  int n_kvh = 1;
+  int hd = 0;
+  const void* k = nullptr;  // token 0, kv head 0 of this item; token j, head h at (j * ld + h * hd) elements
+  const void* v = nullptr;  // same layout as k
+  kv_dtype type = kv_dtype::kv_f32;
+  int64_t ld = 0;  // elements between consecutive tokens (n_head_kv * head_dim)
+  int64_t j0 = 0, j1 = 0;
+  float* o = nullptr;    // [R, hd]
+  float* lse = nullptr;  // [R]
+  float* scratch = nullptr;  // [decode_scratch_floats(R, hd)]
+};
+// Covers both kernels: scalar (f16 K/V tiles converted to f32, scores, m, l) and AVX2 (scores
+// of a 3-row block with row stride kDecodeTile + 8, m, l).
+inline int64_t decode_scratch_floats(int R, int hd) {
+  return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R;
+}
+
+// Row helpers the prefill path (sgemm tiles) runs per score row.
+struct row_ops {
+  void (*f16_to_f32)(const uint16_t* src /*[n]*/, int64_t n, float* dst /*[n]*/);
+  float (*max)(const float* x /*[n]*/, int64_t n);                 // -inf for n == 0
+  float (*exp_sub_sum)(float* x /*[n]*/, int64_t n, float m);      // x = exp(x - m); returns the sum
+  void (*scale)(float* x /*[n]*/, int64_t n, float a);             // x *= a
+};
+
+namespace avx2 {  // only callable when best_isa() == isa_avx2; head_dim % 8 == 0 where it matters
+void exp_fast(const float* x /*[n]*/, int64_t n, float* y /*[n]*/);
+float sum_squares(const float* x /*[n]*/, int64_t n);
+void scale_mul(const float* x /*[n]*/, const float* w /*[n]*/, float s, int64_t n, float* y /*[n]*/);  // y = x*s*w
+// x[2i], x[2i+1] rotated by the angle whose cos is cos2[2i] (= cos2[2i+1]); sin2 = [-sin, +sin].
+void rope_rotate(float* x /*[n_rot]*/, const float* cos2 /*[n_rot]*/, const float* sin2 /*[n_rot]*/, int n_rot);
+void swiglu(const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/);
+void decode_block(const decode_job& job);
+const row_ops& prefill_row_ops();
+// o = sum_p coef[p] * parts[p * part_stride + d]; o may alias parts (part 0).
+void merge_row(const float* parts, int64_t part_stride, const float* coef /*[n_part]*/, int n_part, int hd,
+               float* o /*[hd]*/);
+}  // namespace avx2
+
+}  // namespace xctx::cpu::impl
