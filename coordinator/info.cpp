@@ -66,15 +66,7 @@ int run_info(const info_options& opt) {
     const cache_format fmt = parse_cache_format(opt.cache);
     run_params rp;
     rp.cache = fmt;
-    const rope_config rope = make_rope_config(w.hp, rp);
-    cache_geometry g;
-    g.n_layer = w.hp.n_layer;
-    g.n_head = w.hp.n_head;
-    g.n_head_kv = w.hp.n_head_kv;
-    g.head_dim = w.hp.head_dim;
-    g.n_embd = w.hp.n_embd;
-    g.rope = rope;
-    g.capacity = opt.context;
+    const cache_geometry g = make_cache_geometry(w.hp, make_rope_config(w.hp, rp), opt.context);
     const size_t per_token = cache_bytes_per_token(fmt, g);
     const size_t fp16 = cache_bytes_per_token(cache_format::cache_fp16, g);
     const double elems = 2.0 * g.n_layer * g.n_head_kv * g.head_dim;

@@ -29,16 +29,20 @@ llama_engine::llama_engine(const model_weights& w, backend& be, const run_params
   if (rp_.n_threads > 0) omp_set_num_threads(rp_.n_threads);
 }
 
-cache_geometry llama_engine::cache_geometry_for(int64_t capacity) const {
+cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity) {
   cache_geometry g;
-  g.n_layer = w_.hp.n_layer;
-  g.n_head = w_.hp.n_head;
-  g.n_head_kv = w_.hp.n_head_kv;
-  g.head_dim = w_.hp.head_dim;
-  g.n_embd = w_.hp.n_embd;
-  g.rope = rope_;
+  g.n_layer = hp.n_layer;
+  g.n_head = hp.n_head;
+  g.n_head_kv = hp.n_head_kv;
+  g.head_dim = hp.head_dim;
+  g.n_embd = hp.n_embd;
+  g.rope = rope;
   g.capacity = capacity;
   return g;
+}
+
+cache_geometry llama_engine::cache_geometry_for(int64_t capacity) const {
+  return make_cache_geometry(w_.hp, rope_, capacity);
 }
 
 void llama_engine::ensure_scratch(int64_t n_tokens, int64_t n_sub) {

@@ -73,5 +73,7 @@ class llama_engine {
 
 // The rope the engine uses: the file's base and dims, with run_params scaling applied.
 rope_config make_rope_config(const model_hparams& hp, const run_params& rp);
+// Geometry of a cache of `capacity` tokens for this model.
+cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity);
 
 }  // namespace xctx

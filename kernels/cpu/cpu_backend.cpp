@@ -1,58 +1,12 @@
 // The CPU backend: host memory, every op forwarded to the optimized kernels in xctx::cpu.
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-
-#include "common/error.h"
-#include "kernels/ops.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/host_backend.h"
 
 namespace xctx {
 
-namespace {
-
-class cpu_backend final : public backend {
- public:
-  std::string name() const override { return "cpu"; }
-
-  void* alloc(size_t bytes) override {
-    // 64-byte alignment so SIMD loads of whole lines never straddle two.
-    void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));  // size: a multiple of 64
-    XCTX_CHECK(p != nullptr, "cpu backend: cannot allocate ", bytes, " bytes");
-    return p;
-  }
-  void free(void* p) override { std::free(p); }
-  void upload(void* dst, const void* src_host, size_t bytes) override {
-    if (bytes != 0) std::memcpy(dst, src_host, bytes);
-  }
-  void download(void* dst_host, const void* src, size_t bytes) override {
-    if (bytes != 0) std::memcpy(dst_host, src, bytes);
-  }
-
-  void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override {
-    cpu::matmul(w, x, n_tok, y);
-  }
-  void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
-    cpu::get_rows(w, ids, n, out);
-  }
-  void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
-    cpu::rms_norm(x, weight, n_tok, dim, eps, y);
-  }
-  void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
-    cpu::rope(x, pos, n_tok, n_head, cfg);
-  }
-  void swiglu(const float* gate, const float* up, int64_t n, float* out) override { cpu::swiglu(gate, up, n, out); }
-  void add(float* y, const float* x, int64_t n) override { cpu::add(y, x, n); }
-  void attention_partial(const attn_args& a) override { cpu::attention_partial(a); }
-  void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
-                      float* o, float* lse) override {
-    cpu::merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
-  }
-};
-
-}  // namespace
-
-std::unique_ptr<backend> make_cpu_backend() { return std::make_unique<cpu_backend>(); }
+std::unique_ptr<backend> make_cpu_backend() {
+  return make_host_backend({"cpu", cpu::matmul, cpu::get_rows, cpu::rms_norm, cpu::rope, cpu::swiglu, cpu::add,
+                            cpu::attention_partial, cpu::merge_partials});
+}
 
 }  // namespace xctx

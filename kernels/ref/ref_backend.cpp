@@ -1,58 +1,12 @@
 // The reference backend: host memory, every op forwarded to the scalar oracles in xctx::ref.
-#include <algorithm>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-
-#include "common/error.h"
-#include "kernels/ops.h"
+#include "kernels/host_backend.h"
 #include "kernels/ref/ref_ops.h"
 
 namespace xctx {
 
-namespace {
-
-class ref_backend final : public backend {
- public:
-  std::string name() const override { return "ref"; }
-
-  void* alloc(size_t bytes) override {
-    // 64-byte alignment so buffers handed to the cpu kernels elsewhere start on a cache line.
-    void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));  // size: a multiple of 64
-    XCTX_CHECK(p != nullptr, "ref backend: cannot allocate ", bytes, " bytes");
-    return p;
-  }
-  void free(void* p) override { std::free(p); }
-  void upload(void* dst, const void* src_host, size_t bytes) override {
-    if (bytes != 0) std::memcpy(dst, src_host, bytes);
-  }
-  void download(void* dst_host, const void* src, size_t bytes) override {
-    if (bytes != 0) std::memcpy(dst_host, src, bytes);
-  }
-
-  void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override {
-    ref::matmul(w, x, n_tok, y);
-  }
-  void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
-    ref::get_rows(w, ids, n, out);
-  }
-  void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
-    ref::rms_norm(x, weight, n_tok, dim, eps, y);
-  }
-  void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
-    ref::rope(x, pos, n_tok, n_head, cfg);
-  }
-  void swiglu(const float* gate, const float* up, int64_t n, float* out) override { ref::swiglu(gate, up, n, out); }
-  void add(float* y, const float* x, int64_t n) override { ref::add(y, x, n); }
-  void attention_partial(const attn_args& a) override { ref::attention_partial(a); }
-  void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
-                      float* o, float* lse) override {
-    ref::merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
-  }
-};
-
-}  // namespace
-
-std::unique_ptr<backend> make_ref_backend() { return std::make_unique<ref_backend>(); }
+std::unique_ptr<backend> make_ref_backend() {
+  return make_host_backend({"ref", ref::matmul, ref::get_rows, ref::rms_norm, ref::rope, ref::swiglu, ref::add,
+                            ref::attention_partial, ref::merge_partials});
+}
 
 }  // namespace xctx

@@ -1,0 +1,57 @@
+#include "kernels/host_backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace xctx {
+namespace {
+
+class host_backend final : public backend {
+ public:
+  explicit host_backend(const host_kernels& k) : k_(k) {}
+  std::string name() const override { return k_.name; }
+
+  void* alloc(size_t bytes) override {
+    // 64-byte aligned and sized to whole lines, so SIMD loads never straddle two.
+    void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));
+    XCTX_CHECK(p != nullptr, k_.name, " backend: cannot allocate ", bytes, " bytes");
+    return p;
+  }
+  void free(void* p) override { std::free(p); }
+  void upload(void* dst, const void* src_host, size_t bytes) override {
+    if (bytes != 0) std::memcpy(dst, src_host, bytes);
+  }
+  void download(void* dst_host, const void* src, size_t bytes) override {
+    if (bytes != 0) std::memcpy(dst_host, src, bytes);
+  }
+
+  void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override { k_.matmul(w, x, n_tok, y); }
+  void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
+    k_.get_rows(w, ids, n, out);
+  }
+  void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
+    k_.rms_norm(x, weight, n_tok, dim, eps, y);
+  }
+  void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
+    k_.rope(x, pos, n_tok, n_head, cfg);
+  }
+  void swiglu(const float* gate, const float* up, int64_t n, float* out) override { k_.swiglu(gate, up, n, out); }
+  void add(float* y, const float* x, int64_t n) override { k_.add(y, x, n); }
+  void attention_partial(const attn_args& a) override { k_.attention_partial(a); }
+  void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
+                      float* o, float* lse) override {
+    k_.merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
+  }
+
+ private:
+  host_kernels k_;
+};
+
+}  // namespace
+
+std::unique_ptr<backend> make_host_backend(const host_kernels& k) { return std::make_unique<host_backend>(k); }
+
+}  // namespace xctx
