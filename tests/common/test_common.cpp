@@ -32,8 +32,12 @@ TEST(half, rounding_is_nearest) {
     const uint16_t h = fp32_to_fp16(x);
     const float r = fp16_to_fp32(h);
     const float up = fp16_to_fp32((uint16_t)(h + 1)), down = fp16_to_fp32((uint16_t)(h - 1));
-    if (std::isfinite(up)) ASSERT_LE(std::fabs(r - x), std::fabs(up - x)) << x;
-    if (std::isfinite(down) && (h & 0x7fff) != 0) ASSERT_LE(std::fabs(r - x), std::fabs(down - x)) << x;
+    if (std::isfinite(up)) {
+      ASSERT_LE(std::fabs(r - x), std::fabs(up - x)) << x;
+    }
+    if (std::isfinite(down) && (h & 0x7fff) != 0) {
+      ASSERT_LE(std::fabs(r - x), std::fabs(down - x)) << x;
+    }
   }
   EXPECT_TRUE(std::isinf(fp16_to_fp32(fp32_to_fp16(70000.0f))));
   EXPECT_EQ(fp16_to_fp32(fp32_to_fp16(65504.0f)), 65504.0f);
