@@ -33,14 +33,18 @@ CONFIGS = [
 LLAMA_RUNNER = r"""
 import json, resource, sys, time
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 model, ids_file, n_gen, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 ids = json.load(open(ids_file))
 llm = Llama(model_path=model, n_ctx=len(ids) + n_gen + 8, n_batch=512, n_ubatch=512, n_threads=threads,
             n_threads_batch=threads, verbose=False)
+n_vocab = llm.n_vocab()
+def last_logits():  # the last evaluated token's logits, straight from the context
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
 t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
 for _ in range(n_gen):
-    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    llm.eval([int(np.argmax(last_logits()))])
 t2 = time.perf_counter()
 with open("/proc/self/status") as f:
     hwm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM")][0]
@@ -70,7 +74,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated config labels to run")
+    ap.add_argument("--merge", nargs="*", default=[],
+                    help="instead of measuring, write the results from the JSON rows in these logs")
     args = ap.parse_args()
+    if args.merge:
+        rows = [json.loads(l) for f in args.merge for l in open(f) if l.startswith('{"config"')]
+        order = [c[0] for c in CONFIGS]
+        rows.sort(key=lambda r: order.index(r["config"]))
+        write_results(rows, args.threads, args.repeat, "llama_tok_s" in rows[0])
+        return
 
     import austen_text
     text = "\n\n".join(austen_text.novels().values())
@@ -110,6 +122,10 @@ def main():
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
+    write_results(rows, args.threads, args.repeat, llama)
+
+
+def write_results(rows, threads, repeat, llama):
     out_dir = os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     fields = list(rows[0].keys())
@@ -123,10 +139,10 @@ def main():
     except (OSError, IndexError):
         pass
     with open(os.path.join(out_dir, "engine_speed.md"), "w") as f:
-        f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {args.threads} threads, {cpu}\n\n")
+        f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {threads} threads, {cpu}\n\n")
         f.write("Command: `python3 benchmarks/engine_speed.py --threads %d --repeat %d`; best of %d runs "
                 "(slowest in parentheses), each in a fresh process; fp16 cache for both engines.\n\n"
-                % (args.threads, args.repeat, args.repeat))
+                % (threads, repeat, repeat))
         if llama:
             f.write("| config | xctx tok/s | llama.cpp tok/s | xctx / llama.cpp | xctx peak RSS | llama.cpp peak RSS |\n")
             f.write("|---|---|---|---|---|---|\n")

@@ -43,7 +43,7 @@ def main():
     for p in [int(x) for x in args.ranks.split(",")]:
         threads = max(1, cores // p)
         env["OMP_NUM_THREADS"] = str(threads)
-        cmd = ["mpirun", "--oversubscribe", "-np", str(p), args.xctx, "bench", "--text", text_file,
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(p), args.xctx, "bench", "--text", text_file,
                "--prompt-tokens", str(args.context), "--gen-tokens", str(args.gen), "--threads", str(threads),
                "--prefill", args.prefill, "--cache", args.cache]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
