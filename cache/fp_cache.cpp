@@ -1,5 +1,6 @@
 // The uncompressed baselines: fp32 and fp16 caches of post-RoPE keys and values.
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -53,6 +54,12 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(at + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", at, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
+    // Attention finds a query's visible keys by binary search: positions must ascend.
+    for (int64_t i = 0; i < in.n; ++i) {
+      const int32_t prev = i > 0 ? in.pos[i - 1] : (at > 0 ? pos_[at - 1] : INT32_MIN);
+      XCTX_CHECK(in.pos[i] > prev, "cache append to layer ", layer, ": position ", in.pos[i], " does not follow ",
+                 prev, " (positions must increase)");
+    }
     // Positions are stored once; the first layer to reach a slot writes it, the others agree.
     for (int64_t i = 0; i < in.n; ++i) {
       if (at + i >= n_max_written_) pos_[at + i] = in.pos[i];

@@ -294,10 +294,12 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   const int64_t need = opt.context + passkey_token_tolerance(opt.context) + opt.max_answer_tokens;
   const int64_t suggest_ctx = (need + 1023) / 1024 * 1024;
   if (opt.run.rope_scale == rope_scaling::rope_scaling_none) {
-    const int64_t factor = (opt.context + hp.n_ctx_train - 1) / hp.n_ctx_train;
+    // The smallest factor in steps of 0.25 that stretches the trained context over `need`.
+    const double factor = std::ceil(4.0 * (double)need / hp.n_ctx_train) / 4.0;
     XCTX_CHECK(need <= hp.n_ctx_train, "passkey --context ", opt.context, " needs up to ", need,
-               " tokens, beyond the model's trained context of ", hp.n_ctx_train,
-               "; pass --rope-scaling linear --rope-factor ", factor, " --ctx ", suggest_ctx);
+               " tokens (prompt within its tolerance + answer), beyond the model's trained context of ",
+               hp.n_ctx_train, "; use a smaller --context or pass --rope-scaling linear --rope-factor ", factor,
+               " --ctx ", suggest_ctx);
   }
   const int64_t capacity = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
   XCTX_CHECK(need <= capacity, "passkey --context ", opt.context, " needs up to ", need, " tokens but the context is ",
