@@ -21,6 +21,8 @@ namespace {
 // one half-precision step (relative 2^-11), which moves logits by up to a few 1e-3.
 float logit_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 2e-3f : 1e-2f; }
 constexpr int kGreedy = 12;
+// Star prefill with > 2 ranks is an approximation; bound measured at np 3 and 4 with margin.
+constexpr float kStarApproxTol = 3.0f;
 
 std::vector<int32_t> golden_ids(size_t n) {
   std::ifstream in(test::data_path("logits_golden.json"));
@@ -111,11 +113,17 @@ TEST_P(sequence_parallel, matches_single_process) {
   if (c.mode == prefill_mode::prefill_exact || c.anchor_tokens >= (int64_t)ids.size()) {
     EXPECT_LE(worst, logit_tolerance(c.format)) << "rank " << comm.rank() << " of " << comm.size();
     EXPECT_EQ(greedy, ref.greedy) << "rank " << comm.rank();
+  } else if (comm.size() <= 2) {
+    // With two ranks the default anchor (rank 0's chunk) is all the context rank 1 precedes:
+    // star is exact there.
+    EXPECT_LE(worst, logit_tolerance(c.format));
+    EXPECT_EQ(greedy, ref.greedy);
   } else {
-    // Star attention approximates: ranks > 0 do not see the context between the anchor and
-    // their chunk during prefill. With one rank it is exact.
-    if (comm.size() == 1) EXPECT_LE(worst, logit_tolerance(c.format));
-    EXPECT_EQ(argmax(logits.data(), w.hp.n_vocab) >= 0, true);
+    // Beyond two ranks star approximates: rank r > 1 does not see the chunks between the
+    // anchor and its own during prefill. The suffix still attends globally; on this prompt the
+    // approximation moved the logits by 1.1 (np 3) and 1.9 (np 4); a broken merge or anchor
+    // moves them by far more.
+    EXPECT_LE(worst, kStarApproxTol);
   }
   // Every rank holds its shard (+ the tail's new tokens), and nothing else.
   const int64_t held = runner.cache().n_tokens(0);
