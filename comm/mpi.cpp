@@ -2,6 +2,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +37,13 @@ class mpi_communicator final : public communicator {
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
     host_ = host_name();
     timeout_s_ = timeout_s > 0 ? timeout_s : 600.0;
+    // MPI counts are ints: larger point-to-point messages and broadcasts go in pieces.
+    // XCTX_MPI_MAX_MESSAGE lowers the piece size (tests use it to exercise the splitting).
+    if (const char* env = std::getenv("XCTX_MPI_MAX_MESSAGE")) {
+      const long long m = std::atoll(env);
+      XCTX_CHECK(m > 0 && m <= max_piece_, "XCTX_MPI_MAX_MESSAGE must be in [1, ", max_piece_, "], got '", env, "'");
+      max_piece_ = (size_t)m;
+    }
     if (const char* env = std::getenv("XCTX_COMM_TIMEOUT")) {
       const double t = std::atof(env);
       XCTX_CHECK(t > 0, "XCTX_COMM_TIMEOUT must be a positive number of seconds, got '", env, "'");
@@ -53,6 +61,7 @@ class mpi_communicator final : public communicator {
   std::string name() const override { return "mpi"; }
 
   void all_gather(const void* send, void* recv, size_t bytes) override {
+    // Used for per-layer partials (kilobytes); the ring's large blocks go through sendrecv.
     XCTX_CHECK(bytes <= (size_t)INT32_MAX, "all_gather of ", bytes, " bytes exceeds MPI's int count");
     MPI_Request req;
     check(MPI_Iallgather(send == recv ? MPI_IN_PLACE : send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE,
@@ -64,29 +73,53 @@ class mpi_communicator final : public communicator {
   void all_reduce_max(float* data, size_t n) override { all_reduce(data, n, MPI_MAX, "all_reduce_max"); }
   void broadcast(void* data, size_t bytes, int root) override {
     XCTX_CHECK(root >= 0 && root < size_, "broadcast root ", root, " outside [0, ", size_, ")");
-    MPI_Request req;
-    check(MPI_Ibcast(data, (int)bytes, MPI_BYTE, root, MPI_COMM_WORLD, &req), "broadcast");
-    wait(req, "broadcast");
+    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
+      const int n = (int)std::min(max_piece_, bytes - off);
+      MPI_Request req;
+      check(MPI_Ibcast(static_cast<uint8_t*>(data) + off, n, MPI_BYTE, root, MPI_COMM_WORLD, &req), "broadcast");
+      wait(req, "broadcast");
+      if (bytes == 0) break;
+    }
   }
   void send(const void* data, size_t bytes, int dst, int tag) override {
-    MPI_Request req;
-    check(MPI_Isend(data, (int)bytes, MPI_BYTE, dst, tag, MPI_COMM_WORLD, &req), "send");
-    wait(req, "send");
+    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
+      const int n = (int)std::min(max_piece_, bytes - off);
+      MPI_Request req;
+      check(MPI_Isend(static_cast<const uint8_t*>(data) + off, n, MPI_BYTE, dst, tag, MPI_COMM_WORLD, &req), "send");
+      wait(req, "send");
+      if (bytes == 0) break;
+    }
   }
   void recv(void* data, size_t bytes, int src, int tag) override {
-    MPI_Request req;
-    check(MPI_Irecv(data, (int)bytes, MPI_BYTE, src, tag, MPI_COMM_WORLD, &req), "recv");
-    wait(req, "recv");
+    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
+      const int n = (int)std::min(max_piece_, bytes - off);
+      MPI_Request req;
+      check(MPI_Irecv(static_cast<uint8_t*>(data) + off, n, MPI_BYTE, src, tag, MPI_COMM_WORLD, &req), "recv");
+      wait(req, "recv");
+      if (bytes == 0) break;
+    }
   }
+  // Pieces of one message keep their order (MPI orders messages of one source, tag and
+  // communicator), so both sides split at the same offsets.
   void sendrecv(const void* send_buf, size_t send_bytes, int dst, void* recv_buf, size_t recv_bytes, int src,
                 int tag) override {
-    XCTX_CHECK(send_bytes <= (size_t)INT32_MAX && recv_bytes <= (size_t)INT32_MAX, "sendrecv of ", send_bytes, "/",
-               recv_bytes, " bytes exceeds MPI's int count");
-    MPI_Request reqs[2];
-    check(MPI_Irecv(recv_buf, (int)recv_bytes, MPI_BYTE, src, tag, MPI_COMM_WORLD, &reqs[0]), "sendrecv");
-    check(MPI_Isend(send_buf, (int)send_bytes, MPI_BYTE, dst, tag, MPI_COMM_WORLD, &reqs[1]), "sendrecv");
-    wait(reqs[0], "sendrecv");
-    wait(reqs[1], "sendrecv");
+    const size_t pieces = std::max(piece_count(send_bytes), piece_count(recv_bytes));
+    for (size_t i = 0; i < pieces; ++i) {
+      const size_t so = i * max_piece_, ro = i * max_piece_;
+      MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      if (ro < recv_bytes || (i == 0 && recv_bytes == 0))
+        check(MPI_Irecv(static_cast<uint8_t*>(recv_buf) + std::min(ro, recv_bytes),
+                        (int)std::min(max_piece_, recv_bytes - std::min(ro, recv_bytes)), MPI_BYTE, src, tag,
+                        MPI_COMM_WORLD, &reqs[0]),
+              "sendrecv");
+      if (so < send_bytes || (i == 0 && send_bytes == 0))
+        check(MPI_Isend(static_cast<const uint8_t*>(send_buf) + std::min(so, send_bytes),
+                        (int)std::min(max_piece_, send_bytes - std::min(so, send_bytes)), MPI_BYTE, dst, tag,
+                        MPI_COMM_WORLD, &reqs[1]),
+              "sendrecv");
+      if (reqs[0] != MPI_REQUEST_NULL) wait(reqs[0], "sendrecv");
+      if (reqs[1] != MPI_REQUEST_NULL) wait(reqs[1], "sendrecv");
+    }
   }
   void barrier() override {
     MPI_Request req;
@@ -132,8 +165,11 @@ class mpi_communicator final : public communicator {
     }
   }
 
+  size_t piece_count(size_t bytes) const { return bytes == 0 ? 1 : (bytes + max_piece_ - 1) / max_piece_; }
+
   int rank_ = 0, size_ = 1;
   bool owns_mpi_ = false;
+  size_t max_piece_ = size_t(1) << 30;
   std::string host_;
   double timeout_s_ = 600.0;
 };

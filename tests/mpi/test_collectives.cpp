@@ -85,6 +85,23 @@ TEST(collectives, ring_send_recv) {
   c.barrier();
 }
 
+// A ring step where every rank sends a different amount (as the ring prefill does with uneven
+// shards); with XCTX_MPI_MAX_MESSAGE small, each message travels in many pieces.
+TEST(collectives, sendrecv_ring_uneven_sizes) {
+  communicator& c = mpi_test::world();
+  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
+  const auto size_of = [](int r) { return size_t(5000 + 1237 * r) * (r % 3 == 2 ? 0 : 1); };
+  std::vector<uint8_t> out(size_of(c.rank())), in(size_of(prev));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = byte_of(c.rank(), i);
+  c.sendrecv(out.data(), out.size(), next, in.data(), in.size(), prev, 11);
+  for (size_t i = 0; i < in.size(); ++i) ASSERT_EQ(in[i], byte_of(prev, i)) << "from " << prev << " byte " << i;
+  std::vector<uint8_t> big(10007);
+  if (c.rank() == 0)
+    for (size_t i = 0; i < big.size(); ++i) big[i] = byte_of(0, i);
+  c.broadcast(big.data(), big.size(), 0);
+  for (size_t i = 0; i < big.size(); ++i) ASSERT_EQ(big[i], byte_of(0, i));
+}
+
 TEST(collectives, bad_arguments_are_errors) {
   communicator& c = mpi_test::world();
   std::vector<uint8_t> buf(8);
