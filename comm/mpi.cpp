@@ -73,31 +73,25 @@ class mpi_communicator final : public communicator {
   void all_reduce_max(float* data, size_t n) override { all_reduce(data, n, MPI_MAX, "all_reduce_max"); }
   void broadcast(void* data, size_t bytes, int root) override {
     XCTX_CHECK(root >= 0 && root < size_, "broadcast root ", root, " outside [0, ", size_, ")");
-    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
-      const int n = (int)std::min(max_piece_, bytes - off);
+    for_each_piece(bytes, [&](size_t off, int n) {
       MPI_Request req;
       check(MPI_Ibcast(static_cast<uint8_t*>(data) + off, n, MPI_BYTE, root, MPI_COMM_WORLD, &req), "broadcast");
       wait(req, "broadcast");
-      if (bytes == 0) break;
-    }
+    });
   }
   void send(const void* data, size_t bytes, int dst, int tag) override {
-    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
-      const int n = (int)std::min(max_piece_, bytes - off);
+    for_each_piece(bytes, [&](size_t off, int n) {
       MPI_Request req;
       check(MPI_Isend(static_cast<const uint8_t*>(data) + off, n, MPI_BYTE, dst, tag, MPI_COMM_WORLD, &req), "send");
       wait(req, "send");
-      if (bytes == 0) break;
-    }
+    });
   }
   void recv(void* data, size_t bytes, int src, int tag) override {
-    for (size_t off = 0; off < bytes || off == 0; off += max_piece_) {
-      const int n = (int)std::min(max_piece_, bytes - off);
+    for_each_piece(bytes, [&](size_t off, int n) {
       MPI_Request req;
       check(MPI_Irecv(static_cast<uint8_t*>(data) + off, n, MPI_BYTE, src, tag, MPI_COMM_WORLD, &req), "recv");
       wait(req, "recv");
-      if (bytes == 0) break;
-    }
+    });
   }
   // Pieces of one message keep their order (MPI orders messages of one source, tag and
   // communicator), so both sides split at the same offsets.
@@ -165,6 +159,15 @@ class mpi_communicator final : public communicator {
     }
   }
 
+  // Calls f(offset, count) for each piece of a message (one empty piece for an empty message).
+  template <typename F>
+  void for_each_piece(size_t bytes, F&& f) {
+    for (size_t off = 0;; off += max_piece_) {
+      const size_t n = std::min(max_piece_, bytes - off);
+      f(off, (int)n);
+      if (off + n >= bytes) break;
+    }
+  }
   size_t piece_count(size_t bytes) const { return bytes == 0 ? 1 : (bytes + max_piece_ - 1) / max_piece_; }
 
   int rank_ = 0, size_ = 1;

@@ -1,10 +1,31 @@
 #include "coordinator/distributed.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 
 #include "common/sys.h"
 
 namespace xctx {
+
+progress_line::progress_line(std::string label, bool enabled)
+    : label_(std::move(label)), enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
+
+void progress_line::operator()(int64_t done, int64_t total) {
+  if (!enabled_ || total <= 0) return;
+  if (tty_) {
+    std::fprintf(stderr, "\r%s %lld/%lld", label_.c_str(), (long long)done, (long long)total);
+    open_ = true;
+  } else if (done * 4 >= next_quarter_ * total) {
+    std::fprintf(stderr, "%s %lld/%lld\n", label_.c_str(), (long long)done, (long long)total);
+    next_quarter_ = done * 4 / total + 1;
+  }
+}
+
+void progress_line::finish() {
+  if (open_) std::fprintf(stderr, "\n");
+  open_ = false;
+}
 
 void broadcast_tokens(communicator& comm, std::vector<int32_t>& ids) {
   uint64_t n = ids.size();

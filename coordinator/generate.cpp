@@ -1,6 +1,7 @@
 // `xctx generate`: tokenize, prefill, stream a continuation, report speed and memory.
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "cache/cache.h"
@@ -65,11 +66,9 @@ int run_generate(const generate_options& opt, communicator& comm) {
 
   std::vector<float> logits(hp.n_vocab);
   stopwatch prefill_clock;
-  const bool show_progress = coordinator && opt.show_stats && n_prompt >= 4 * opt.run.n_batch;
-  runner.prefill(prompt_ids, {}, logits.data(), [&](int64_t done, int64_t total) {
-    if (show_progress) std::fprintf(stderr, "\rprefill %lld/%lld", (long long)done, (long long)total);
-  });
-  if (show_progress) std::fprintf(stderr, "\n");
+  progress_line progress("[xctx] prefill", coordinator && opt.show_stats && n_prompt >= 4 * opt.run.n_batch);
+  runner.prefill(prompt_ids, {}, logits.data(), std::ref(progress));
+  progress.finish();
   const double prefill_s = prefill_clock.seconds();
 
   sampler smp(opt.sampling);

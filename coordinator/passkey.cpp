@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -343,13 +344,11 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
       runner.reset();  // free the previous trial's cache before allocating the next
       runner = std::make_unique<sequence_parallel_runner>(engine, comm, *s.be, opt.run.cache, seq);
       stopwatch prefill_clock;
-      const bool show_progress = coordinator && n_prompt >= 4 * opt.run.n_batch;
-      runner->prefill(prompt.context_ids, prompt.suffix_ids, logits.data(), [&](int64_t done, int64_t total) {
-        if (show_progress)
-          std::fprintf(stderr, "\r[passkey] depth %.2f trial %d: prefill %lld/%lld", opt.depths[di], t,
-                       (long long)done, (long long)total);
-      });
-      if (show_progress) std::fprintf(stderr, "\n");
+      char label[96];
+      std::snprintf(label, sizeof label, "[passkey] depth %.2f trial %d: prefill", opt.depths[di], t);
+      progress_line progress(label, coordinator && n_prompt >= 4 * opt.run.n_batch);
+      runner->prefill(prompt.context_ids, prompt.suffix_ids, logits.data(), std::ref(progress));
+      progress.finish();
       const double prefill_s = prefill_clock.seconds();
       prefill_total_s += prefill_s;
 
