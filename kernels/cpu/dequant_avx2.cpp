@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu/matmul_impl.h"
+#include "kernels/cpu/unpack_avx2.h"
 
 namespace xctx::cpu::detail {
 
@@ -17,22 +18,6 @@ namespace {
 inline __m256 rounded(__m256 v) {
   asm("" : "+x"(v));
   return v;
-}
-
-// 16 bytes of nibbles -> codes of elements 0..15 (low nibbles) and 16..31 (high nibbles).
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qs));
-  return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
-}
-
-inline __m256i high_bits(const uint8_t* qh) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32((int)bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
-                                                     2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(probe, _mm256_set1_epi8(-1)), _mm256_set1_epi8(0x10));
 }
 
 // 32 byte codes (signed if `is_signed`) minus `bias`, times d, plus m (when has_min), stored.
@@ -60,21 +45,21 @@ bool dequantize_row_avx2(ggml_type type, const void* src, float* dst, int64_t n)
     case ggml_type::ggml_q4_0: {
       const auto* b = (const block_q4_0*)src;
       for (int64_t i = 0; i < nb; ++i) {
-        store_block<false, false>(nibbles(b[i].qs), 8, _cvtsh_ss(b[i].d), 0.0f, dst + i * qk_small);
+        store_block<false, false>(unpack_nibbles(b[i].qs), 8, _cvtsh_ss(b[i].d), 0.0f, dst + i * qk_small);
       }
       return true;
     }
     case ggml_type::ggml_q4_1: {
       const auto* b = (const block_q4_1*)src;
       for (int64_t i = 0; i < nb; ++i) {
-        store_block<false, true>(nibbles(b[i].qs), 0, _cvtsh_ss(b[i].d), _cvtsh_ss(b[i].m), dst + i * qk_small);
+        store_block<false, true>(unpack_nibbles(b[i].qs), 0, _cvtsh_ss(b[i].d), _cvtsh_ss(b[i].m), dst + i * qk_small);
       }
       return true;
     }
     case ggml_type::ggml_q5_0: {
       const auto* b = (const block_q5_0*)src;
       for (int64_t i = 0; i < nb; ++i) {
-        const __m256i q = _mm256_or_si256(nibbles(b[i].qs), high_bits(b[i].qh));
+        const __m256i q = _mm256_or_si256(unpack_nibbles(b[i].qs), unpack_high_bits(b[i].qh));
         store_block<false, false>(q, 16, _cvtsh_ss(b[i].d), 0.0f, dst + i * qk_small);
       }
       return true;
@@ -82,7 +67,7 @@ bool dequantize_row_avx2(ggml_type type, const void* src, float* dst, int64_t n)
     case ggml_type::ggml_q5_1: {
       const auto* b = (const block_q5_1*)src;
       for (int64_t i = 0; i < nb; ++i) {
-        const __m256i q = _mm256_or_si256(nibbles(b[i].qs), high_bits(b[i].qh));
+        const __m256i q = _mm256_or_si256(unpack_nibbles(b[i].qs), unpack_high_bits(b[i].qh));
         store_block<false, true>(q, 0, _cvtsh_ss(b[i].d), _cvtsh_ss(b[i].m), dst + i * qk_small);
       }
       return true;
