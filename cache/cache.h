@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "cache/format.h"
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace xctx {
@@ -56,6 +57,15 @@ class kv_cache {
   virtual size_t bytes_used() const = 0;  // for the tokens held now
 };
 
-std::unique_ptr<kv_cache> make_cache(cache_format f, const cache_geometry& g, backend& be);
+std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
+
+// Rank boundaries of a shard plan must fall on multiples of this many positions for the format
+// to compress the same tokens the same way on any number of ranks (kivi: its group size).
+int64_t cache_alignment(const cache_spec& spec);
+
+// The quantized caches (cache/quant_cache.cpp), for tests and tools that look inside.
+std::unique_ptr<kv_cache> make_quant_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
+kvq_layer_view quant_cache_view(const kv_cache& c, int layer);  // throws for non-quantized caches
+int64_t quant_cache_key_outliers(const kv_cache& c);            // sparse key entries, all layers
 
 }  // namespace xctx

@@ -1,5 +1,6 @@
 #include "cache/format.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "common/error.h"
@@ -7,15 +8,30 @@
 namespace xctx {
 
 cache_format_traits format_traits(cache_format f) {
+  using cf = cache_family;
   switch (f) {
-    case cache_format::cache_fp32: return {"fp32", 32, false};
-    case cache_format::cache_fp16: return {"fp16", 16, false};
+    case cache_format::cache_fp32: return {"fp32", cf::family_fp, 32, 0.0, false, false};
+    case cache_format::cache_fp16: return {"fp16", cf::family_fp, 16, 0.0, false, false};
+    case cache_format::cache_kivi4: return {"kivi4", cf::family_kivi, 4, 0.0, true, false};
+    case cache_format::cache_kivi3: return {"kivi3", cf::family_kivi, 3, 0.0, true, false};
+    case cache_format::cache_kivi2: return {"kivi2", cf::family_kivi, 2, 0.0, true, false};
+    case cache_format::cache_nuq4: return {"nuq4", cf::family_nuq, 4, 0.0, true, true};
+    case cache_format::cache_nuq3: return {"nuq3", cf::family_nuq, 3, 0.0, true, true};
+    case cache_format::cache_nuq2: return {"nuq2", cf::family_nuq, 2, 0.0, true, true};
+    case cache_format::cache_nuq4_1pct: return {"nuq4-1%", cf::family_nuq, 4, 0.01, true, true};
+    case cache_format::cache_nuq3_1pct: return {"nuq3-1%", cf::family_nuq, 3, 0.01, true, true};
+    case cache_format::cache_nuq2_1pct: return {"nuq2-1%", cf::family_nuq, 2, 0.01, true, true};
   }
   XCTX_ASSERT(false, "bad cache_format ", (int)f);
   return {};
 }
 
-std::vector<cache_format> all_cache_formats() { return {cache_format::cache_fp32, cache_format::cache_fp16}; }
+std::vector<cache_format> all_cache_formats() {
+  using c = cache_format;
+  return {c::cache_fp32,      c::cache_fp16,      c::cache_kivi4,    c::cache_kivi3,
+          c::cache_kivi2,     c::cache_nuq4,      c::cache_nuq3,     c::cache_nuq2,
+          c::cache_nuq4_1pct, c::cache_nuq3_1pct, c::cache_nuq2_1pct};
+}
 
 cache_format parse_cache_format(const std::string& name) {
   std::ostringstream names;
@@ -26,15 +42,64 @@ cache_format parse_cache_format(const std::string& name) {
   fail("unknown cache format '", name, "' (known: ", names.str(), ")");
 }
 
-size_t cache_bytes_per_token(cache_format f, const cache_geometry& g) {
-  // K and V of every layer, plus the token's position (stored once, shared by the layers).
-  const size_t elems = 2 * (size_t)g.n_layer * (size_t)g.n_head_kv * (size_t)g.head_dim;
-  switch (f) {
-    case cache_format::cache_fp32: return elems * 4 + sizeof(int32_t);
-    case cache_format::cache_fp16: return elems * 2 + sizeof(int32_t);
+bool qnorm_enabled(cache_format f, const cache_options& o) {
+  // KVQuant App. H: Q-Norm helps at 2 bits and not measurably at 3-4; the paper uses it at 2.
+  return o.qnorm < 0 ? format_traits(f).bits_per_element == 2 : o.qnorm != 0;
+}
+
+int value_outliers_per_side(double fraction, int channels) {
+  if (fraction <= 0.0) return 0;
+  return std::max(1, (int)std::lround(fraction * channels / 2.0));
+}
+
+cache_bytes cache_bytes_for(const cache_spec& spec, const cache_geometry& g, int64_t n, int64_t n_sink,
+                            int64_t n_key_outliers) {
+  const cache_format_traits t = format_traits(spec.format);
+  const size_t L = (size_t)g.n_layer, C = (size_t)g.n_head_kv * g.head_dim;
+  cache_bytes b;
+  b.positions = (size_t)n * sizeof(int32_t);
+  switch (t.family) {
+    case cache_family::family_fp:
+      b.codes = 2 * L * (size_t)n * C * (size_t)t.bits_per_element / 8;
+      return b;
+    case cache_family::family_kivi: {
+      const int64_t G = spec.options.group_size;
+      const int64_t q = n / G * G;  // tokens in full groups; the rest is the fp16 residual window
+      const size_t n_vg = (C + G - 1) / G;
+      b.codes = 2 * L * (size_t)q * C * t.bits_per_element / 8;
+      b.fp16_rows = 2 * L * (size_t)(n - q) * C * 2;
+      b.scales = L * ((size_t)(q / G) * C + (size_t)q * n_vg) * 4;  // fp16 scale + zero
+      return b;
+    }
+    case cache_family::family_nuq: {
+      const int64_t q = n - n_sink;
+      const size_t lut = (size_t)1 << t.bits_per_element;
+      const bool outl = t.outlier_fraction > 0.0;
+      b.codes = 2 * L * (size_t)q * C * t.bits_per_element / 8;
+      b.fp16_rows = 2 * L * (size_t)n_sink * C * 2;
+      b.scales = L * (size_t)q * 4;  // value per-token fp16 scale + zero
+      // Two LUTs, key channel scale + zero, and with outliers the key thresholds (f32).
+      b.tables = L * (2 * lut * 4 + 2 * C * 4 + (outl ? 2 * C * 4 : 0));
+      if (outl) {
+        const size_t v_side = (size_t)value_outliers_per_side(t.outlier_fraction, (int)C);
+        b.outliers = L * ((size_t)q + 1) * 4 + (size_t)n_key_outliers * 4 + L * (size_t)q * 2 * v_side * 4;
+      }
+      return b;
+    }
   }
-  XCTX_ASSERT(false, "bad cache_format ", (int)f);
-  return 0;
+  XCTX_ASSERT(false, "bad cache family");
+  return b;
+}
+
+double cache_bytes_per_token(const cache_spec& spec, const cache_geometry& g) {
+  // Differences of a long shard: fixed per-layer parts and the residual window cancel.
+  const int64_t n0 = 1 << 20, n1 = 2 << 20;
+  const double frac = format_traits(spec.format).outlier_fraction;
+  const double C = (double)g.n_head_kv * g.head_dim;
+  const auto key_out = [&](int64_t n) { return (int64_t)std::llround(frac * C * (double)n * g.n_layer); };
+  const cache_bytes a = cache_bytes_for(spec, g, n0, 0, key_out(n0));
+  const cache_bytes b = cache_bytes_for(spec, g, n1, 0, key_out(n1));
+  return (double)(b.total() - a.total()) / (double)(n1 - n0);
 }
 
 }  // namespace xctx

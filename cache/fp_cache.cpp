@@ -23,7 +23,7 @@ class fp_cache final : public kv_cache {
     row_elems_ = (size_t)g.n_head_kv * g.head_dim;
     const size_t layer_bytes = (size_t)g.capacity * row_elems_ * elem_bytes_;
     bytes_ = 2 * layer_bytes * g.n_layer + (size_t)g.capacity * sizeof(int32_t);
-    XCTX_ASSERT(bytes_ == cache_bytes_per_token(f, g) * (size_t)g.capacity);
+    XCTX_ASSERT(bytes_ == cache_bytes_for(f, g, g.capacity, 0, 0).total());
     base_ = static_cast<uint8_t*>(be_.alloc(bytes_));
     XCTX_CHECK(base_ != nullptr, "cache: cannot allocate ", bytes_, " bytes for ", g.capacity, " tokens");
     for (int l = 0; l < g.n_layer; ++l) {
@@ -41,7 +41,7 @@ class fp_cache final : public kv_cache {
   size_t bytes_allocated() const override { return bytes_; }
   size_t bytes_used() const override {
     const int64_t n = *std::max_element(n_.begin(), n_.end());
-    return cache_bytes_per_token(format_, geo_) * (size_t)n;
+    return cache_bytes_for(format_, geo_, n, 0, 0).total();
   }
   void clear() override {
     std::fill(n_.begin(), n_.end(), 0);
@@ -155,12 +155,30 @@ class fp_cache final : public kv_cache {
 
 }  // namespace
 
-std::unique_ptr<kv_cache> make_cache(cache_format f, const cache_geometry& g, backend& be) {
-  switch (f) {
+std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  switch (spec.format) {
     case cache_format::cache_fp32:
-    case cache_format::cache_fp16: return std::make_unique<fp_cache>(f, g, be);
+    case cache_format::cache_fp16: return std::make_unique<fp_cache>(spec.format, g, be);
+    case cache_format::cache_kivi4:
+    case cache_format::cache_kivi3:
+    case cache_format::cache_kivi2:
+    case cache_format::cache_nuq4:
+    case cache_format::cache_nuq3:
+    case cache_format::cache_nuq2:
+    case cache_format::cache_nuq4_1pct:
+    case cache_format::cache_nuq3_1pct:
+    case cache_format::cache_nuq2_1pct: return make_quant_cache(spec, g, be);
   }
-  fail("make_cache: unknown format ", (int)f);
+  fail("make_cache: unknown format ", (int)spec.format);
+}
+
+int64_t cache_alignment(const cache_spec& spec) {
+  switch (format_traits(spec.format).family) {
+    case cache_family::family_fp:
+    case cache_family::family_nuq: return 1;
+    case cache_family::family_kivi: return spec.options.group_size;
+  }
+  return 1;
 }
 
 }  // namespace xctx

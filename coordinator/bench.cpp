@@ -39,7 +39,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   llama_engine engine(s.weights, *s.be, opt.run);
   sequence_options seq = opt.seq;
   seq.max_new_tokens = opt.gen_tokens + 1;
-  sequence_parallel_runner runner(engine, comm, *s.be, opt.run.cache, seq);
+  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   std::vector<float> logits(hp.n_vocab);
 
   comm.barrier();

@@ -317,4 +317,31 @@ std::vector<std::pair<std::string, std::string>> read_austen_novels(const std::s
   return out;
 }
 
+std::string load_text(const std::string& source) {
+  const std::string prefix = "austen:";
+  if (source.rfind(prefix, 0) != 0) {
+    std::string t = read_file_bytes(source);
+    XCTX_CHECK(!t.empty(), "text file ", source, " is empty");
+    return t;
+  }
+  const auto novels = read_austen_novels();
+  std::string want = source.substr(prefix.size()), out, known;
+  for (const auto& [name, text] : novels) known += (known.empty() ? "" : ", ") + name;
+  size_t at = 0;
+  while (at <= want.size()) {
+    const size_t comma = want.find(',', at);
+    const std::string name = want.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    bool found = false;
+    for (const auto& [n, text] : novels)
+      if (name == "all" || name == n) {
+        out += (out.empty() ? "" : "\n\n") + text;
+        found = true;
+      }
+    XCTX_CHECK(found, "unknown Austen novel '", name, "' in ", source, " (known: ", known, ", or all)");
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  return out;
+}
+
 }  // namespace xctx

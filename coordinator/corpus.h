@@ -24,6 +24,10 @@ inline constexpr const char* kAustenDataDir = "/usr/lib/R/site-library/janeauste
 // truncated or corrupt database.
 std::vector<std::pair<std::string, std::string>> read_austen_novels(const std::string& dir = kAustenDataDir);
 
+// A text named on the command line: "austen:NAME[,NAME...]" (novels from the database above,
+// joined with blank lines; "austen:all" for all six) or a path to a UTF-8 file.
+std::string load_text(const std::string& source);
+
 // Exposed for tests: inflates a gzip or zlib stream (auto-detected). `what` names the source in
 // errors; `expected_size` >= 0 must match the inflated size exactly. Output capped at `max_size`.
 std::string inflate_stream(const uint8_t* data, size_t size, const std::string& what, int64_t expected_size = -1,

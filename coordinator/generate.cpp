@@ -61,7 +61,7 @@ int run_generate(const generate_options& opt, communicator& comm) {
   llama_engine engine(s.weights, *s.be, opt.run);
   sequence_options seq = opt.seq;
   seq.max_new_tokens = opt.max_tokens + 1;
-  sequence_parallel_runner runner(engine, comm, *s.be, opt.run.cache, seq);
+  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   const double load_s = load_clock.seconds();
 
   std::vector<float> logits(hp.n_vocab);

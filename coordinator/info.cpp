@@ -1,5 +1,6 @@
 // `xctx info`: hyper-parameters, metadata and the tensor table of a model; with --cache, the
 // per-token byte breakdown of a cache format for this model.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -64,22 +65,40 @@ int run_info(const info_options& opt) {
 
   if (!opt.cache.empty()) {
     const cache_format fmt = parse_cache_format(opt.cache);
+    const cache_format_traits t = format_traits(fmt);
     run_params rp;
     rp.cache = fmt;
     const cache_geometry g = make_cache_geometry(w.hp, make_rope_config(w.hp, rp), opt.context);
-    const size_t per_token = cache_bytes_per_token(fmt, g);
-    const size_t fp16 = cache_bytes_per_token(cache_format::cache_fp16, g);
+    const cache_spec spec(fmt);  // default options: group 128, sink on
+    const double per_token = cache_bytes_per_token(spec, g);
+    const double fp16 = cache_bytes_per_token(cache_format::cache_fp16, g);
     const double elems = 2.0 * g.n_layer * g.n_head_kv * g.head_dim;
-    std::printf("\ncache %s for this model\n", format_traits(fmt).name);
+    const int64_t n = opt.context;
+    const int64_t n_sink = t.family == cache_family::family_nuq ? 1 : 0;
+    const double C = (double)g.n_head_kv * g.head_dim;
+    const int64_t key_out = (int64_t)std::llround(t.outlier_fraction * C * (double)(n - n_sink) * g.n_layer);
+    const cache_bytes b = cache_bytes_for(spec, g, n, n_sink, key_out);
+    std::printf("\ncache %s for this model\n", t.name);
     std::printf("  K and V elements per token      %.0f (%d layers x 2 x %d kv heads x %d)\n", elems, g.n_layer,
                 g.n_head_kv, g.head_dim);
-    std::printf("  stored bits per element         %d\n", format_traits(fmt).bits_per_element);
-    std::printf("  position per token              %zu bytes\n", sizeof(int32_t));
-    std::printf("  bytes per token                 %zu (%.3f bits per K/V element all-in)\n", per_token,
+    std::printf("  code bits per element           %d\n", t.bits_per_element);
+    std::printf("  bytes per token (long context)  %.2f (%.3f bits per K/V element all-in)\n", per_token,
                 per_token * 8.0 / elems);
-    std::printf("  relative to fp16                %.3f\n", (double)per_token / (double)fp16);
-    std::printf("  %lld tokens                     %s\n", (long long)opt.context,
-                format_bytes((double)per_token * (double)opt.context).c_str());
+    std::printf("  relative to fp16                %.4f (%.2fx smaller)\n", per_token / fp16, fp16 / per_token);
+    std::printf("  %lld tokens on one shard         %s, of which:\n", (long long)n, format_bytes((double)b.total()).c_str());
+    const auto row = [&](const char* what, size_t bytes, const char* how) {
+      if (bytes != 0) std::printf("    %-26s %12s  %s\n", what, format_bytes((double)bytes).c_str(), how);
+    };
+    row("positions", b.positions, "int32 per token");
+    row("codes", b.codes, t.family == cache_family::family_fp ? "K and V elements" : "packed K and V codes");
+    row("fp16 rows", b.fp16_rows, t.family == cache_family::family_kivi ? "residual window (tokens of the open group)"
+                                                                        : "attention sink (position 0)");
+    row("scales and zero points", b.scales,
+        t.family == cache_family::family_kivi ? "fp16 per key group x channel and per token x value group"
+                                              : "fp16 per value token");
+    row("per-layer tables", b.tables, "LUTs, key channel scales/zeros, outlier thresholds (f32)");
+    row("sparse outliers", b.outliers, "fp16 value + uint16 channel; key column offsets uint32 (nominal 1%)");
+    if (t.needs_calibration) std::printf("  needs --calib FILE (xctx calibrate)\n");
   }
   return 0;
 }

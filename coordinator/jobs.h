@@ -53,3 +53,20 @@ struct bench_options {
 int run_bench(const bench_options& opt, communicator& comm);
 
 }  // namespace xctx
+
+#include "worker/calibrate.h"
+
+namespace xctx {
+
+// `xctx calibrate`: one process (no mpirun needed); writes the nuqX calibration file.
+struct calibrate_cmd_options {
+  std::string model;
+  std::string text;   // file or austen:NAME (coordinator/corpus.h)
+  std::string out;
+  std::string weighting = "attention";  // attention | none
+  calibrate_options calib;
+  run_params run;     // threads, batch
+};
+int run_calibrate(const calibrate_cmd_options& opt);
+
+}  // namespace xctx

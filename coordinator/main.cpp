@@ -28,8 +28,26 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   if (!f.anchor.empty()) o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
 }
 
-void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, std::string& ctx, std::string& rope) {
-  cmd->add_option("--cache", cache, "cache format: fp16 | fp32")->default_val("fp16");
+struct cache_flags {
+  std::string qnorm = "auto";
+  bool no_sink = false;
+};
+
+std::string cache_format_list() {
+  std::string s;
+  for (xctx::cache_format f : xctx::all_cache_formats()) s += (s.empty() ? "" : " | ") + std::string(xctx::format_traits(f).name);
+  return s;
+}
+
+void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, std::string& ctx, std::string& rope,
+                     cache_flags& cf) {
+  cmd->add_option("--cache", cache, "cache format: " + cache_format_list())->default_val("fp16");
+  cmd->add_option("--calib", rp.calib_path, "nuq formats: calibration file made by `xctx calibrate`");
+  cmd->add_option("--group-size", rp.cache_opts.group_size, "kivi: tokens per key group = channels per value group")
+      ->default_val(128);
+  cmd->add_option("--qnorm", cf.qnorm, "nuq: Q-Norm of the datatypes: auto (on at 2 bits, as KVQuant) | on | off")
+      ->default_val("auto");
+  cmd->add_flag("--no-sink", cf.no_sink, "nuq: quantize the first token too (default keeps it fp16)");
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--threads", rp.n_threads, "CPU threads (default: all cores this process may use)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
@@ -37,8 +55,13 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f);
 }
 
-void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope) {
+void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope,
+                       const cache_flags& cf) {
   rp.cache = xctx::parse_cache_format(cache);
+  XCTX_CHECK(cf.qnorm == "auto" || cf.qnorm == "on" || cf.qnorm == "off", "--qnorm: unknown '", cf.qnorm,
+             "' (auto, on, off)");
+  rp.cache_opts.qnorm = cf.qnorm == "auto" ? -1 : (cf.qnorm == "on" ? 1 : 0);
+  rp.cache_opts.sink = !cf.no_sink;
   if (!ctx.empty()) rp.n_ctx = xctx::parse_count(ctx, "--ctx");
   static const std::map<std::string, xctx::rope_scaling> ropes = {
       {"none", xctx::rope_scaling::rope_scaling_none},
@@ -57,6 +80,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   xctx::generate_options gen;
+  cache_flags gen_cf;
   std::string gen_cache, gen_ctx, gen_rope;
   auto* g = app.add_subcommand("generate", "continue a prompt, streaming the text");
   g->add_option("--model", gen.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
@@ -70,7 +94,7 @@ int main(int argc, char** argv) {
   g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f);
   g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0);
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
-  add_run_options(g, gen.run, gen_cache, gen_ctx, gen_rope);
+  add_run_options(g, gen.run, gen_cache, gen_ctx, gen_rope, gen_cf);
   sequence_flags gen_seq;
   add_sequence_options(g, gen_seq);
 
@@ -83,17 +107,19 @@ int main(int argc, char** argv) {
   i->add_flag("--all", info.all_metadata, "print metadata arrays in full");
 
   xctx::bench_options bench;
+  cache_flags bench_cf;
   std::string bench_cache, bench_ctx, bench_rope, bench_prompt;
   auto* b = app.add_subcommand("bench", "timed prefill + decode on real text; prints JSON");
   b->add_option("--model", bench.model, "model (default: the fetched SmolLM2)");
   b->add_option("--text", bench.text_file, "text file to tokenize for the prompt")->required();
   b->add_option("--prompt-tokens", bench_prompt, "prompt length in tokens (e.g. 512, 8K)")->default_val("512");
   b->add_option("--gen-tokens", bench.gen_tokens, "greedy decode steps after the prompt")->default_val(0);
-  add_run_options(b, bench.run, bench_cache, bench_ctx, bench_rope);
+  add_run_options(b, bench.run, bench_cache, bench_ctx, bench_rope, bench_cf);
   sequence_flags bench_seq;
   add_sequence_options(b, bench_seq);
 
   xctx::passkey_options pk;
+  cache_flags pk_cf;
   std::string pk_cache, pk_ctx, pk_rope, pk_context = "4K", pk_depths = "0,0.25,0.5,0.75,1";
   auto* pkc = app.add_subcommand("passkey", "passkey retrieval: find a 5-digit key hidden at several depths");
   pkc->add_option("--model", pk.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
@@ -107,9 +133,25 @@ int main(int argc, char** argv) {
   pkc->add_flag("--chat", pk.chat, "wrap the prompt in the model's chat template");
   pkc->add_option("--max-answer-tokens", pk.max_answer_tokens, "greedy tokens decoded per answer")->default_val(8);
   pkc->add_option("--json", pk.json_path, "also write per-trial results and the summary to this JSON file");
-  add_run_options(pkc, pk.run, pk_cache, pk_ctx, pk_rope);
+  add_run_options(pkc, pk.run, pk_cache, pk_ctx, pk_rope, pk_cf);
   sequence_flags pk_seq;
   add_sequence_options(pkc, pk_seq);
+
+  xctx::calibrate_cmd_options cal;
+  auto* cc = app.add_subcommand("calibrate", "derive the nuq datatypes, key scales and outlier thresholds (KVQuant)");
+  cc->add_option("--model", cal.model, "model (default: the fetched SmolLM2)");
+  cc->add_option("--text", cal.text, "calibration text: a file, or austen:NAME[,NAME] (e.g. austen:sensesensibility)")
+      ->required();
+  cc->add_option("--samples", cal.calib.n_samples, "calibration windows")->default_val(16);
+  cc->add_option("--seq-len", cal.calib.seq_len, "tokens per window")->default_val(2048);
+  cc->add_option("--seed", cal.calib.seed, "seed of the window offsets and sampled queries")->default_val(1);
+  cc->add_option("--weighting", cal.weighting, "k-means weights: attention (output sensitivity) | none")
+      ->default_val("attention");
+  cc->add_option("--queries", cal.calib.queries_per_sample, "query positions sampled per window for the weights")
+      ->default_val(64);
+  cc->add_option("--out", cal.out, "calibration file to write")->required();
+  cc->add_option("--threads", cal.run.n_threads, "CPU threads");
+  cc->add_option("--batch", cal.run.n_batch, "forward chunk size in tokens")->default_val(512);
 
   try {
     app.parse(argc, argv);
@@ -122,13 +164,13 @@ int main(int argc, char** argv) {
   try {
     if (*g) {
       comm = xctx::make_default_communicator();
-      apply_run_options(gen.run, gen_cache, gen_ctx, gen_rope);
+      apply_run_options(gen.run, gen_cache, gen_ctx, gen_rope, gen_cf);
       apply_sequence_options(gen.seq, gen_seq);
       return xctx::run_generate(gen, *comm);
     }
     if (*pkc) {
       comm = xctx::make_default_communicator();
-      apply_run_options(pk.run, pk_cache, pk_ctx, pk_rope);
+      apply_run_options(pk.run, pk_cache, pk_ctx, pk_rope, pk_cf);
       apply_sequence_options(pk.seq, pk_seq);
       pk.context = xctx::parse_count(pk_context, "--context");
       pk.depths = xctx::parse_depths(pk_depths);
@@ -136,11 +178,12 @@ int main(int argc, char** argv) {
     }
     if (*b) {
       comm = xctx::make_default_communicator();
-      apply_run_options(bench.run, bench_cache, bench_ctx, bench_rope);
+      apply_run_options(bench.run, bench_cache, bench_ctx, bench_rope, bench_cf);
       apply_sequence_options(bench.seq, bench_seq);
       bench.prompt_tokens = xctx::parse_count(bench_prompt, "--prompt-tokens");
       return xctx::run_bench(bench, *comm);
     }
+    if (*cc) return xctx::run_calibrate(cal);
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");
       return xctx::run_info(info);

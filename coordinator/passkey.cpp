@@ -342,7 +342,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
       const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
 
       runner.reset();  // free the previous trial's cache before allocating the next
-      runner = std::make_unique<sequence_parallel_runner>(engine, comm, *s.be, opt.run.cache, seq);
+      runner = std::make_unique<sequence_parallel_runner>(engine, comm, *s.be, s.cache, seq);
       stopwatch prefill_clock;
       char label[96];
       std::snprintf(label, sizeof label, "[passkey] depth %.2f trial %d: prefill", opt.depths[di], t);

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "cache/calibration.h"
 #include "common/error.h"
 #include "model/gguf.h"
 
@@ -38,7 +39,21 @@ model_session open_session(const std::string& model_path, const std::string& tok
   XCTX_CHECK(s.tok->n_vocab() <= s.weights.hp.n_vocab, "tokenizer ", vocab_source, " has ", s.tok->n_vocab(),
              " tokens but the model's vocabulary has ", s.weights.hp.n_vocab);
   s.be = make_backend(rp.backend);
+  s.cache = resolve_cache_spec(rp, s.weights);
   return s;
+}
+
+cache_spec resolve_cache_spec(const run_params& rp, const model_weights& w) {
+  cache_spec spec(rp.cache, rp.cache_opts);
+  const cache_format_traits t = format_traits(rp.cache);
+  if (t.needs_calibration) {
+    XCTX_CHECK(!rp.calib_path.empty(), "cache ", t.name,
+               " needs a calibration: pass --calib FILE (make one with `xctx calibrate --out FILE`)");
+    auto c = std::make_shared<calibration>(load_calibration(rp.calib_path));
+    c->check_model(model_fingerprint(w), w.hp, rp.calib_path);
+    spec.options.calib = std::move(c);
+  }
+  return spec;
 }
 
 }  // namespace xctx

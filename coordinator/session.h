@@ -16,7 +16,11 @@ struct model_session {
   std::unique_ptr<tokenizer> tok;
   std::string chat_template;  // the file's tokenizer.chat_template, if any
   std::unique_ptr<backend> be;
+  cache_spec cache;  // rp.cache with its options and, for nuq formats, the loaded calibration
 };
+
+// The cache spec a run asks for: loads and checks the calibration when the format needs one.
+cache_spec resolve_cache_spec(const run_params& rp, const model_weights& w);
 
 // Resolves the default model: $XCTX_MODEL, then models/<default> under the current directory,
 // then under the source tree the binary was built from.

@@ -45,6 +45,8 @@ class host_backend final : public backend {
                       float* o, float* lse) override {
     k_.merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
   }
+  void kvq_encode(const kvq_encode_job& job) override { k_.kvq_encode(job); }
+  void attention_kvq(const kvq_attn_args& a) override { k_.attention_kvq(a); }
 
  private:
   host_kernels k_;

@@ -18,6 +18,8 @@ struct host_kernels {
   void (*add)(float*, const float*, int64_t);
   void (*attention_partial)(const attn_args&);
   void (*merge_partials)(const float*, const float*, int, int64_t, int, float*, float*);
+  void (*kvq_encode)(const kvq_encode_job&);
+  void (*attention_kvq)(const kvq_attn_args&);
 };
 
 std::unique_ptr<backend> make_host_backend(const host_kernels& k);

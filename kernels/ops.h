@@ -46,6 +46,10 @@ struct rope_config {
 // Element type of cached keys/values handed to the attention kernels.
 enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
 
+// Quantized-cache kernels (encode, attention over one quantized layer): kernels/kv_quant.h.
+struct kvq_encode_job;
+struct kvq_attn_args;
+
 // One attention call: queries against a set of cached tokens, producing a *partial* result
 // (o normalised by its own softmax sum, plus the log-sum-exp) that can be merged with the
 // partials of other blocks/ranks. Key j is visible to query i iff kv_pos[j] <= q_pos[i].
@@ -103,6 +107,10 @@ class backend {
   virtual void merge_partials(const float* o_parts /*[n_part, n_row, head_dim]*/,
                               const float* lse_parts /*[n_part, n_row]*/, int n_part, int64_t n_row,
                               int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/) = 0;
+  // Encodes rows of a quantized cache (bit-identical codes on every backend).
+  virtual void kvq_encode(const kvq_encode_job& job) = 0;
+  // Attention partial over one quantized layer: dequantize, RoPE, q·k, softmax, p·v, fused.
+  virtual void attention_kvq(const kvq_attn_args& a) = 0;
 };
 
 enum class backend_kind : uint8_t { backend_ref, backend_cpu, backend_cuda };

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "cache/format.h"
 #include "kernels/ops.h"
@@ -11,6 +12,8 @@ namespace xctx {
 struct run_params {
   backend_kind backend = backend_kind::backend_cpu;
   cache_format cache = cache_format::cache_fp16;
+  cache_options cache_opts;  // group size, Q-Norm, sink (the calibration is loaded from calib_path)
+  std::string calib_path;    // nuq formats: file made by `xctx calibrate`
   int n_threads = 0;        // 0: default_threads()
   int64_t n_ctx = 0;        // cache capacity in tokens; 0: the model's trained context
   int n_batch = 512;        // prefill chunk: tokens per forward call (bounds scratch memory)

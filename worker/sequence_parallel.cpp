@@ -147,8 +147,8 @@ void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int
 // ---- the runner ------------------------------------------------------------------------------
 
 sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be,
-                                                   cache_format format, const sequence_options& opt)
-    : engine_(engine), comm_(comm), be_(be), format_(format), opt_(opt) {
+                                                   cache_spec spec, const sequence_options& opt)
+    : engine_(engine), comm_(comm), be_(be), spec_(std::move(spec)), opt_(opt) {
   XCTX_CHECK(opt.max_new_tokens >= 0, "max_new_tokens must be >= 0");
   XCTX_CHECK(opt.anchor_tokens >= 0, "anchor tokens must be >= 0");
 }
@@ -167,13 +167,13 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   const int p = comm_.size(), rank = comm_.rank();
   const int64_t n = (int64_t)context.size();
   const shard_layout layout = opt_.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt_.layout;
-  plan_ = make_shard_plan(n, p, layout);
+  plan_ = make_shard_plan(n, p, layout, cache_alignment(spec_));
   // With an empty context (short prompt) the suffix lands on rank 0.
   if (n == 0) plan_.tail_rank = 0;
   const bool tail = rank == plan_.tail_rank;
   const int64_t extra = tail ? (int64_t)suffix.size() + opt_.max_new_tokens : 0;
   const std::vector<int32_t> pos = plan_.positions_of(rank);
-  cache_ = make_cache(format_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size() + extra)), be_);
+  cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size() + extra)), be_);
 
   std::vector<int32_t> mine(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) mine[i] = context[pos[i]];
@@ -198,7 +198,7 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
         std::vector<int32_t> toks, tpos;
         const int64_t a = has_anchor ? std::min<int64_t>(anchor, pos.front()) : 0;  // never overlaps the own chunk
         if (has_anchor) {
-          anchor_cache = make_cache(format_, engine_.cache_geometry_for(std::max<int64_t>(1, a)), be_);
+          anchor_cache = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, a)), be_);
           for (int64_t i = 0; i < a; ++i) {
             toks.push_back(context[i]);
             tpos.push_back((int32_t)i);

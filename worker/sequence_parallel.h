@@ -46,7 +46,7 @@ size_t partial_bytes_per_token_layer(const model_hparams& hp);
 
 class sequence_parallel_runner {
  public:
-  sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be, cache_format format,
+  sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be, cache_spec spec,
                            const sequence_options& opt);
   ~sequence_parallel_runner();
 
@@ -67,7 +67,7 @@ class sequence_parallel_runner {
   llama_engine& engine_;
   communicator& comm_;
   backend& be_;
-  cache_format format_;
+  cache_spec spec_;
   sequence_options opt_;
   shard_plan plan_;
   std::unique_ptr<kv_cache> cache_;

@@ -18,18 +18,24 @@ std::vector<int32_t> shard_plan::positions_of(int rank) const {
   return pos;
 }
 
-shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout) {
+shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align) {
   XCTX_CHECK(n_rank >= 1, "shard plan: need at least one rank, got ", n_rank);
+  XCTX_CHECK(align >= 1, "shard plan: alignment must be >= 1, got ", align);
   XCTX_CHECK(n_tokens >= 0 && n_tokens < (int64_t)INT32_MAX, "shard plan: ", n_tokens, " tokens is out of range");
   shard_plan p;
   p.layout = layout;
   p.n_rank = n_rank;
   p.n_tokens = n_tokens;
   p.ranges.resize(n_rank);
+  // Boundary k of `parts` pieces, rounded down to the alignment (the end stays the end).
+  const auto cut = [&](int64_t k, int64_t parts) {
+    if (k >= parts) return n_tokens;
+    return n_tokens * k / parts / align * align;
+  };
   switch (layout) {
     case shard_layout::shard_contiguous:
       for (int r = 0; r < n_rank; ++r) {
-        const int64_t b = n_tokens * r / n_rank, e = n_tokens * (r + 1) / n_rank;
+        const int64_t b = cut(r, n_rank), e = cut(r + 1, n_rank);
         if (e > b) p.ranges[r].push_back({b, e});
       }
       break;
@@ -37,7 +43,7 @@ shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout) {
       const int pieces = 2 * n_rank;
       for (int r = 0; r < n_rank; ++r) {
         for (int piece : {r, pieces - 1 - r}) {
-          const int64_t b = n_tokens * piece / pieces, e = n_tokens * (piece + 1) / pieces;
+          const int64_t b = cut(piece, pieces), e = cut(piece + 1, pieces);
           if (e > b) p.ranges[r].push_back({b, e});
         }
       }

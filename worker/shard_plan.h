@@ -27,7 +27,9 @@ struct shard_plan {
   std::vector<int32_t> positions_of(int rank) const;
 };
 
-shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout);
+// align > 1 puts every boundary between pieces on a multiple of align (the last piece takes the
+// remainder), so formats that compress groups of positions see the same groups on any rank count.
+shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align = 1);
 shard_layout parse_shard_layout(const std::string& name);  // contiguous | zigzag
 const char* shard_layout_name(shard_layout l);
 

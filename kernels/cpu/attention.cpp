@@ -26,12 +26,10 @@ namespace impl {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Up to this many queries the decode kernel (register-blocked rows, K/V streamed once) runs;
-// above, BLAS tiles. Measured single-threaded on 4096 f16 keys, 9/3 heads: the decode kernel
-// costs ~125 us per query at any n_q <= 64, the BLAS tiles 630 us at n_q = 1 and 110-190 us per
-// query from 16 on, so the switch point is not sharp; BLAS tiles also skip whole masked tiles
-// in causal prefill.
-constexpr int64_t kDecodeMaxQ = 8;
+// kDecodeMaxQueries (elementwise_attention_impl.h): measured single-threaded on 4096 f16 keys,
+// 9/3 heads: the decode kernel costs ~125 us per query at any n_q <= 64, the BLAS tiles 630 us at
+// n_q = 1 and 110-190 us per query from 16 on, so the switch point is not sharp; BLAS tiles also
+// skip whole masked tiles in causal prefill.
 // Shortest kv chunk one decode work item streams: below this, per-item set-up and the final
 // merge cost more than the extra parallelism returns.
 constexpr int64_t kDecodeMinChunk = 256;
@@ -322,6 +320,13 @@ void attention_prefill(isa v, const attn_args& a, const std::vector<int64_t>& q_
 
 }  // namespace
 
+void decode_block(isa v, const decode_job& jb) {
+  if (v == isa::isa_avx2 && jb.hd % 8 == 0)
+    avx2::decode_block(jb);
+  else
+    decode_block_scalar(jb);
+}
+
 void attention_partial(isa v, const attn_args& a) {
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
@@ -344,7 +349,7 @@ void attention_partial(isa v, const attn_args& a) {
     std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
     return;
   }
-  if (a.n_q <= kDecodeMaxQ)
+  if (a.n_q <= kDecodeMaxQueries)
     attention_decode(v, a, q_end, kv_len);
   else
     attention_prefill(v, a, q_end, kv_len);

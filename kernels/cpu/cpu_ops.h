@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace xctx::cpu {
@@ -49,5 +50,12 @@ void add(float* y, const float* x, int64_t n);
 void attention_partial(const attn_args& a);
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                     float* o, float* lse);
+
+// ---- quantized KV cache (kernels/cpu/kvq*.cpp) ------------------------------------------
+// Encoder: OpenMP over rows/channels, codes bit-identical to ref::kvq_encode. Attention: the
+// layer streamed in tiles of slots (decode to f32 in L1/L2, outliers patched, RoPE applied,
+// then the decode/prefill attention core), never the whole shard in f32.
+void kvq_encode(const kvq_encode_job& job);
+void attention_kvq(const kvq_attn_args& a);
 
 }  // namespace xctx::cpu

@@ -65,6 +65,11 @@ inline int64_t decode_scratch_floats(int R, int hd) {
   return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R;
 }
 
+// Runs one decode work item (AVX2 when v says so and hd % 8 == 0, else scalar).
+void decode_block(isa v, const decode_job& job);
+// Up to this many queries the attention kernels take the decode path.
+inline constexpr int64_t kDecodeMaxQueries = 8;
+
 // Row helpers the prefill path (sgemm tiles) runs per score row.
 struct row_ops {
   void (*f16_to_f32)(const uint16_t* src /*[n]*/, int64_t n, float* dst /*[n]*/);

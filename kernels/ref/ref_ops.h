@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace xctx::ref {
@@ -33,5 +34,12 @@ void add(float* y, const float* x, int64_t n);
 void attention_partial(const attn_args& a);
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                     float* o, float* lse);
+
+// ---- quantized KV cache (kernels/ref/kvq_ref.cpp; layouts in kernels/kv_quant.h) ---------
+void kvq_encode(const kvq_encode_job& job);
+// Every slot of a quantized layer decoded to f32 (pre-RoPE keys), outliers applied.
+void kvq_decode_layer(const kvq_layer_view& v, float* k /*[n, C]*/, float* v_out /*[n, C]*/);
+// Decode everything, rope(), attention_partial(): the oracle of the fused kernels.
+void attention_kvq(const kvq_attn_args& a);
 
 }  // namespace xctx::ref

@@ -1,0 +1,443 @@
+// The quantized KV caches: KIVI* (uniform) and KVQuant nuqX (non-uniform, optional 1%
+// dense-and-sparse outliers, attention sink). Layout and math: kernels/kv_quant.h; the
+// encoders and the fused attention are backend kernels (ref / cpu / cuda).
+//
+// When tokens are compressed (the rule perplexity and generation share):
+//  kivi  a token's K and V stay fp16 in the residual window until its key group of `group`
+//        consecutive slots is complete; then the group is encoded (keys per channel over the
+//        group, values per token). Shard plans align rank boundaries to the group, so slot
+//        groups are position groups [gG, (g+1)G) on any number of ranks.
+//  nuq   every token is encoded when appended (key scales are offline, value scales online),
+//        except position 0, the attention sink, kept in fp16 (option).
+// Encoding starts from the fp16-rounded residual rows for kivi (what the window stores) and
+// from the f32 activations for nuq.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache/cache.h"
+#include "cache/calibration.h"
+#include "common/error.h"
+#include "common/half.h"
+#include "kernels/kv_quant.h"
+
+namespace xctx {
+namespace {
+
+size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
+
+template <typename T>
+size_t cap_bytes(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
+struct layer_store {
+  int64_t n = 0;       // slots held
+  int64_t n_sink = 0;  // 0 or 1
+  int64_t n_tail = 0;  // kivi residual rows
+  int64_t nq = 0;      // quantized rows
+  std::vector<uint16_t> k_sink, v_sink;            // [1, C]
+  std::vector<uint16_t> k_tail, v_tail;            // [group, C]
+  std::vector<uint8_t> k_codes, v_codes;           // [capacity, C*bits/8]
+  std::vector<kvq_affine> k_group, v_aff;          // kivi [cap/G, C], [cap, n_vg]; nuq v_aff [cap]
+  std::vector<uint32_t> k_out_off;                 // [capacity + 1]
+  std::vector<uint16_t> k_out_idx, k_out_val;      // grows with the data
+  std::vector<uint16_t> v_out_idx, v_out_val;      // [capacity, 2*side]
+  std::vector<float> lut_k, lut_v, ch_scale, ch_zero, ch_lo, ch_hi;  // nuq tables
+};
+
+class quant_cache final : public kv_cache {
+ public:
+  quant_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
+      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)) {
+    XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
+               "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
+               " head_dim=", g.head_dim);
+    XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
+    C_ = g.n_head_kv * g.head_dim;
+    XCTX_CHECK(C_ % 8 == 0 && C_ <= 65536, "cache ", traits_.name, ": a token row of ", C_,
+               " channels must be a multiple of 8 (and at most 65536)");
+    bits_ = traits_.bits_per_element;
+    rb_ = kvq_row_bytes(C_, bits_);
+    kivi_ = traits_.family == cache_family::family_kivi;
+    const int64_t cap = g.capacity;
+    if (kivi_) {
+      G_ = spec.options.group_size;
+      XCTX_CHECK(G_ >= 8 && G_ % 8 == 0 && G_ <= 65536, "cache ", traits_.name, ": group size ", G_,
+                 " must be a multiple of 8 in [8, 65536]");
+      n_vg_ = (C_ + G_ - 1) / G_;
+    } else {
+      XCTX_CHECK(spec.options.calib != nullptr, "cache ", traits_.name,
+                 " needs a calibration file (--calib FILE, made by `xctx calibrate`)");
+      const calibration& cal = *spec.options.calib;
+      XCTX_CHECK(cal.n_layer == g.n_layer && cal.channels() == C_, "calibration for ", cal.model_name, " has ",
+                 cal.n_layer, " layers x ", cal.channels(), " channels; this model has ", g.n_layer, " x ", C_);
+      v_side_ = value_outliers_per_side(traits_.outlier_fraction, C_);
+    }
+    const bool qn = qnorm_enabled(spec.format, spec.options);
+    pos_.resize(cap);
+    layers_.resize(g.n_layer);
+    for (int l = 0; l < g.n_layer; ++l) {
+      layer_store& s = layers_[l];
+      s.k_codes.resize((size_t)cap * rb_);
+      s.v_codes.resize((size_t)cap * rb_);
+      if (kivi_) {
+        s.k_tail.resize((size_t)G_ * C_), s.v_tail.resize((size_t)G_ * C_);
+        s.k_group.resize((size_t)(cap / G_) * C_);
+        s.v_aff.resize((size_t)cap * n_vg_);
+        continue;
+      }
+      if (spec.options.sink) s.k_sink.resize(C_), s.v_sink.resize(C_);
+      s.v_aff.resize(cap);
+      const calib_layer_setting& cl = spec.options.calib->layer(traits_.outlier_fraction, l);
+      s.lut_k = cl.key_type(bits_).lut(qn);
+      s.lut_v = cl.value_type(bits_).lut(qn);
+      s.ch_scale.resize(C_), s.ch_zero.resize(C_);
+      for (int c = 0; c < C_; ++c) {
+        s.ch_zero[c] = 0.5f * (cl.k_hi[c] + cl.k_lo[c]);
+        s.ch_scale[c] = 0.5f * (cl.k_hi[c] - cl.k_lo[c]);
+      }
+      if (traits_.outlier_fraction > 0.0) {
+        s.ch_lo = cl.k_lo, s.ch_hi = cl.k_hi;
+        s.k_out_off.assign((size_t)cap + 1, 0);
+        s.k_out_idx.reserve(nominal_key_outliers(cap)), s.k_out_val.reserve(nominal_key_outliers(cap));
+        s.v_out_idx.resize((size_t)cap * 2 * v_side_), s.v_out_val.resize((size_t)cap * 2 * v_side_);
+      }
+    }
+  }
+
+  cache_format format() const override { return spec_.format; }
+  const cache_geometry& geometry() const override { return geo_; }
+  int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
+
+  size_t bytes_allocated() const override {
+    size_t b = cap_bytes(pos_);
+    for (const layer_store& s : layers_)
+      b += cap_bytes(s.k_sink) + cap_bytes(s.v_sink) + cap_bytes(s.k_tail) + cap_bytes(s.v_tail) +
+           cap_bytes(s.k_codes) + cap_bytes(s.v_codes) + cap_bytes(s.k_group) + cap_bytes(s.v_aff) +
+           cap_bytes(s.k_out_off) + cap_bytes(s.k_out_idx) + cap_bytes(s.k_out_val) + cap_bytes(s.v_out_idx) +
+           cap_bytes(s.v_out_val) + cap_bytes(s.lut_k) + cap_bytes(s.lut_v) + cap_bytes(s.ch_scale) +
+           cap_bytes(s.ch_zero) + cap_bytes(s.ch_lo) + cap_bytes(s.ch_hi);
+    return b;
+  }
+
+  // Sum of what the layers hold now, array by array (tests compare it with cache_bytes_for).
+  size_t bytes_used() const override {
+    int64_t n_max = 0;
+    size_t b = 0;
+    for (const layer_store& s : layers_) {
+      n_max = std::max(n_max, s.n);
+      const size_t C = (size_t)C_;
+      b += 2 * (size_t)s.n_sink * C * 2 + 2 * (size_t)s.n_tail * C * 2;
+      b += 2 * (size_t)s.nq * rb_;
+      if (kivi_) {
+        b += (size_t)(s.nq / G_) * C * sizeof(kvq_affine) + (size_t)s.nq * n_vg_ * sizeof(kvq_affine);
+        continue;
+      }
+      b += (size_t)s.nq * sizeof(kvq_affine);
+      b += (s.lut_k.size() + s.lut_v.size() + s.ch_scale.size() + s.ch_zero.size() + s.ch_lo.size() +
+            s.ch_hi.size()) * sizeof(float);
+      if (!s.k_out_off.empty()) {
+        const size_t nk = s.k_out_off[s.nq];
+        b += ((size_t)s.nq + 1) * 4 + nk * 4 + (size_t)s.nq * 2 * v_side_ * 4;
+      }
+    }
+    return b + (size_t)n_max * sizeof(int32_t);
+  }
+
+  int64_t key_outliers() const {
+    int64_t k = 0;
+    for (const layer_store& s : layers_)
+      if (!s.k_out_off.empty()) k += s.k_out_off[s.nq];
+    return k;
+  }
+
+  void clear() override {
+    for (layer_store& s : layers_) {
+      s.n = s.n_sink = s.n_tail = s.nq = 0;
+      s.k_out_idx.clear(), s.k_out_val.clear();
+    }
+    n_pos_ = 0;
+  }
+
+  void append(int layer, const layer_input& in) override {
+    XCTX_ASSERT(layer >= 0 && layer < geo_.n_layer);
+    layer_store& s = layers_[layer];
+    XCTX_CHECK(s.n + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", s.n, " tokens, appending ", in.n,
+               " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
+    if (in.n == 0) return;
+    store_positions(layer, s.n, in);
+    int64_t i = 0;
+    if (kivi_) {
+      while (i < in.n) {  // fill the residual window; a full window becomes a quantized group
+        const int64_t take = std::min<int64_t>(in.n - i, G_ - s.n_tail);
+        to_fp16(in.k + i * C_, take * C_, s.k_tail.data() + s.n_tail * C_);
+        to_fp16(in.v + i * C_, take * C_, s.v_tail.data() + s.n_tail * C_);
+        s.n_tail += take, s.n += take, i += take;
+        if (s.n_tail == G_) encode_kivi_group(s);
+      }
+      return;
+    }
+    if (s.n == 0 && spec_.options.sink && in.pos[0] == 0) {  // the attention sink stays fp16
+      to_fp16(in.k, C_, s.k_sink.data());
+      to_fp16(in.v, C_, s.v_sink.data());
+      s.n_sink = 1, s.n = 1, i = 1;
+    }
+    if (i < in.n) encode_nuq_rows(s, in.k + i * C_, in.v + i * C_, in.n - i);
+  }
+
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+    run_attention(view_of(layer), q, q_pos, n_q, o, lse);
+  }
+
+  size_t exported_bytes(int layer) const override {
+    const layer_store& s = layers_.at(layer);
+    return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, s.k_out_off.empty() ? 0 : s.k_out_off[s.nq]);
+  }
+
+  void export_layer(int layer, void* dst) const override {
+    const layer_store& s = layers_.at(layer);
+    const int64_t nk = s.k_out_off.empty() ? 0 : s.k_out_off[s.nq];
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    const int64_t hdr[5] = {s.n, s.n_sink, s.n_tail, s.nq, nk};
+    std::memcpy(out, hdr, sizeof hdr);
+    size_t at = sizeof hdr;
+    const auto put = [&](const void* p, size_t bytes) {
+      if (bytes) std::memcpy(out + at, p, bytes);
+      at += pad8(bytes);
+    };
+    put(pos_.data(), s.n * 4);
+    put(s.k_sink.data(), s.n_sink * C_ * 2), put(s.v_sink.data(), s.n_sink * C_ * 2);
+    put(s.k_tail.data(), s.n_tail * C_ * 2), put(s.v_tail.data(), s.n_tail * C_ * 2);
+    put(s.k_codes.data(), s.nq * rb_), put(s.v_codes.data(), s.nq * rb_);
+    if (kivi_) {
+      put(s.k_group.data(), (s.nq / G_) * C_ * sizeof(kvq_affine));
+      put(s.v_aff.data(), s.nq * n_vg_ * sizeof(kvq_affine));
+    } else {
+      put(s.v_aff.data(), s.nq * sizeof(kvq_affine));
+      if (!s.k_out_off.empty()) {
+        put(s.k_out_off.data(), (s.nq + 1) * 4);
+        put(s.k_out_idx.data(), nk * 2), put(s.k_out_val.data(), nk * 2);
+        put(s.v_out_idx.data(), s.nq * 2 * v_side_ * 2), put(s.v_out_val.data(), s.nq * 2 * v_side_ * 2);
+      }
+    }
+    XCTX_ASSERT(at == exported_bytes(layer));
+  }
+
+  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
+                       float* o, float* lse) override {
+    const auto* in = static_cast<const uint8_t*>(block);
+    int64_t hdr[5] = {};
+    XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
+    std::memcpy(hdr, in, sizeof hdr);
+    const int64_t n = hdr[0], n_sink = hdr[1], n_tail = hdr[2], nq = hdr[3], nk = hdr[4];
+    const bool sane = n >= 0 && n_sink >= 0 && n_sink <= 1 && n_tail >= 0 && nq >= 0 && nk >= 0 &&
+                      n == n_sink + nq + n_tail && (!kivi_ || (n_tail < G_ && nq % G_ == 0));
+    XCTX_CHECK(sane && block_bytes(n, n_sink, n_tail, nq, nk) == bytes, "cache block for layer ", layer,
+               " is inconsistent: ", n, " tokens (sink ", n_sink, ", quantized ", nq, ", window ", n_tail, ", ", nk,
+               " key outliers) in ", bytes, " bytes");
+    const layer_store& own = layers_.at(layer);
+    kvq_layer_view v = base_view(own);
+    size_t at = sizeof hdr;
+    const auto take = [&](size_t b) {
+      const uint8_t* p = in + at;
+      at += pad8(b);
+      return p;
+    };
+    v.n = n, v.n_sink = n_sink, v.q_end = n_sink + nq;
+    v.pos = reinterpret_cast<const int32_t*>(take(n * 4));
+    v.k_sink = reinterpret_cast<const uint16_t*>(take(n_sink * C_ * 2));
+    v.v_sink = reinterpret_cast<const uint16_t*>(take(n_sink * C_ * 2));
+    v.k_tail = reinterpret_cast<const uint16_t*>(take(n_tail * C_ * 2));
+    v.v_tail = reinterpret_cast<const uint16_t*>(take(n_tail * C_ * 2));
+    v.k_codes = take(nq * rb_), v.v_codes = take(nq * rb_);
+    if (kivi_) {
+      v.k_group = reinterpret_cast<const kvq_affine*>(take((nq / G_) * C_ * sizeof(kvq_affine)));
+      v.v_group = reinterpret_cast<const kvq_affine*>(take(nq * n_vg_ * sizeof(kvq_affine)));
+    } else {
+      v.v_tok = reinterpret_cast<const kvq_affine*>(take(nq * sizeof(kvq_affine)));
+      if (!own.k_out_off.empty()) {
+        v.k_out_off = reinterpret_cast<const uint32_t*>(take((nq + 1) * 4));
+        XCTX_CHECK(v.k_out_off[0] == 0 && (int64_t)v.k_out_off[nq] == nk, "cache block for layer ", layer,
+                   ": key outlier offsets do not span its ", nk, " entries");
+        for (int64_t i = 0; i < nq; ++i)
+          XCTX_CHECK(v.k_out_off[i] <= v.k_out_off[i + 1], "cache block for layer ", layer,
+                     ": key outlier offsets decrease at row ", i);
+        v.k_out_idx = reinterpret_cast<const uint16_t*>(take(nk * 2));
+        v.k_out_val = reinterpret_cast<const uint16_t*>(take(nk * 2));
+        v.v_out_idx = reinterpret_cast<const uint16_t*>(take(nq * 2 * v_side_ * 2));
+        v.v_out_val = reinterpret_cast<const uint16_t*>(take(nq * 2 * v_side_ * 2));
+        for (int64_t e = 0; e < nk; ++e)
+          XCTX_CHECK(v.k_out_idx[e] < C_, "cache block: key outlier channel ", v.k_out_idx[e], " out of range");
+        for (int64_t e = 0; e < nq * 2 * v_side_; ++e)
+          XCTX_CHECK(v.v_out_idx[e] < C_, "cache block: value outlier channel ", v.v_out_idx[e], " out of range");
+      }
+    }
+    for (int64_t i = 1; i < n; ++i)
+      XCTX_CHECK(v.pos[i - 1] < v.pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
+    run_attention(v, q, q_pos, n_q, o, lse);
+  }
+
+  // For tests and tools: the layer as the kernels see it.
+  kvq_layer_view view_of(int layer) const {
+    const layer_store& s = layers_.at(layer);
+    kvq_layer_view v = base_view(s);
+    v.n = s.n, v.n_sink = s.n_sink, v.q_end = s.n_sink + s.nq;
+    v.pos = pos_.data();
+    v.k_sink = s.k_sink.data(), v.v_sink = s.v_sink.data();
+    v.k_tail = s.k_tail.data(), v.v_tail = s.v_tail.data();
+    v.k_codes = s.k_codes.data(), v.v_codes = s.v_codes.data();
+    if (kivi_) {
+      v.k_group = s.k_group.data(), v.v_group = s.v_aff.data();
+    } else {
+      v.v_tok = s.v_aff.data();
+      if (!s.k_out_off.empty()) {
+        v.k_out_off = s.k_out_off.data(), v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
+        v.v_out_idx = s.v_out_idx.data(), v.v_out_val = s.v_out_val.data();
+      }
+    }
+    return v;
+  }
+
+ private:
+  size_t nominal_key_outliers(int64_t cap) const {
+    return (size_t)std::llround(traits_.outlier_fraction * C_ * (double)cap * 1.25) + 16;
+  }
+
+  size_t block_bytes(int64_t n, int64_t n_sink, int64_t n_tail, int64_t nq, int64_t nk) const {
+    size_t b = 5 * 8 + pad8(n * 4) + 2 * pad8(n_sink * C_ * 2) + 2 * pad8(n_tail * C_ * 2) + 2 * pad8(nq * rb_);
+    if (kivi_) return b + pad8((nq / G_) * C_ * sizeof(kvq_affine)) + pad8(nq * n_vg_ * sizeof(kvq_affine));
+    b += pad8(nq * sizeof(kvq_affine));
+    if (traits_.outlier_fraction > 0.0)
+      b += pad8((nq + 1) * 4) + 2 * pad8(nk * 2) + 2 * pad8(nq * 2 * v_side_ * 2);
+    return b;
+  }
+
+  kvq_layer_view base_view(const layer_store& s) const {
+    kvq_layer_view v;
+    v.scheme = kivi_ ? kvq_scheme::kvq_uniform : kvq_scheme::kvq_lut;
+    v.bits = bits_, v.n_head_kv = geo_.n_head_kv, v.head_dim = geo_.head_dim, v.group = G_;
+    if (!kivi_) {
+      v.lut_k = s.lut_k.data(), v.lut_v = s.lut_v.data();
+      v.k_ch_scale = s.ch_scale.data(), v.k_ch_zero = s.ch_zero.data();
+      v.v_out_per_tok = s.k_out_off.empty() ? 0 : 2 * v_side_;
+    }
+    return v;
+  }
+
+  void store_positions(int layer, int64_t at, const layer_input& in) {
+    for (int64_t i = 0; i < in.n; ++i) {
+      const int32_t prev = i > 0 ? in.pos[i - 1] : (at > 0 ? pos_[at - 1] : INT32_MIN);
+      XCTX_CHECK(in.pos[i] > prev, "cache append to layer ", layer, ": position ", in.pos[i], " does not follow ",
+                 prev, " (positions must increase)");
+    }
+    for (int64_t i = 0; i < in.n; ++i) {
+      if (at + i >= n_pos_) pos_[at + i] = in.pos[i];
+      XCTX_ASSERT(pos_[at + i] == in.pos[i], "layer ", layer, " appends position ", in.pos[i], " at slot ", at + i,
+                  " where another layer stored ", pos_[at + i]);
+    }
+    n_pos_ = std::max(n_pos_, at + in.n);
+  }
+
+  static void to_fp16(const float* x, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
+  }
+
+  void encode_kivi_group(layer_store& s) {
+    std::vector<float>& kf = scratch_k_;
+    std::vector<float>& vf = scratch_v_;
+    kf.resize((size_t)G_ * C_), vf.resize((size_t)G_ * C_);
+    for (size_t e = 0; e < kf.size(); ++e) kf[e] = fp16_to_fp32(s.k_tail[e]), vf[e] = fp16_to_fp32(s.v_tail[e]);
+    kvq_encode_job j;
+    j.bits = bits_, j.channels = C_, j.group = G_, j.n = G_;
+    j.tensor = kvq_tensor::kvq_uniform_keys;
+    j.x = kf.data(), j.codes = s.k_codes.data() + s.nq * rb_, j.affine = s.k_group.data() + (s.nq / G_) * C_;
+    be_.kvq_encode(j);
+    j.tensor = kvq_tensor::kvq_uniform_values;
+    j.x = vf.data(), j.codes = s.v_codes.data() + s.nq * rb_, j.affine = s.v_aff.data() + s.nq * n_vg_;
+    be_.kvq_encode(j);
+    s.nq += G_;
+    s.n_tail = 0;
+  }
+
+  void encode_nuq_rows(layer_store& s, const float* k, const float* v, int64_t n) {
+    const bool outl = !s.k_out_off.empty();
+    kvq_encode_job j;
+    j.bits = bits_, j.channels = C_, j.n = n;
+    j.tensor = kvq_tensor::kvq_lut_keys;
+    j.x = k, j.lut = s.lut_k.data(), j.ch_scale = s.ch_scale.data(), j.ch_zero = s.ch_zero.data();
+    j.codes = s.k_codes.data() + s.nq * rb_;
+    if (outl) {
+      j.ch_lo = s.ch_lo.data(), j.ch_hi = s.ch_hi.data();
+      out_idx_.resize((size_t)n * C_), out_val_.resize((size_t)n * C_), out_cnt_.resize(n);
+      j.out_idx = out_idx_.data(), j.out_val = out_val_.data(), j.out_count = out_cnt_.data();
+    }
+    be_.kvq_encode(j);
+    if (outl) {  // compact the per-row scratch into the key's compressed columns
+      for (int64_t t = 0; t < n; ++t) {
+        const uint32_t c = out_cnt_[t];
+        s.k_out_idx.insert(s.k_out_idx.end(), out_idx_.begin() + t * C_, out_idx_.begin() + t * C_ + c);
+        s.k_out_val.insert(s.k_out_val.end(), out_val_.begin() + t * C_, out_val_.begin() + t * C_ + c);
+        s.k_out_off[s.nq + t + 1] = s.k_out_off[s.nq + t] + c;
+      }
+    }
+    kvq_encode_job jv;
+    jv.bits = bits_, jv.channels = C_, jv.n = n;
+    jv.tensor = kvq_tensor::kvq_lut_values;
+    jv.x = v, jv.lut = s.lut_v.data(), jv.v_out_side = outl ? v_side_ : 0;
+    jv.codes = s.v_codes.data() + s.nq * rb_, jv.affine = s.v_aff.data() + s.nq;
+    if (outl) {
+      jv.out_idx = s.v_out_idx.data() + s.nq * 2 * v_side_;
+      jv.out_val = s.v_out_val.data() + s.nq * 2 * v_side_;
+    }
+    be_.kvq_encode(jv);
+    s.nq += n, s.n += n;
+  }
+
+  void run_attention(const kvq_layer_view& v, const float* q, const int32_t* q_pos, int64_t n_q, float* o,
+                     float* lse) {
+    kvq_attn_args a;
+    a.kv = v;
+    a.q = q, a.q_pos = q_pos, a.n_q = n_q, a.n_head = geo_.n_head;
+    a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
+    a.rope = geo_.rope;
+    a.o = o, a.lse = lse;
+    be_.attention_kvq(a);
+  }
+
+  cache_spec spec_;
+  cache_geometry geo_;
+  backend& be_;
+  cache_format_traits traits_;
+  int C_ = 0, bits_ = 0, G_ = 0, n_vg_ = 0, v_side_ = 0;
+  size_t rb_ = 0;
+  bool kivi_ = false;
+  std::vector<int32_t> pos_;  // [capacity], shared by the layers
+  int64_t n_pos_ = 0;
+  std::vector<layer_store> layers_;
+  std::vector<float> scratch_k_, scratch_v_;  // [G, C] a kivi group widened for encoding
+  std::vector<uint16_t> out_idx_, out_val_;   // [n, C] key outlier scratch
+  std::vector<uint32_t> out_cnt_;             // [n]
+};
+
+}  // namespace
+
+std::unique_ptr<kv_cache> make_quant_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  return std::make_unique<quant_cache>(spec, g, be);
+}
+
+kvq_layer_view quant_cache_view(const kv_cache& c, int layer) {
+  const auto* q = dynamic_cast<const quant_cache*>(&c);
+  XCTX_CHECK(q != nullptr, "cache of format ", format_traits(c.format()).name, " is not a quantized cache");
+  return q->view_of(layer);
+}
+
+int64_t quant_cache_key_outliers(const kv_cache& c) {
+  const auto* q = dynamic_cast<const quant_cache*>(&c);
+  XCTX_CHECK(q != nullptr, "cache of format ", format_traits(c.format()).name, " is not a quantized cache");
+  return q->key_outliers();
+}
+
+}  // namespace xctx

@@ -1,0 +1,509 @@
+// CPU kernels of the quantized KV cache: the encoder (OpenMP, codes bit-identical to
+// ref::kvq_encode) and the fused attention over one quantized layer.
+//
+// Attention streams the layer in tiles of kTile slots: decode the tile's codes to f32 (L1/L2
+// resident), patch its sparse outliers, rotate its pre-RoPE keys to their positions, and run
+// the regular attention core on it, merging tile partials by log-sum-exp. Memory traffic is the
+// compressed bytes; no f32 copy of the shard ever exists.
+//
+// RoPE on the fly: per token and rotary pair the kernel needs cos/sin(p * theta_i). Calling
+// sincos for each would cost more than reading the codes, so a work item computes the angles of
+// its first position exactly (double), then advances whole tiles by a precomputed rotation
+// (double) and derives each token inside a tile from the tile base and a table of
+// cos/sin(j * theta_i), j < kTile (one float complex multiply). Positions that are not
+// consecutive inside a tile fall back to exact per-token angles.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/kvq_impl.h"
+#include "kernels/ref/ref_ops.h"
+
+namespace xctx::cpu {
+namespace impl {
+
+void kvq_decode_keys_scalar(const kvq_layer_view& v, int64_t i0, int nt, const float* sc, const float* zc,
+                            float* out) {
+  const int C = v.channels();
+  const size_t rb = kvq_row_bytes(C, v.bits);
+  for (int r = 0; r < nt; ++r) {
+    const uint8_t* row = v.k_codes + (size_t)(i0 + r) * rb;
+    for (int c = 0; c < C; ++c) {
+      const uint32_t code = kvq_get_code(row, v.bits, c);
+      const float x = v.scheme == kvq_scheme::kvq_lut ? v.lut_k[code] : (float)code;
+      out[(size_t)r * C + c] = x * sc[c] + zc[c];
+    }
+  }
+}
+void kvq_decode_values_scalar(const kvq_layer_view& v, int64_t i0, int nt, float* out) {
+  const int C = v.channels();
+  for (int r = 0; r < nt; ++r)
+    for (int c = 0; c < C; ++c) out[(size_t)r * C + c] = kvq_dense_value(v, i0 + r, c);
+}
+
+}  // namespace impl
+
+namespace {
+
+using impl::isa;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kTile = 64;                  // slots decoded per tile (K + V f32: 2 * 64 * C floats)
+constexpr int64_t kDecodeMinChunk = 1024;  // shortest run of slots one decode work item streams
+constexpr int64_t kPrefillTile = 1024;     // slots per attention call on the prefill path
+constexpr int kMaxRot = 1024;              // rotary dims the on-the-fly RoPE supports
+
+// ---- encoder ---------------------------------------------------------------------------------
+
+void pack_row(const uint8_t* codes, int C, int bits, uint8_t* out) {
+  for (int i = 0; i < C; i += 8) kvq_pack8(codes + i, bits, out + (size_t)i / 8 * bits);
+}
+
+}  // namespace
+
+void kvq_encode(const kvq_encode_job& j) {
+  XCTX_CHECK(j.bits >= 2 && j.bits <= kKvqMaxBits, "kvq_encode: bits must be 2..", kKvqMaxBits, ", got ", j.bits);
+  XCTX_CHECK(j.channels > 0 && j.channels % 8 == 0 && j.channels <= 65536,
+             "kvq_encode: channels must be a positive multiple of 8 up to 65536, got ", j.channels);
+  const int C = j.channels, bits = j.bits;
+  const size_t rb = kvq_row_bytes(C, bits);
+  const bool par = j.n * C >= 16384;
+  switch (j.tensor) {
+    case kvq_tensor::kvq_uniform_keys: {
+      XCTX_CHECK(j.n == j.group, "kvq_encode: uniform keys are encoded one full group at a time (n=", j.n,
+                 ", group=", j.group, ")");
+      // Channel ranges are independent; the min/max scan runs along rows (contiguous in c).
+      std::vector<float> lo(j.x, j.x + C), hi(j.x, j.x + C);
+      for (int64_t t = 1; t < j.n; ++t)
+        for (int c = 0; c < C; ++c) lo[c] = std::min(lo[c], j.x[t * C + c]), hi[c] = std::max(hi[c], j.x[t * C + c]);
+      for (int c = 0; c < C; ++c) j.affine[c] = kvq_uniform_params(lo[c], hi[c], bits);
+#pragma omp parallel for schedule(static) if (par)
+      for (int64_t t = 0; t < j.n; ++t) {
+        uint8_t codes[8];
+        for (int c = 0; c < C; c += 8) {
+          for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(j.x[t * C + c + e], j.affine[c + e], bits);
+          kvq_pack8(codes, bits, j.codes + t * rb + (size_t)c / 8 * bits);
+        }
+      }
+      return;
+    }
+    case kvq_tensor::kvq_uniform_values: {
+      XCTX_CHECK(j.group > 0, "kvq_encode: group must be positive, got ", j.group);
+      const int n_g = (C + j.group - 1) / j.group;
+#pragma omp parallel for schedule(static) if (par)
+      for (int64_t t = 0; t < j.n; ++t) {
+        const float* x = j.x + t * C;
+        std::vector<uint8_t> codes((size_t)C);
+        for (int g = 0; g < n_g; ++g) {
+          const int c0 = g * j.group, c1 = std::min(C, c0 + j.group);
+          const auto [mn, mx] = std::minmax_element(x + c0, x + c1);
+          const kvq_affine p = kvq_uniform_params(*mn, *mx, bits);
+          j.affine[t * n_g + g] = p;
+          for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(x[c], p, bits);
+        }
+        pack_row(codes.data(), C, bits, j.codes + t * rb);
+      }
+      return;
+    }
+    case kvq_tensor::kvq_lut_keys: {
+      const int n_lut = 1 << bits;
+#pragma omp parallel for schedule(static) if (par)
+      for (int64_t t = 0; t < j.n; ++t) {
+        const float* x = j.x + t * C;
+        std::vector<uint8_t> codes((size_t)C);
+        uint32_t n_out = 0;
+        for (int c = 0; c < C; ++c) {
+          codes[c] = kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), j.lut, n_lut);
+          if (j.ch_lo != nullptr && (x[c] < j.ch_lo[c] || x[c] > j.ch_hi[c])) {
+            j.out_idx[t * C + n_out] = (uint16_t)c;
+            j.out_val[t * C + n_out] = fp32_to_fp16(x[c]);
+            ++n_out;
+          }
+        }
+        if (j.out_count != nullptr) j.out_count[t] = n_out;
+        pack_row(codes.data(), C, bits, j.codes + t * rb);
+      }
+      return;
+    }
+    case kvq_tensor::kvq_lut_values: {
+      const int n_lut = 1 << bits, side = j.v_out_side;
+      XCTX_CHECK(side >= 0 && 2 * side < C, "kvq_encode: ", side, " outliers per side leave nothing of a row of ", C);
+#pragma omp parallel for schedule(static) if (par)
+      for (int64_t t = 0; t < j.n; ++t) {
+        const float* x = j.x + t * C;
+        std::vector<uint8_t> codes((size_t)C);
+        float lo, hi;
+        if (side == 0) {
+          const auto [mn, mx] = std::minmax_element(x, x + C);
+          lo = *mn, hi = *mx;
+        } else {
+          // Partial selection with the same (value, channel) order the reference sorts by.
+          std::vector<int> order((size_t)C);
+          std::iota(order.begin(), order.end(), 0);
+          const auto less = [&](int a, int b) { return x[a] < x[b] || (x[a] == x[b] && a < b); };
+          std::nth_element(order.begin(), order.begin() + side, order.end(), less);
+          std::nth_element(order.begin() + side + 1, order.end() - 1 - side, order.end(), less);
+          lo = x[order[side]], hi = x[order[C - 1 - side]];
+          std::vector<int> out(order.begin(), order.begin() + side);
+          out.insert(out.end(), order.end() - side, order.end());
+          std::sort(out.begin(), out.end());
+          for (int e = 0; e < 2 * side; ++e) {
+            j.out_idx[t * 2 * side + e] = (uint16_t)out[e];
+            j.out_val[t * 2 * side + e] = fp32_to_fp16(x[out[e]]);
+          }
+        }
+        const kvq_affine p = kvq_midrange_params(lo, hi);
+        j.affine[t] = p;
+        const float scale = fp16_to_fp32(p.scale), zero = fp16_to_fp32(p.zero);
+        for (int c = 0; c < C; ++c) codes[c] = kvq_lut_encode(kvq_normalize(x[c], scale, zero), j.lut, n_lut);
+        pack_row(codes.data(), C, bits, j.codes + t * rb);
+      }
+      return;
+    }
+  }
+  XCTX_ASSERT(false, "kvq_encode: bad tensor kind ", (int)j.tensor);
+}
+
+namespace {
+
+// ---- RoPE tables -----------------------------------------------------------------------------
+
+struct rope_table {
+  rope_config cfg;
+  int n_pair = 0;
+  std::vector<double> theta;             // [n_pair] angle per unit of position
+  std::vector<float> off_cos, off_sin;   // [kTile, n_pair] cos/sin(j * theta_i)
+  std::vector<double> step_cos, step_sin;  // [n_pair] cos/sin(kTile * theta_i)
+};
+
+bool same_rope(const rope_config& a, const rope_config& b) {
+  return a.head_dim == b.head_dim && a.n_rot == b.n_rot && a.freq_base == b.freq_base && a.scaling == b.scaling &&
+         a.scaling_factor == b.scaling_factor;
+}
+
+// Built once per distinct config (a process sees one or two) and kept for its lifetime.
+const rope_table& get_rope_table(const rope_config& cfg) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<rope_table>> tables;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& t : tables)
+    if (same_rope(t->cfg, cfg)) return *t;
+  auto t = std::make_unique<rope_table>();
+  t->cfg = cfg;
+  t->n_pair = cfg.n_rot / 2;
+  t->theta.resize(t->n_pair);
+  for (int i = 0; i < t->n_pair; ++i) t->theta[i] = ref::rope_theta(cfg, 1, i);  // angle per unit position
+  t->off_cos.resize((size_t)kTile * t->n_pair);
+  t->off_sin.resize((size_t)kTile * t->n_pair);
+  for (int j = 0; j < kTile; ++j)
+    for (int i = 0; i < t->n_pair; ++i) {
+      t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
+      t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
+    }
+  t->step_cos.resize(t->n_pair);
+  t->step_sin.resize(t->n_pair);
+  for (int i = 0; i < t->n_pair; ++i) {
+    t->step_cos[i] = std::cos(kTile * t->theta[i]);
+    t->step_sin[i] = std::sin(kTile * t->theta[i]);
+  }
+  tables.push_back(std::move(t));
+  return *tables.back();
+}
+
+// Angles of the position a work item expects next (exact at the item's start, then advanced).
+struct rope_cursor {
+  bool valid = false;
+  int64_t next_pos = 0;
+  std::vector<double> c, s;  // [n_pair]
+};
+
+void rotate_token(isa v, float* k /*[n_kvh, hd]*/, int n_kvh, int hd, int n_rot, float* cos2, float* sin2) {
+  for (int h = 0; h < n_kvh; ++h) {
+    float* x = k + (size_t)h * hd;
+    if (v == isa::isa_avx2 && n_rot % 8 == 0) {
+      impl::avx2::rope_rotate(x, cos2, sin2, n_rot);
+    } else {
+      for (int i = 0; i < n_rot; i += 2) {
+        const float x0 = x[i], x1 = x[i + 1];
+        x[i] = x0 * cos2[i] + x1 * sin2[i];
+        x[i + 1] = x1 * cos2[i + 1] + x0 * sin2[i + 1];
+      }
+    }
+  }
+}
+
+void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/, int nt, int n_kvh,
+               const rope_table& tab, rope_cursor& cur) {
+  const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
+  if (np == 0 || nt == 0) return;
+  float cos2[kMaxRot], sin2[kMaxRot];  // [n_rot] interleaved as rope_rotate wants them
+  const int64_t p0 = pos[0];
+  const bool consecutive = (int64_t)pos[nt - 1] - p0 == nt - 1;
+  if (!consecutive) {
+    for (int j = 0; j < nt; ++j) {
+      for (int i = 0; i < np; ++i) {
+        const double a = (double)pos[j] * tab.theta[i];
+        const float c = (float)std::cos(a), s = (float)std::sin(a);
+        cos2[2 * i] = cos2[2 * i + 1] = c;
+        sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+      }
+      rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
+    }
+    cur.valid = false;
+    return;
+  }
+  if (!cur.valid || cur.next_pos != p0) {
+    cur.c.resize(np), cur.s.resize(np);
+    for (int i = 0; i < np; ++i) {
+      const double a = (double)p0 * tab.theta[i];
+      cur.c[i] = std::cos(a), cur.s[i] = std::sin(a);
+    }
+  }
+  float bc[kMaxRot / 2], bs[kMaxRot / 2];
+  for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
+  for (int j = 0; j < nt; ++j) {
+    const float* oc = tab.off_cos.data() + (size_t)j * np;
+    const float* os = tab.off_sin.data() + (size_t)j * np;
+    for (int i = 0; i < np; ++i) {
+      const float c = bc[i] * oc[i] - bs[i] * os[i], s = bs[i] * oc[i] + bc[i] * os[i];
+      cos2[2 * i] = cos2[2 * i + 1] = c;
+      sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+    }
+    rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
+  }
+  if (nt == kTile) {  // advance the base by one tile in double; drift ~1e-16 per step
+    for (int i = 0; i < np; ++i) {
+      const double c = cur.c[i] * tab.step_cos[i] - cur.s[i] * tab.step_sin[i];
+      const double s = cur.s[i] * tab.step_cos[i] + cur.c[i] * tab.step_sin[i];
+      cur.c[i] = c, cur.s[i] = s;
+    }
+    cur.next_pos = p0 + kTile;
+    cur.valid = true;
+  } else {
+    cur.valid = false;
+  }
+}
+
+// ---- tile decode -----------------------------------------------------------------------------
+
+// Key channel scales of the uniform group being decoded, converted from fp16 once per group.
+struct group_scales {
+  std::vector<float> sc, zc;  // [C]
+  int64_t group = -1;
+};
+
+void convert_f16_rows(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+}
+
+// Slots [s0, s0 + nt) of the layer, decoded, outliers patched, keys rotated.
+void decode_tile(isa v, const kvq_layer_view& L, const rope_table& tab, int64_t s0, int nt,
+                 float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, rope_cursor& cur) {
+  const int C = L.channels();
+  const bool fast = v == isa::isa_avx2;
+  int r = 0;
+  while (r < nt) {
+    const int64_t s = s0 + r;
+    if (s < L.n_sink || s >= L.q_end) {  // fp16 rows: the sink or the residual window
+      const uint16_t* ks = s < L.n_sink ? L.k_sink + s * C : L.k_tail + (s - L.q_end) * C;
+      const uint16_t* vs = s < L.n_sink ? L.v_sink + s * C : L.v_tail + (s - L.q_end) * C;
+      convert_f16_rows(ks, C, kt + (size_t)r * C);
+      convert_f16_rows(vs, C, vt + (size_t)r * C);
+      ++r;
+      continue;
+    }
+    // A run of quantized rows sharing one key group (uniform) or all of them (lut).
+    const int64_t i = s - L.n_sink;
+    int64_t run = std::min<int64_t>(nt - r, L.q_end - s);
+    const float *sc = L.k_ch_scale, *zc = L.k_ch_zero;
+    if (L.scheme == kvq_scheme::kvq_uniform) {
+      const int64_t g = i / L.group;
+      run = std::min<int64_t>(run, (g + 1) * L.group - i);
+      if (gs.group != g) {
+        gs.sc.resize(C), gs.zc.resize(C);
+        for (int c = 0; c < C; ++c) {
+          const kvq_affine p = L.k_group[(size_t)g * C + c];
+          gs.sc[c] = fp16_to_fp32(p.scale), gs.zc[c] = fp16_to_fp32(p.zero);
+        }
+        gs.group = g;
+      }
+      sc = gs.sc.data(), zc = gs.zc.data();
+    }
+    if (fast) {
+      impl::avx2::kvq_decode_keys(L, i, (int)run, sc, zc, kt + (size_t)r * C);
+      impl::avx2::kvq_decode_values(L, i, (int)run, vt + (size_t)r * C);
+    } else {
+      impl::kvq_decode_keys_scalar(L, i, (int)run, sc, zc, kt + (size_t)r * C);
+      impl::kvq_decode_values_scalar(L, i, (int)run, vt + (size_t)r * C);
+    }
+    for (int64_t q = 0; q < run; ++q) {  // sparse outliers replace the dense element
+      float* kr = kt + (size_t)(r + q) * C;
+      float* vr = vt + (size_t)(r + q) * C;
+      if (L.k_out_off != nullptr)
+        for (uint32_t e = L.k_out_off[i + q]; e < L.k_out_off[i + q + 1]; ++e)
+          kr[L.k_out_idx[e]] = fp16_to_fp32(L.k_out_val[e]);
+      const size_t vo = (size_t)(i + q) * L.v_out_per_tok;
+      for (int e = 0; e < L.v_out_per_tok; ++e) vr[L.v_out_idx[vo + e]] = fp16_to_fp32(L.v_out_val[vo + e]);
+    }
+    r += (int)run;
+  }
+  rope_tile(v, kt, L.pos + s0, nt, L.n_head_kv, tab, cur);
+}
+
+void check_args(const kvq_attn_args& a) {
+  const kvq_layer_view& L = a.kv;
+  XCTX_CHECK(L.bits >= 2 && L.bits <= kKvqMaxBits, "attention_kvq: bits must be 2..4, got ", L.bits);
+  XCTX_CHECK(L.n_head_kv > 0 && a.n_head > 0 && a.n_head % L.n_head_kv == 0 && L.head_dim > 0 &&
+                 L.channels() % 8 == 0,
+             "attention_kvq: bad heads n_head=", a.n_head, " n_head_kv=", L.n_head_kv, " head_dim=", L.head_dim);
+  XCTX_CHECK(0 <= L.n_sink && L.n_sink <= L.q_end && L.q_end <= L.n, "attention_kvq: bad slot split n_sink=",
+             L.n_sink, " q_end=", L.q_end, " n=", L.n);
+  XCTX_CHECK(a.rope.head_dim == L.head_dim && a.rope.n_rot <= kMaxRot && a.rope.n_rot % 2 == 0,
+             "attention_kvq: rope head_dim ", a.rope.head_dim, " / n_rot ", a.rope.n_rot, " do not fit head_dim ",
+             L.head_dim);
+}
+
+void merge_into(float* acc_o, float* acc_lse, const float* o, const float* lse, int R, int hd) {
+  for (int r = 0; r < R; ++r) {
+    if (lse[r] == kNegInf) continue;
+    if (acc_lse[r] == kNegInf) {
+      std::copy(o + (size_t)r * hd, o + (size_t)(r + 1) * hd, acc_o + (size_t)r * hd);
+      acc_lse[r] = lse[r];
+      continue;
+    }
+    const float m = std::max(acc_lse[r], lse[r]);
+    const float wa = std::exp(acc_lse[r] - m), wb = std::exp(lse[r] - m);
+    const float inv = 1.0f / (wa + wb);
+    for (int d = 0; d < hd; ++d)
+      acc_o[(size_t)r * hd + d] = (acc_o[(size_t)r * hd + d] * wa + o[(size_t)r * hd + d] * wb) * inv;
+    acc_lse[r] = m + std::log(wa + wb);
+  }
+}
+
+void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len) {
+  const kvq_layer_view& L = a.kv;
+  const int hd = L.head_dim, C = L.channels(), g = a.n_head / L.n_head_kv;
+  const int R = (int)(a.n_q * a.n_head);
+  const rope_table& tab = get_rope_table(a.rope);
+  // Rows ordered by kv head as decode_block wants them: r = (kvh * n_q + i) * g + u.
+  std::vector<float> qs((size_t)R * hd);
+  std::vector<int64_t> row_end((size_t)R), row_of((size_t)R);
+  for (int kvh = 0; kvh < L.n_head_kv; ++kvh)
+    for (int64_t i = 0; i < a.n_q; ++i)
+      for (int u = 0; u < g; ++u) {
+        const int64_t r = ((int64_t)kvh * a.n_q + i) * g + u;
+        row_of[r] = i * a.n_head + (int64_t)kvh * g + u;
+        for (int d = 0; d < hd; ++d) qs[r * hd + d] = a.q[row_of[r] * hd + d] * a.scale;
+        row_end[r] = q_end[i];
+      }
+  const int64_t threads = omp_get_max_threads();
+  int64_t n_chunk = std::clamp<int64_t>(threads == 1 ? 1 : 4 * threads, 1, std::max<int64_t>(1, kv_len / kDecodeMinChunk));
+  int64_t chunk = (kv_len + n_chunk - 1) / n_chunk;
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  n_chunk = (kv_len + chunk - 1) / chunk;
+  std::vector<float> o_parts((size_t)n_chunk * R * hd), lse_parts((size_t)n_chunk * R);  // rows in r order
+#pragma omp parallel if (n_chunk > 1)
+  {
+    std::vector<float> kt((size_t)kTile * C), vt((size_t)kTile * C);  // [kTile, C]
+    group_scales gs;
+    std::vector<float> o_t((size_t)R * hd), lse_t((size_t)R), scratch((size_t)impl::decode_scratch_floats(R, hd));
+    std::vector<int64_t> rel((size_t)R);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ch = 0; ch < n_chunk; ++ch) {
+      float* acc_o = o_parts.data() + (size_t)ch * R * hd;
+      float* acc_lse = lse_parts.data() + (size_t)ch * R;
+      std::fill(acc_o, acc_o + (size_t)R * hd, 0.0f);
+      std::fill(acc_lse, acc_lse + R, kNegInf);
+      rope_cursor cur;
+      const int64_t end = std::min(kv_len, (ch + 1) * chunk);
+      for (int64_t s0 = ch * chunk; s0 < end; s0 += kTile) {
+        const int nt = (int)std::min<int64_t>(kTile, end - s0);
+        decode_tile(v, L, tab, s0, nt, kt.data(), vt.data(), gs, cur);
+        for (int r = 0; r < R; ++r) rel[r] = std::clamp<int64_t>(row_end[r] - s0, 0, nt);
+        impl::decode_job jb;
+        jb.q = qs.data(), jb.row_end = rel.data(), jb.R = R, jb.n_kvh = L.n_head_kv, jb.hd = hd;
+        jb.k = kt.data(), jb.v = vt.data(), jb.type = kv_dtype::kv_f32, jb.ld = C;
+        jb.j0 = 0, jb.j1 = nt;
+        jb.o = o_t.data(), jb.lse = lse_t.data(), jb.scratch = scratch.data();
+        impl::decode_block(v, jb);
+        merge_into(acc_o, acc_lse, o_t.data(), lse_t.data(), R, hd);
+      }
+    }
+  }
+  // Chunk partials (r order) merged, then scattered to the caller's (query, head) order.
+  std::vector<float> o_r((size_t)R * hd), lse_r((size_t)R);
+  impl::merge_partials(v, o_parts.data(), lse_parts.data(), (int)n_chunk, R, hd, o_r.data(), lse_r.data());
+  for (int r = 0; r < R; ++r) {
+    std::copy(o_r.begin() + (size_t)r * hd, o_r.begin() + (size_t)(r + 1) * hd, a.o + row_of[r] * hd);
+    a.lse[row_of[r]] = lse_r[r];
+  }
+}
+
+void attention_kvq_prefill(isa v, const kvq_attn_args& a, int64_t kv_len) {
+  const kvq_layer_view& L = a.kv;
+  const int hd = L.head_dim, C = L.channels();
+  const int64_t n_row = a.n_q * a.n_head;
+  const rope_table& tab = get_rope_table(a.rope);
+  std::vector<float> kbuf((size_t)kPrefillTile * C), vbuf((size_t)kPrefillTile * C);  // [tile, C]
+  std::vector<float> o_parts((size_t)2 * n_row * hd), lse_parts((size_t)2 * n_row);   // [running | tile]
+  std::fill(o_parts.begin(), o_parts.begin() + n_row * hd, 0.0f);
+  std::fill(lse_parts.begin(), lse_parts.begin() + n_row, kNegInf);
+  for (int64_t t0 = 0; t0 < kv_len; t0 += kPrefillTile) {
+    const int64_t nt = std::min<int64_t>(kPrefillTile, kv_len - t0);
+    const int64_t n_sub = (nt + kTile - 1) / kTile;
+#pragma omp parallel if (n_sub > 1)
+    {
+      group_scales gs;
+      rope_cursor cur;
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < n_sub; ++b) {
+        const int64_t s0 = t0 + b * kTile;
+        const int n = (int)std::min<int64_t>(kTile, t0 + nt - s0);
+        decode_tile(v, L, tab, s0, n, kbuf.data() + (s0 - t0) * C, vbuf.data() + (s0 - t0) * C, gs, cur);
+      }
+    }
+    attn_args at;
+    at.q = a.q, at.q_pos = a.q_pos, at.n_q = a.n_q;
+    at.k = kbuf.data(), at.v = vbuf.data(), at.kv_pos = L.pos + t0, at.n_kv = nt, at.kv_type = kv_dtype::kv_f32;
+    at.n_head = a.n_head, at.n_head_kv = L.n_head_kv, at.head_dim = hd, at.scale = a.scale;
+    at.o = o_parts.data() + n_row * hd, at.lse = lse_parts.data() + n_row;
+    impl::attention_partial(v, at);
+    impl::merge_partials(v, o_parts.data(), lse_parts.data(), 2, n_row, hd, o_parts.data(), lse_parts.data());
+  }
+  std::copy(o_parts.begin(), o_parts.begin() + n_row * hd, a.o);
+  std::copy(lse_parts.begin(), lse_parts.begin() + n_row, a.lse);
+}
+
+}  // namespace
+
+void attention_kvq(const kvq_attn_args& a) {
+  check_args(a);
+  if (a.n_q == 0) return;
+  const kvq_layer_view& L = a.kv;
+  std::vector<int64_t> q_end((size_t)a.n_q);
+  int64_t kv_len = 0;
+  for (int64_t i = 0; i < a.n_q; ++i) {
+    q_end[i] = std::upper_bound(L.pos, L.pos + L.n, a.q_pos[i]) - L.pos;
+    kv_len = std::max(kv_len, q_end[i]);
+  }
+  if (kv_len == 0) {
+    std::fill(a.o, a.o + a.n_q * a.n_head * L.head_dim, 0.0f);
+    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
+    return;
+  }
+  const isa v = impl::best_isa();
+  if (a.n_q <= impl::kDecodeMaxQueries)
+    attention_kvq_decode(v, a, q_end, kv_len);
+  else
+    attention_kvq_prefill(v, a, kv_len);
+}
+
+}  // namespace xctx::cpu
