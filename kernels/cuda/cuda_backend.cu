@@ -19,6 +19,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
+#include "kernels/cuda/kvq.cuh"
 
 namespace xctx::cuda {
 
@@ -175,6 +176,14 @@ class cuda_backend final : public backend {
                       float* o, float* lse) override {
     use_device();
     cuda::merge_partials(ctx_, o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
+  }
+  void kvq_encode(const kvq_encode_job& job) override {
+    use_device();
+    cuda::kvq_encode(ctx_, job);
+  }
+  void attention_kvq(const kvq_attn_args& a) override {
+    use_device();
+    cuda::attention_kvq(ctx_, a);
   }
 
  private:

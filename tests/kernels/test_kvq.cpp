@@ -1,0 +1,125 @@
+// Quantized-cache kernels: bit packing, and the CPU encoder producing exactly the reference
+// encoder's codes, scales and outliers for every tensor kind and bit width.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "common/half.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/kv_quant.h"
+#include "kernels/ref/ref_ops.h"
+
+namespace xctx {
+namespace {
+
+TEST(kvq_packing, every_code_round_trips) {
+  std::mt19937 rng(1);
+  for (int bits = 2; bits <= 4; ++bits) {
+    const int C = 72;
+    std::vector<uint8_t> codes(C), row(kvq_row_bytes(C, bits), 0xAA);
+    for (auto& c : codes) c = (uint8_t)(rng() % (1u << bits));
+    for (int i = 0; i < C; i += 8) kvq_pack8(codes.data() + i, bits, row.data() + i / 8 * bits);
+    for (int i = 0; i < C; ++i) ASSERT_EQ(kvq_get_code(row.data(), bits, i), codes[i]) << "bits " << bits << " i " << i;
+  }
+}
+
+TEST(kvq_math, lut_encode_picks_the_nearest_signpost_ties_low) {
+  const float lut[4] = {-1.0f, -0.25f, 0.25f, 1.0f};
+  EXPECT_EQ(kvq_lut_encode(-2.0f, lut, 4), 0);
+  EXPECT_EQ(kvq_lut_encode(-0.625f, lut, 4), 0);  // exactly between: the lower one
+  EXPECT_EQ(kvq_lut_encode(-0.6f, lut, 4), 1);
+  EXPECT_EQ(kvq_lut_encode(0.0f, lut, 4), 1);
+  EXPECT_EQ(kvq_lut_encode(0.9f, lut, 4), 3);
+  const kvq_affine p = kvq_uniform_params(-1.0f, 2.0f, 2);  // step 1
+  EXPECT_EQ(kvq_uniform_encode(-1.0f, p, 2), 0);
+  EXPECT_EQ(kvq_uniform_encode(0.4f, p, 2), 1);
+  EXPECT_EQ(kvq_uniform_encode(5.0f, p, 2), 3);  // clamped
+  EXPECT_EQ(kvq_uniform_encode(3.0f, kvq_uniform_params(3.0f, 3.0f, 2), 2), 0);  // constant group
+}
+
+struct encode_case {
+  kvq_tensor tensor;
+  int bits;
+  int side;  // value outliers per side / key thresholds on (1) or off (0)
+  const char* name;
+};
+
+class kvq_encode_test : public ::testing::TestWithParam<encode_case> {};
+
+TEST_P(kvq_encode_test, cpu_is_bit_identical_to_ref) {
+  const encode_case p = GetParam();
+  const uint32_t seed = 1234 + p.bits;
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const int C = 48, group = 16;
+  const int64_t n = p.tensor == kvq_tensor::kvq_uniform_keys ? group : 300;
+  std::vector<float> x(n * C);
+  for (float& v : x) v = nd(rng) * 2.0f;
+  for (int64_t t = 0; t < n; t += 7) x[t * C + (t % C)] = x[t * C + ((t + 1) % C)];  // ties
+  for (int64_t t = 0; t < n; t += 5) x[t * C + 3] = 25.0f;                          // outliers
+  std::vector<float> lut(1 << p.bits);
+  for (size_t i = 0; i < lut.size(); ++i) lut[i] = -1.0f + 2.0f * (float)(i * i) / (float)((lut.size() - 1) * (lut.size() - 1));
+  std::vector<float> sc(C), zc(C), lo(C), hi(C);
+  for (int c = 0; c < C; ++c) sc[c] = 2.0f + 0.1f * c, zc[c] = 0.05f * c, lo[c] = zc[c] - sc[c], hi[c] = zc[c] + sc[c];
+  const int n_aff = p.tensor == kvq_tensor::kvq_uniform_keys ? C
+                    : p.tensor == kvq_tensor::kvq_uniform_values ? (int)n * ((C + group - 1) / group)
+                                                                : (int)n;
+  const int out_w = p.tensor == kvq_tensor::kvq_lut_keys ? C : 2 * p.side;
+  struct outputs {
+    std::vector<uint8_t> codes;
+    std::vector<kvq_affine> aff;
+    std::vector<uint16_t> idx, val;
+    std::vector<uint32_t> cnt;
+  } r, c;
+  for (outputs* o : {&r, &c}) {
+    o->codes.assign(n * kvq_row_bytes(C, p.bits), 0);
+    o->aff.assign(n_aff, kvq_affine{0, 0});
+    o->idx.assign(n * std::max(1, out_w), 0), o->val.assign(n * std::max(1, out_w), 0), o->cnt.assign(n, 0);
+  }
+  auto run = [&](outputs& o, void (*enc)(const kvq_encode_job&)) {
+    kvq_encode_job j;
+    j.tensor = p.tensor, j.bits = p.bits, j.channels = C, j.group = group, j.n = n, j.x = x.data();
+    j.lut = lut.data(), j.ch_scale = sc.data(), j.ch_zero = zc.data();
+    if (p.side > 0 && p.tensor == kvq_tensor::kvq_lut_keys) j.ch_lo = lo.data(), j.ch_hi = hi.data();
+    j.v_out_side = p.tensor == kvq_tensor::kvq_lut_values ? p.side : 0;
+    j.codes = o.codes.data(), j.affine = o.aff.data(), j.out_idx = o.idx.data(), j.out_val = o.val.data();
+    j.out_count = o.cnt.data();
+    enc(j);
+  };
+  run(r, ref::kvq_encode);
+  run(c, cpu::kvq_encode);
+  EXPECT_EQ(r.codes, c.codes);
+  for (int i = 0; i < n_aff; ++i) {
+    ASSERT_EQ(r.aff[i].scale, c.aff[i].scale) << i;
+    ASSERT_EQ(r.aff[i].zero, c.aff[i].zero) << i;
+  }
+  EXPECT_EQ(r.cnt, c.cnt);
+  EXPECT_EQ(r.idx, c.idx);
+  EXPECT_EQ(r.val, c.val);
+  if (p.tensor == kvq_tensor::kvq_lut_keys && p.side > 0) {
+    uint32_t total = 0;
+    for (uint32_t k : r.cnt) total += k;
+    EXPECT_GT(total, 0u);  // the planted 25.0 values lie outside every channel's range
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    kinds, kvq_encode_test,
+    ::testing::Values(encode_case{kvq_tensor::kvq_uniform_keys, 2, 0, "uniform_keys_2"},
+                      encode_case{kvq_tensor::kvq_uniform_keys, 3, 0, "uniform_keys_3"},
+                      encode_case{kvq_tensor::kvq_uniform_keys, 4, 0, "uniform_keys_4"},
+                      encode_case{kvq_tensor::kvq_uniform_values, 2, 0, "uniform_values_2"},
+                      encode_case{kvq_tensor::kvq_uniform_values, 3, 0, "uniform_values_3"},
+                      encode_case{kvq_tensor::kvq_uniform_values, 4, 0, "uniform_values_4"},
+                      encode_case{kvq_tensor::kvq_lut_keys, 2, 0, "lut_keys_2"},
+                      encode_case{kvq_tensor::kvq_lut_keys, 3, 1, "lut_keys_3_outliers"},
+                      encode_case{kvq_tensor::kvq_lut_keys, 4, 1, "lut_keys_4_outliers"},
+                      encode_case{kvq_tensor::kvq_lut_values, 2, 0, "lut_values_2"},
+                      encode_case{kvq_tensor::kvq_lut_values, 3, 1, "lut_values_3_outliers"},
+                      encode_case{kvq_tensor::kvq_lut_values, 4, 3, "lut_values_4_outliers3"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace xctx
