@@ -70,3 +70,33 @@ struct calibrate_cmd_options {
 int run_calibrate(const calibrate_cmd_options& opt);
 
 }  // namespace xctx
+
+namespace xctx {
+
+// `xctx ppl`: teacher-forced perplexity through the cache format (coordinator/ppl.cpp says
+// exactly which tokens are compressed when). Collective under mpirun.
+struct ppl_options {
+  std::string model;
+  std::string tokenizer;
+  std::string text;        // file, austen:NAME, kjv:BOOKS (coordinator/corpus.h)
+  int64_t ctx = 2048;      // tokens per window
+  int64_t stride = 0;      // 0: ctx (non-overlapping windows)
+  int64_t max_windows = 0; // 0: the whole text
+  int64_t max_tokens = 0;  // 0: the whole text
+  std::string json_path;
+  run_params run;
+  sequence_options seq;
+};
+struct ppl_result {
+  double nll_sum = 0.0;
+  int64_t n_scored = 0;
+  int64_t n_windows = 0;
+  size_t cache_bytes = 0;  // largest bytes_used of this rank's cache over the windows
+  double ppl = 0.0;
+};
+ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, const cache_spec& spec,
+                      const sequence_options& seq, const std::vector<int32_t>& ids, int64_t ctx, int64_t stride,
+                      int64_t max_windows, const std::function<void(int64_t, int64_t)>& progress = {});
+int run_ppl(const ppl_options& opt, communicator& comm);
+
+}  // namespace xctx

@@ -137,6 +137,22 @@ int main(int argc, char** argv) {
   sequence_flags pk_seq;
   add_sequence_options(pkc, pk_seq);
 
+  xctx::ppl_options ppl;
+  cache_flags ppl_cf;
+  std::string ppl_cache, ppl_ctx_cap, ppl_rope, ppl_window = "2048", ppl_stride, ppl_max_tokens;
+  auto* pc = app.add_subcommand("ppl", "teacher-forced perplexity with attention reading the compressed cache");
+  pc->add_option("--model", ppl.model, "model (default: the fetched SmolLM2)");
+  pc->add_option("--tokenizer", ppl.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
+  pc->add_option("--text", ppl.text, "evaluation text: a file, austen:NAME[,NAME] or kjv:BOOK[,BOOK]")->required();
+  pc->add_option("--window", ppl_window, "tokens per window (the perplexity context)")->default_val("2048");
+  pc->add_option("--stride", ppl_stride, "tokens between window starts (default: the window; smaller = sliding)");
+  pc->add_option("--max-windows", ppl.max_windows, "stop after this many windows (0 = all)")->default_val(0);
+  pc->add_option("--max-tokens", ppl_max_tokens, "use only the first N tokens of the text");
+  pc->add_option("--json", ppl.json_path, "also write the result as JSON");
+  add_run_options(pc, ppl.run, ppl_cache, ppl_ctx_cap, ppl_rope, ppl_cf);
+  sequence_flags ppl_seq;
+  add_sequence_options(pc, ppl_seq);
+
   xctx::calibrate_cmd_options cal;
   auto* cc = app.add_subcommand("calibrate", "derive the nuq datatypes, key scales and outlier thresholds (KVQuant)");
   cc->add_option("--model", cal.model, "model (default: the fetched SmolLM2)");
@@ -184,6 +200,16 @@ int main(int argc, char** argv) {
       return xctx::run_bench(bench, *comm);
     }
     if (*cc) return xctx::run_calibrate(cal);
+    if (*pc) {
+      comm = xctx::make_default_communicator();
+      apply_run_options(ppl.run, ppl_cache, ppl_ctx_cap, ppl_rope, ppl_cf);
+      apply_sequence_options(ppl.seq, ppl_seq);
+      XCTX_CHECK(ppl.seq.mode == xctx::prefill_mode::prefill_exact, "ppl scores with the exact ring prefill only");
+      ppl.ctx = xctx::parse_count(ppl_window, "--window");
+      ppl.stride = ppl_stride.empty() ? ppl.ctx : xctx::parse_count(ppl_stride, "--stride");
+      if (!ppl_max_tokens.empty()) ppl.max_tokens = xctx::parse_count(ppl_max_tokens, "--max-tokens");
+      return xctx::run_ppl(ppl, *comm);
+    }
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");
       return xctx::run_info(info);

@@ -162,4 +162,30 @@ void llama_engine::forward_layer_major(const int32_t* tokens, const int32_t* pos
   run_layers(pos, n, attn, progress);
 }
 
+void llama_engine::forward_layer_major_scored(const int32_t* tokens, const int32_t* pos, int64_t n,
+                                              attention_exchange& attn, const int32_t* targets, float* nll,
+                                              const progress_fn& progress) {
+  forward_layer_major(tokens, pos, n, attn, progress);
+  const int64_t V = w_.hp.n_vocab, chunk = std::min<int64_t>(n, rp_.n_batch);
+  std::vector<float> logits((size_t)(chunk * V));  // [chunk, n_vocab]
+  for (int64_t s = 0; s < n; s += chunk) {
+    const int64_t m = std::min(chunk, n - s);
+    compute_logits(x_.data() + s * w_.hp.n_embd, m, logits.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t t = targets[s + i];
+      if (t < 0) {
+        nll[s + i] = 0.0f;
+        continue;
+      }
+      XCTX_CHECK(t < V, "scoring target ", t, " is outside the vocabulary");
+      const float* l = logits.data() + i * V;
+      const float mx = *std::max_element(l, l + V);
+      double sum = 0.0;
+      for (int64_t j = 0; j < V; ++j) sum += std::exp((double)l[j] - mx);
+      nll[s + i] = (float)((double)mx + std::log(sum) - (double)l[t]);
+    }
+  }
+}
+
 }  // namespace xctx

@@ -46,6 +46,13 @@ class llama_engine {
   // 3 x [n, n_embd] floats live. No logits (the ring prefill has none to give).
   void forward_layer_major(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
                            const progress_fn& progress = {});
+  // The same, then teacher-forced scoring: for every token i with targets[i] >= 0,
+  // nll[i] = logsumexp(logits_i) - logits_i[targets[i]] (natural log; others get 0). Logits are
+  // computed n_batch rows at a time and never kept whole.
+  void forward_layer_major_scored(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
+                                  const int32_t* targets,  // [n]
+                                  float* nll,              // [n]
+                                  const progress_fn& progress = {});
 
  private:
   // x [n, n_embd] holds the residual stream of the n tokens; runs every layer over them.

@@ -218,6 +218,39 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   step(suffix.data(), (int64_t)suffix.size(), logits);
 }
 
+std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int32_t>& tokens, int64_t first_scored,
+                                                           const llama_engine::progress_fn& progress) {
+  XCTX_CHECK(!cache_, "score called on a sequence that was already prefilled");
+  const int64_t n = (int64_t)tokens.size();
+  XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
+  plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_));
+  const std::vector<int32_t> pos = plan_.positions_of(comm_.rank());
+  cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size())), be_);
+  std::vector<int32_t> mine(pos.size()), targets(pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) {
+    mine[i] = tokens[pos[i]];
+    const int64_t t = (int64_t)pos[i] + 1;
+    targets[i] = t < n && t >= first_scored ? tokens[t] : -1;
+  }
+  std::vector<float> nll(pos.size());
+  ring_attention ring(*cache_, comm_, be_, stats_);
+  if (!mine.empty()) {
+    engine_.forward_layer_major_scored(mine.data(), pos.data(), (int64_t)mine.size(), ring, targets.data(), nll.data(),
+                                       progress);
+  } else {  // more ranks than tokens: still relay the other ranks' blocks
+    for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
+  }
+  double part[2] = {0.0, 0.0};
+  for (size_t i = 0; i < pos.size(); ++i)
+    if (targets[i] >= 0) part[0] += nll[i], part[1] += 1.0;
+  std::vector<double> all((size_t)2 * comm_.size());
+  comm_.all_gather(part, all.data(), sizeof part);
+  double sum = 0.0, count = 0.0;
+  for (int r = 0; r < comm_.size(); ++r) sum += all[2 * r], count += all[2 * r + 1];  // rank order: deterministic
+  next_pos_ = n;
+  return {sum, (int64_t)count};
+}
+
 void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits) {
   XCTX_CHECK(cache_, "step before prefill");
   XCTX_CHECK(n > 0, "step: no tokens");

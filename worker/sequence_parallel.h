@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -55,6 +56,11 @@ class sequence_parallel_runner {
   // there) through the merged path. logits: [n_vocab] of the last token, on every rank.
   void prefill(const std::vector<int32_t>& context, const std::vector<int32_t>& suffix, float* logits,
                const llama_engine::progress_fn& progress = {});
+  // Collective teacher-forced scoring of one window (exact ring prefill, no suffix): every rank
+  // scores the targets of its own positions p (token p+1, for first_scored <= p+1 < n) and the
+  // sums meet on every rank. Returns (sum of natural-log NLL, number of targets scored).
+  std::pair<double, int64_t> score(const std::vector<int32_t>& tokens, int64_t first_scored,
+                                   const llama_engine::progress_fn& progress = {});
   // Collective: runs tokens through the merged path; logits of the last one on every rank.
   void step(const int32_t* tokens, int64_t n, float* logits);
 

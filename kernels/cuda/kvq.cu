@@ -289,19 +289,6 @@ __device__ inline float dot4(float acc, float4 a, float4 b) {
   return fmaf(a.w, b.w, acc);
 }
 
-// Calls f(j, i) for every j < n_rows, i < per, items spread over the block without divisions.
-template <class F>
-__device__ inline void for_items(int n_rows, int per, F f) {
-  int j = (int)threadIdx.x / per, i = (int)threadIdx.x % per;
-  const int dj = kvq_threads / per, di = kvq_threads % per;
-  while (j < n_rows) {
-    f(j, i);
-    i += di;
-    j += dj;
-    if (i >= per) i -= per, ++j;
-  }
-}
-
 // Online-softmax step for one row over one tile (s = this lane's score, -inf when invisible).
 // Returns the lane's probability; rescales l and acc.
 template <int KD>
@@ -387,14 +374,14 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
     __syncthreads();  // the previous tile is no longer read
     if ((int)threadIdx.x < nt) kvq_tile_meta(L, t, p.pos_div, threadIdx.x);
     __syncthreads();
-    for_items(nt, hd, [&](int j, int d) { kvq_tile_dense(L, t, j, d); });
+    kvq_for_items(threadIdx.x, kvq_threads, nt, hd, [&](int j, int d) { kvq_tile_dense(L, t, j, d); });
     __syncthreads();
     if (outliers) {
       for (int j = warp; j < nt; j += kvq_warps) kvq_tile_outliers(L, t, j, lane, 32);
       __syncthreads();
     }
     if (pl.n_pair > 0) {
-      for_items(nt, pl.n_pair, [&](int j, int i) { kvq_tile_rope(t, j, i); });
+      kvq_for_items(threadIdx.x, kvq_threads, nt, pl.n_pair, [&](int j, int i) { kvq_tile_rope(t, j, i); });
       __syncthreads();
     }
 

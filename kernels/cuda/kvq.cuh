@@ -1,6 +1,6 @@
 // CUDA kernels of the quantized KV cache (kernels/cuda/kvq.cu): launch planning and the per-item
 // logic of the fused attention's tile decode. Everything here is host-device (XCTX_HOST_DEVICE)
-// or host-only and free of CUDA runtime headers, so the test binary runs the same index math and
+// or host-only and needs no CUDA header outside nvcc, so the test binary runs the same index math and
 // the same plans on the CPU, without a GPU (house style §2).
 //
 // Attention tile decode, per block (one kv head g, slots [s0, s0 + nt), nt <= kvq_tile):
@@ -191,14 +191,29 @@ struct kvq_tile_view {
   float* v_zero = nullptr;     // [T]
 };
 
+// Thread `tid` of `n_threads` calls f(j, i) for its share of the items j < n_rows, i < per
+// (item index j * per + i strided by n_threads), stepping without divisions.
+template <class F>
+XCTX_HOST_DEVICE inline void kvq_for_items(int tid, int n_threads, int n_rows, int per, F&& f) {
+  int j = tid / per, i = tid % per;
+  const int dj = n_threads / per, di = n_threads % per;
+  while (j < n_rows) {
+    f(j, i);
+    i += di;
+    j += dj;
+    if (i >= per) i -= per, ++j;
+  }
+}
+
 XCTX_HOST_DEVICE inline int kvq_setup_items(const kvq_layer_view& L, int n_pair) {
   const int a = L.head_dim > n_pair ? L.head_dim : n_pair;
   return a > kKvqMaxLut ? a : kKvqMaxLut;
 }
-XCTX_HOST_DEVICE inline void kvq_tile_setup(const kvq_layer_view& L, const kvq_tile_view& t, const double* w /*[n_pair]*/,
-                                            int n_pair, int idx) {
+XCTX_HOST_DEVICE inline void kvq_tile_setup(const kvq_layer_view& L, const kvq_tile_view& t,
+                                            const double* w /*[n_pair]*/, int n_pair, int idx) {
   const int hd = L.head_dim, c = t.g * hd + idx;
   if (idx < n_pair) t.w[idx] = w[idx];
+  if (L.n_quant() == 0) return;  // no quantized rows: the scheme's tables may be absent
   switch (L.scheme) {
     case kvq_scheme::kvq_uniform:
       if (idx < hd) t.v_grp[idx] = c / L.group;

@@ -157,7 +157,22 @@ TEST(KvqCudaHost, half_turn_reduction_error_does_not_grow_with_position) {
   std::printf("worst cos/sin deviation from the half-turn reduction: %.3Le (bound %.3Le)\n", worst, bound);
 }
 
-// ---- host-only: plans -----------------------------------------------------------------------
+// ---- host-only: work distribution and plans -------------------------------------------------
+
+TEST(KvqCudaHost, item_stepping_covers_every_item_once) {
+  for (int per : {1, 3, 20, 32, 64, 100, 128, 129, 256})
+    for (int n_rows : {0, 1, 7, 32}) {
+      std::vector<int> hits((size_t)n_rows * per, 0);
+      for (int tid = 0; tid < kvq_threads; ++tid)
+        kvq_for_items(tid, kvq_threads, n_rows, per, [&](int j, int i) {
+          ASSERT_TRUE(j >= 0 && j < n_rows && i >= 0 && i < per) << j << "," << i;
+          ASSERT_EQ((j * per + i) % kvq_threads, tid) << "per " << per;
+          ++hits[(size_t)j * per + i];
+        });
+      for (size_t e = 0; e < hits.size(); ++e)
+        ASSERT_EQ(hits[e], 1) << "per " << per << " rows " << n_rows << " item " << e;
+    }
+}
 
 TEST(KvqCudaHost, encode_plan_fits_the_sort_in_shared_memory_up_to_its_limit) {
   for (int C : {8, 1040, 4096, 8192}) {
@@ -309,8 +324,12 @@ host_layer make_layer(const layer_case& c, uint32_t seed) {
   L.pos.resize(n);
   int32_t p = c.pos0;
   for (int64_t t = 0; t < n; ++t) L.pos[t] = p, p += 1 + (int32_t)(rng() % 3);  // gaps of 0..2
-  for (int64_t e = 0; e < c.n_sink * C; ++e) L.k_sink.push_back(fp32_to_fp16(k[e])), L.v_sink.push_back(fp32_to_fp16(v[e]));
-  for (int64_t e = q_end * C; e < n * C; ++e) L.k_tail.push_back(fp32_to_fp16(k[e])), L.v_tail.push_back(fp32_to_fp16(v[e]));
+  for (int64_t e = 0; e < n * C; ++e) {
+    if (e >= c.n_sink * C && e < q_end * C) continue;
+    std::vector<uint16_t>& kf = e < c.n_sink * C ? L.k_sink : L.k_tail;
+    std::vector<uint16_t>& vf = e < c.n_sink * C ? L.v_sink : L.v_tail;
+    kf.push_back(fp32_to_fp16(k[e])), vf.push_back(fp32_to_fp16(v[e]));
+  }
   const size_t rb = kvq_row_bytes(C, c.bits);
   L.k_codes.assign(c.nq * rb, 0), L.v_codes.assign(c.nq * rb, 0);
   const float* kq = k.data() + c.n_sink * C;
@@ -439,7 +458,8 @@ TEST_P(KvqCudaLayer, host_run_of_the_tile_phases_matches_ref_decode_and_rope) {
           ASSERT_NEAR(t.v[(size_t)j * t.v_stride + d], vd[at], vt) << "value slot " << s << " head " << g << " d " << d;
           const size_t a0 = at - (d % 2);
           const double pair = std::fabs(kd[a0]) + std::fabs(kd[a0 + 1]);
-          const double kt = kEps * kDequantUlps * pk + (d < rope.n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0);
+          const double rot = d < rope.n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0;
+          const double kt = kEps * kDequantUlps * pk + rot;
           ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], kt) << "key slot " << s << " head " << g << " d " << d;
         }
       }
@@ -624,7 +644,10 @@ TEST_P(KvqCudaEncode, device_is_bit_identical_to_ref) {
     x[t * C + 5] = t % 2 ? -0.0f : 0.0f, x[t * C + 6] = t % 2 ? 0.0f : -0.0f;
   std::vector<float> lut = ascending_lut(p.bits, 1.7f);
   std::vector<float> sc(C), zc(C), lo(C), hi(C);
-  for (int c = 0; c < C; ++c) sc[c] = 2.0f + 0.01f * (c % 50), zc[c] = 0.02f * (c % 30), lo[c] = zc[c] - sc[c], hi[c] = zc[c] + sc[c];
+  for (int c = 0; c < C; ++c) {
+    sc[c] = 2.0f + 0.01f * (c % 50), zc[c] = 0.02f * (c % 30);
+    lo[c] = zc[c] - sc[c], hi[c] = zc[c] + sc[c];
+  }
   const int n_vg = p.group > 0 ? (C + p.group - 1) / p.group : 1;
   const size_t n_aff = p.tensor == kvq_tensor::kvq_uniform_keys     ? (size_t)C
                        : p.tensor == kvq_tensor::kvq_uniform_values ? (size_t)n * n_vg
