@@ -104,8 +104,11 @@ void kvq_encode(const kvq_encode_job& j) {
         std::vector<uint8_t> codes((size_t)C);
         for (int g = 0; g < n_g; ++g) {
           const int c0 = g * j.group, c1 = std::min(C, c0 + j.group);
-          const auto [mn, mx] = std::minmax_element(x + c0, x + c1);
-          const kvq_affine p = kvq_uniform_params(*mn, *mx, bits);
+          // std::min/std::max keep the first of equal extremes (as ref does; it decides the
+          // sign a zero scale is stored with), unlike std::minmax_element's last maximum.
+          float lo = x[c0], hi = x[c0];
+          for (int c = c0 + 1; c < c1; ++c) lo = std::min(lo, x[c]), hi = std::max(hi, x[c]);
+          const kvq_affine p = kvq_uniform_params(lo, hi, bits);
           j.affine[t * n_g + g] = p;
           for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(x[c], p, bits);
         }

@@ -59,6 +59,9 @@ TEST_P(kvq_encode_test, cpu_is_bit_identical_to_ref) {
   for (float& v : x) v = nd(rng) * 2.0f;
   for (int64_t t = 0; t < n; t += 7) x[t * C + (t % C)] = x[t * C + ((t + 1) % C)];  // ties
   for (int64_t t = 0; t < n; t += 5) x[t * C + 3] = 25.0f;                          // outliers
+  // A row of signed zeros: which of equal extremes is kept decides the stored sign of the
+  // scale (+0 first, -0 last).
+  for (int c = 0; c < C; ++c) x[(n - 1) * C + c] = c + 1 < C ? 0.0f : -0.0f;
   std::vector<float> lut(1 << p.bits);
   for (size_t i = 0; i < lut.size(); ++i) lut[i] = -1.0f + 2.0f * (float)(i * i) / (float)((lut.size() - 1) * (lut.size() - 1));
   std::vector<float> sc(C), zc(C), lo(C), hi(C);
