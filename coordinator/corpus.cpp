@@ -1,3 +1,4 @@
+#include <cctype>
 #include "coordinator/corpus.h"
 
 #include <zlib.h>
@@ -317,8 +318,60 @@ std::vector<std::pair<std::string, std::string>> read_austen_novels(const std::s
   return out;
 }
 
+// The King James Bible of Debian's bible-kjv, through the package's own reader (`bible`, which
+// decodes its compressed /usr/lib/bible.data): "BOOK1:1-999:999" prints a whole book as
+// "Book N" chapter headers and "  N text" verse lines; we keep the verse text only.
+std::string read_kjv_book(const std::string& book) {
+  XCTX_CHECK(!book.empty() && book.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789") ==
+                                  std::string::npos,
+             "kjv: book name '", book, "' must be letters and digits (e.g. Genesis, Luke, 1Kings)");
+  const std::string cmd = "bible -l0 '" + book + "1:1-999:999' 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  XCTX_CHECK(p != nullptr, "kjv: cannot run `bible` (install the bible-kjv package: launch/install-deps)");
+  std::string out, line, text, header;
+  char buf[4096];
+  while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  const int rc = pclose(p);
+  XCTX_CHECK(rc == 0, "kjv: `bible` failed (exit ", rc, "); install bible-kjv (launch/install-deps)");
+  std::istringstream in(out);
+  int verses = 0;
+  while (std::getline(in, line)) {
+    if (line.rfind("Bad ", 0) == 0) fail("kjv: unknown book '", book, "' (", line, ")");
+    // Verse lines are indented ("  12 text"); chapter headers and blank lines are not verses.
+    const size_t i = line.find_first_not_of(' ');
+    if (i == 0 && header.empty()) {  // "Hebrews 1": `bible` resolves prefixes, so check its pick
+      header = line.substr(0, line.rfind(' '));
+      std::string a, b;
+      for (char c : header)
+        if (c != ' ') a += (char)std::tolower((unsigned char)c);
+      for (char c : book) b += (char)std::tolower((unsigned char)c);
+      XCTX_CHECK(a.rfind(b, 0) == 0, "kjv: unknown book '", book, "' (`bible` matched it to ", header, ")");
+    }
+    if (i == 0 || i == std::string::npos || !std::isdigit((unsigned char)line[i])) continue;
+    const size_t num_end = line.find(' ', i);
+    if (num_end == std::string::npos) continue;
+    text += line.substr(num_end + 1);
+    text += '\n';
+    ++verses;
+  }
+  XCTX_CHECK(verses > 0, "kjv: no verses read for '", book, "' (is bible-kjv installed?)");
+  return text;
+}
+
 std::string load_text(const std::string& source) {
   const std::string prefix = "austen:";
+  if (source.rfind("kjv:", 0) == 0) {
+    std::string out, want = source.substr(4);
+    size_t at = 0;
+    while (at <= want.size()) {
+      const size_t comma = want.find(',', at);
+      const std::string book = want.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+      out += (out.empty() ? "" : "\n") + read_kjv_book(book);
+      if (comma == std::string::npos) break;
+      at = comma + 1;
+    }
+    return out;
+  }
   if (source.rfind(prefix, 0) != 0) {
     std::string t = read_file_bytes(source);
     XCTX_CHECK(!t.empty(), "text file ", source, " is empty");

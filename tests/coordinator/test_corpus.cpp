@@ -244,3 +244,25 @@ TEST(austen_corpus, huge_declared_length_is_rejected) {
 
 }  // namespace
 }  // namespace xctx
+
+namespace xctx {
+namespace {
+
+TEST(kjv_text, a_book_reads_as_verse_text) {
+  if (std::system("command -v bible >/dev/null 2>&1") != 0) {
+    if (std::getenv("CI")) FAIL() << "bible-kjv is not installed under CI";
+    GTEST_SKIP() << "bible-kjv not installed (launch/install-deps)";
+  }
+  const std::string jude = load_text("kjv:Jude");
+  EXPECT_EQ(jude.rfind("Jude, the servant of Jesus Christ", 0), 0u) << jude.substr(0, 80);
+  EXPECT_NE(jude.find("Now unto him that is able to keep you from falling"), std::string::npos);
+  EXPECT_EQ(jude.find("Jude 1\n"), std::string::npos);  // no chapter headers
+  int lines = 0;
+  for (char c : jude) lines += c == '\n';
+  EXPECT_EQ(lines, 25);  // Jude has 25 verses
+  EXPECT_THROW(load_text("kjv:Hezekiah"), Error);
+  EXPECT_THROW(load_text("kjv:Luke;rm"), Error);
+}
+
+}  // namespace
+}  // namespace xctx
