@@ -1,5 +1,6 @@
 #include "cache/format.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -21,6 +22,14 @@ cache_format_traits format_traits(cache_format f) {
     case cache_format::cache_nuq4_1pct: return {"nuq4-1%", cf::family_nuq, 4, 0.01, true, true};
     case cache_format::cache_nuq3_1pct: return {"nuq3-1%", cf::family_nuq, 3, 0.01, true, true};
     case cache_format::cache_nuq2_1pct: return {"nuq2-1%", cf::family_nuq, 2, 0.01, true, true};
+    case cache_format::cache_xquant4: return {"xquant4", cf::family_xquant, 4, 0.0, true, false};
+    case cache_format::cache_xquant3: return {"xquant3", cf::family_xquant, 3, 0.0, true, false};
+    case cache_format::cache_xquant2: return {"xquant2", cf::family_xquant, 2, 0.0, true, false};
+    case cache_format::cache_xquant_cl4: return {"xquant-cl4", cf::family_xquant_cl, 4, 0.0, true, false};
+    case cache_format::cache_xquant_cl3: return {"xquant-cl3", cf::family_xquant_cl, 3, 0.0, true, false};
+    case cache_format::cache_xquant_cl2: return {"xquant-cl2", cf::family_xquant_cl, 2, 0.0, true, false};
+    // Mixed 2/1-bit codes per layer (clkv_layer_config); 2 is the widest.
+    case cache_format::cache_clkv: return {"clkv", cf::family_clkv, 2, 0.0, true, false};
   }
   XCTX_ASSERT(false, "bad cache_format ", (int)f);
   return {};
@@ -28,9 +37,22 @@ cache_format_traits format_traits(cache_format f) {
 
 std::vector<cache_format> all_cache_formats() {
   using c = cache_format;
-  return {c::cache_fp32,      c::cache_fp16,      c::cache_kivi4,    c::cache_kivi3,
-          c::cache_kivi2,     c::cache_nuq4,      c::cache_nuq3,     c::cache_nuq2,
-          c::cache_nuq4_1pct, c::cache_nuq3_1pct, c::cache_nuq2_1pct};
+  return {c::cache_fp32,       c::cache_fp16,       c::cache_kivi4,      c::cache_kivi3,     c::cache_kivi2,
+          c::cache_nuq4,       c::cache_nuq3,       c::cache_nuq2,       c::cache_nuq4_1pct, c::cache_nuq3_1pct,
+          c::cache_nuq2_1pct,  c::cache_xquant4,    c::cache_xquant3,    c::cache_xquant2,   c::cache_xquant_cl4,
+          c::cache_xquant_cl3, c::cache_xquant_cl2, c::cache_clkv};
+}
+
+std::vector<cache_format> formats_of(std::initializer_list<cache_family> families) {
+  std::vector<cache_format> out;
+  for (cache_format f : all_cache_formats())
+    for (cache_family fam : families)
+      if (format_traits(f).family == fam) out.push_back(f);
+  return out;
+}
+
+std::vector<cache_format> x_cache_formats() {
+  return formats_of({cache_family::family_xquant, cache_family::family_xquant_cl, cache_family::family_clkv});
 }
 
 cache_format parse_cache_format(const std::string& name) {
@@ -45,6 +67,43 @@ cache_format parse_cache_format(const std::string& name) {
 bool qnorm_enabled(cache_format f, const cache_options& o) {
   // KVQuant App. H: Q-Norm helps at 2 bits and not measurably at 3-4; the paper uses it at 2.
   return o.qnorm < 0 ? format_traits(f).bits_per_element == 2 : o.qnorm != 0;
+}
+
+bool xquant_uses_latents(const cache_geometry& g) { return g.n_head_kv < g.n_head; }
+int xquant_rank(const cache_geometry& g) {
+  const int C = g.n_head_kv * g.head_dim;
+  return xquant_uses_latents(g) ? std::min(g.n_embd, C) : g.n_embd;
+}
+int xquant_cl_hi_layers(const cache_options& o, int n_layer) { return std::clamp(o.cl_hi_layers, 1, n_layer); }
+int xquant_cl_rank(const cache_geometry& g) {
+  const int C = g.n_head_kv * g.head_dim;
+  return xquant_uses_latents(g) ? std::min(g.n_embd, 2 * C) : g.n_embd;
+}
+int xquant_cl_bits(cache_format f, const cache_options& o, int n_layer, int layer) {
+  return layer < xquant_cl_hi_layers(o, n_layer) ? 4 : format_traits(f).bits_per_element;
+}
+int xquant_cl_channels(const cache_geometry& g, const cache_options& o, int layer) {
+  return layer < xquant_cl_hi_layers(o, g.n_layer) ? g.n_embd : xquant_cl_rank(g);
+}
+
+clkv_layer clkv_layer_config(const cache_options& o, int n_layer, int layer) {
+  // ACL paper App. A: kq = 30, vq = 2, km = 32, vm = 16 for 32 layers; scaled to n_layer as
+  // "all but the last two key layers at 2 bits" and "value sharing in the upper half".
+  const int kq = o.clkv_key_2bit_layers >= 0 ? o.clkv_key_2bit_layers : std::max(0, n_layer - 2);
+  const int vq = o.clkv_value_2bit_layers;
+  const int km = o.clkv_key_share_from >= 0 ? o.clkv_key_share_from : n_layer;
+  const int vm = o.clkv_value_share_from >= 0 ? o.clkv_value_share_from : n_layer / 2;
+  clkv_layer c;
+  c.key_bits = layer < kq ? 2 : 1;
+  c.value_bits = layer < vq ? 2 : 1;
+  // Algorithm 1: odd layers at or above the threshold take layer l-1's codes. The lower layer
+  // must have the same width for its codes to be reused, so an odd layer right at the 2/1-bit
+  // boundary keeps its own codes.
+  c.key_shared = layer >= km && layer % 2 == 1 && (layer - 1 < kq) == (layer < kq);
+  c.value_shared = layer >= vm && layer % 2 == 1 && (layer - 1 < vq) == (layer < vq);
+  c.key_eta = c.key_bits == 1 ? o.clkv_eta1 : o.clkv_eta2;
+  c.value_eta = c.value_bits == 1 ? o.clkv_eta1 : o.clkv_eta2;
+  return c;
 }
 
 int value_outliers_per_side(double fraction, int channels) {
@@ -84,6 +143,44 @@ cache_bytes cache_bytes_for(const cache_spec& spec, const cache_geometry& g, int
         const size_t v_side = (size_t)value_outliers_per_side(t.outlier_fraction, (int)C);
         b.outliers = L * ((size_t)q + 1) * 4 + (size_t)n_key_outliers * 4 + L * (size_t)q * 2 * v_side * 4;
       }
+      return b;
+    }
+    case cache_family::family_xquant: {
+      const int64_t G = spec.options.group_size;
+      const int64_t q = n / G * G;
+      const size_t r = (size_t)xquant_rank(g), n_vg = (r + G - 1) / G;
+      const size_t bits = (size_t)t.bits_per_element;
+      if (!xquant_uses_latents(g)) {  // X per token, one stream
+        b.codes = L * (size_t)q * r * bits / 8;
+        b.fp16_rows = L * (size_t)(n - q) * r * 2;
+        b.scales = L * (size_t)q * n_vg * 4;
+        return b;
+      }
+      b.codes = 2 * L * (size_t)q * r * bits / 8;
+      b.fp16_rows = 2 * L * (size_t)(n - q) * r * 2 + (spec.options.x_fp16_first_channel ? L * (size_t)q * 2 : 0);
+      b.scales = L * ((size_t)(q / G) * r + (size_t)q * n_vg) * 4;
+      return b;
+    }
+    case cache_family::family_xquant_cl: {
+      const size_t G = (size_t)spec.options.group_size;
+      for (int l = 0; l < g.n_layer; ++l) {  // every token quantized per token when appended
+        const size_t ch = (size_t)xquant_cl_channels(g, spec.options, l);
+        b.codes += (size_t)n * ch * xquant_cl_bits(spec.format, spec.options, g.n_layer, l) / 8;
+        b.scales += (size_t)n * ((ch + G - 1) / G) * 4;
+      }
+      return b;
+    }
+    case cache_family::family_clkv: {
+      const int64_t R = spec.options.group_size, G = spec.options.clkv_group;
+      const int64_t q = n / R * R;
+      const size_t n_vg = (C + G - 1) / G;
+      for (int l = 0; l < g.n_layer; ++l) {
+        const clkv_layer c = clkv_layer_config(spec.options, g.n_layer, l);
+        if (!c.key_shared) b.codes += (size_t)q * C * c.key_bits / 8;
+        if (!c.value_shared) b.codes += (size_t)q * C * c.value_bits / 8;
+      }
+      b.fp16_rows = 2 * L * (size_t)(n - q) * C * 2;
+      b.scales = L * ((size_t)(q / G) * C + (size_t)q * n_vg) * 4;
       return b;
     }
   }

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 namespace xctx {
 
 struct calibration;  // cache/calibration.h
+struct x_factors;    // cache/x_factors.h
 
 // The shape of what one shard caches.
 struct cache_geometry {
@@ -37,9 +39,17 @@ enum class cache_format : uint8_t {
   cache_nuq4_1pct,  // ... plus 1% per-vector dense-and-sparse outliers
   cache_nuq3_1pct,
   cache_nuq2_1pct,
+  // X caches (docs/x_formats.md): the post-norm layer input (or its SVD latents) instead of K/V.
+  cache_xquant4,  // XQuant §3.1/3.3: X (MHA) or X·U_k per channel + X·U_v per token (GQA)
+  cache_xquant3,
+  cache_xquant2,
+  cache_xquant_cl4,  // XQuant-CL §3.2: cross-layer deltas against a per-token accumulator
+  cache_xquant_cl3,
+  cache_xquant_cl2,
+  cache_clkv,  // the ACL "XQuant": K/V codes shared by layer pairs, data-free calibration eta
 };
 
-enum class cache_family : uint8_t { family_fp, family_kivi, family_nuq };
+enum class cache_family : uint8_t { family_fp, family_kivi, family_nuq, family_xquant, family_xquant_cl, family_clkv };
 
 struct cache_format_traits {
   const char* name;
@@ -53,6 +63,10 @@ struct cache_format_traits {
 cache_format_traits format_traits(cache_format f);
 cache_format parse_cache_format(const std::string& name);  // throws listing the valid names
 std::vector<cache_format> all_cache_formats();
+// The formats of the given families, in all_cache_formats() order.
+std::vector<cache_format> formats_of(std::initializer_list<cache_family> families);
+// The X formats (xquant*, xquant-cl*, clkv): they need the model's rebuild factors.
+std::vector<cache_format> x_cache_formats();
 
 // How a quantized format is run (defaults follow the papers).
 struct cache_options {
@@ -60,8 +74,40 @@ struct cache_options {
   int qnorm = -1;        // nuq: Q-Norm of the centroids; -1 = the paper's choice (on at 2 bits)
   bool sink = true;      // nuq: the sequence's first token (position 0) kept in fp16
   std::shared_ptr<const calibration> calib;  // nuq: required
+  // xquant*, xquant-cl*: the offline SVD / rebuild matrices of the model (required; built by
+  // build_x_factors in cache/x_factors.h).
+  std::shared_ptr<const x_factors> factors;
+  bool x_fp16_first_channel = false;  // xquant (GQA): first latent channel of X·U_k kept fp16 (App. B)
+  int cl_hi_layers = 3;  // xquant-cl: leading layers cached as X at 4 bits (Table 4); the last is the base
+  // clkv (ACL paper Table 9 / App. A, scaled to the model's depth; -1 = the paper's choice):
+  int clkv_key_2bit_layers = -1;    // kq: key layers [0, kq) at 2 bits, the rest 1 bit; -1 = L - 2
+  int clkv_value_2bit_layers = 2;   // vq: value layers [0, vq) at 2 bits
+  int clkv_value_share_from = -1;   // vm: odd value layers >= vm reuse layer l-1's codes; -1 = L / 2
+  int clkv_key_share_from = -1;     // km: same for keys; -1 = L (keys never shared)
+  int clkv_group = 32;  // KIVI's group size: tokens per key scale group = channels per value group
+                        // (group_size is the residual window: groups close 128 tokens at a time)
+  float clkv_eta1 = 1.0f / 6.0f;    // calibration eta of the 1-bit layers
+  float clkv_eta2 = 0.045f;         // ... and of the 2-bit layers
 };
 bool qnorm_enabled(cache_format f, const cache_options& o);
+
+// The per-layer shape of the X formats, shared by the caches and cache_bytes_for.
+// xquant: GQA models (n_head_kv < n_head) cache the latents X·U_k, X·U_v of rank
+// min(n_embd, kv_dim); MHA models cache X (n_embd channels) once.
+bool xquant_uses_latents(const cache_geometry& g);
+int xquant_rank(const cache_geometry& g);
+// xquant-cl: layers below cl_hi_layers cache X at 4 bits (the last one is the accumulator's
+// base); later layers cache deltas of xquant_cl_rank channels (the [W_k|W_v] latent for GQA).
+int xquant_cl_hi_layers(const cache_options& o, int n_layer);
+int xquant_cl_rank(const cache_geometry& g);
+int xquant_cl_bits(cache_format f, const cache_options& o, int n_layer, int layer);
+int xquant_cl_channels(const cache_geometry& g, const cache_options& o, int layer);
+struct clkv_layer {
+  int key_bits = 2, value_bits = 2;
+  bool key_shared = false, value_shared = false;  // codes are layer - 1's (own scale and zero)
+  float key_eta = 0.0f, value_eta = 0.0f;
+};
+clkv_layer clkv_layer_config(const cache_options& o, int n_layer, int layer);
 
 // A format with its options: what make_cache needs. Converts from a bare format.
 struct cache_spec {
@@ -84,6 +130,8 @@ struct cache_bytes {
   size_t scales = 0;       // per-group / per-token fp16 scales and zero points
   size_t tables = 0;       // per-layer LUTs, key channel scales/zeros, outlier thresholds
   size_t outliers = 0;     // sparse values + indices (+ key column offsets)
+  // X formats: codes are the latent / X / delta codes, fp16_rows the residual window (and the
+  // fp16 first latent channel), scales the per-group fp16 scale + zero.
   size_t total() const { return positions + codes + fp16_rows + scales + tables + outliers; }
 };
 

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "cache/cache.h"
+#include "cache/slot_positions.h"
+#include "cache/x_cache.h"
 #include "common/error.h"
 #include "common/half.h"
 
@@ -54,19 +56,7 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(at + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", at, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
-    // Attention finds a query's visible keys by binary search: positions must ascend.
-    for (int64_t i = 0; i < in.n; ++i) {
-      const int32_t prev = i > 0 ? in.pos[i - 1] : (at > 0 ? pos_[at - 1] : INT32_MIN);
-      XCTX_CHECK(in.pos[i] > prev, "cache append to layer ", layer, ": position ", in.pos[i], " does not follow ",
-                 prev, " (positions must increase)");
-    }
-    // Positions are stored once; the first layer to reach a slot writes it, the others agree.
-    for (int64_t i = 0; i < in.n; ++i) {
-      if (at + i >= n_max_written_) pos_[at + i] = in.pos[i];
-      XCTX_ASSERT(pos_[at + i] == in.pos[i], "layer ", layer, " appends position ", in.pos[i], " at slot ", at + i,
-                  " where another layer stored ", pos_[at + i]);
-    }
-    n_max_written_ = std::max(n_max_written_, at + in.n);
+    store_slot_positions(pos_, n_max_written_, layer, at, in);
 
     const size_t n_elems = (size_t)in.n * row_elems_;
     scratch_.assign(in.k, in.k + n_elems);
@@ -168,6 +158,13 @@ std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometr
     case cache_format::cache_nuq4_1pct:
     case cache_format::cache_nuq3_1pct:
     case cache_format::cache_nuq2_1pct: return make_quant_cache(spec, g, be);
+    case cache_format::cache_xquant4:
+    case cache_format::cache_xquant3:
+    case cache_format::cache_xquant2:
+    case cache_format::cache_clkv: return make_x_window_cache(spec, g, be);
+    case cache_format::cache_xquant_cl4:
+    case cache_format::cache_xquant_cl3:
+    case cache_format::cache_xquant_cl2: return make_x_cl_cache(spec, g, be);
   }
   fail("make_cache: unknown format ", (int)spec.format);
 }
@@ -177,6 +174,9 @@ int64_t cache_alignment(const cache_spec& spec) {
     case cache_family::family_fp:
     case cache_family::family_nuq: return 1;
     case cache_family::family_kivi: return spec.options.group_size;
+    case cache_family::family_xquant:  // residual window of group_size tokens, as kivi
+    case cache_family::family_clkv: return spec.options.group_size;
+    case cache_family::family_xquant_cl: return 1;  // every token encoded when appended
   }
   return 1;
 }

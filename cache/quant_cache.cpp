@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cache/cache.h"
+#include "cache/slot_positions.h"
 #include "cache/calibration.h"
 #include "common/error.h"
 #include "common/half.h"
@@ -168,7 +169,7 @@ class quant_cache final : public kv_cache {
     XCTX_CHECK(s.n + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", s.n, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
-    store_positions(layer, s.n, in);
+    store_slot_positions(pos_.data(), n_pos_, layer, s.n, in);
     int64_t i = 0;
     if (kivi_) {
       while (i < in.n) {  // fill the residual window; a full window becomes a quantized group
@@ -327,19 +328,6 @@ class quant_cache final : public kv_cache {
     return v;
   }
 
-  void store_positions(int layer, int64_t at, const layer_input& in) {
-    for (int64_t i = 0; i < in.n; ++i) {
-      const int32_t prev = i > 0 ? in.pos[i - 1] : (at > 0 ? pos_[at - 1] : INT32_MIN);
-      XCTX_CHECK(in.pos[i] > prev, "cache append to layer ", layer, ": position ", in.pos[i], " does not follow ",
-                 prev, " (positions must increase)");
-    }
-    for (int64_t i = 0; i < in.n; ++i) {
-      if (at + i >= n_pos_) pos_[at + i] = in.pos[i];
-      XCTX_ASSERT(pos_[at + i] == in.pos[i], "layer ", layer, " appends position ", in.pos[i], " at slot ", at + i,
-                  " where another layer stored ", pos_[at + i]);
-    }
-    n_pos_ = std::max(n_pos_, at + in.n);
-  }
 
   static void to_fp16(const float* x, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "cache/calibration.h"
+#include "cache/x_factors.h"
 #include "common/error.h"
 #include "model/gguf.h"
 
@@ -53,6 +54,8 @@ cache_spec resolve_cache_spec(const run_params& rp, const model_weights& w) {
     c->check_model(model_fingerprint(w), w.hp, rp.calib_path);
     spec.options.calib = std::move(c);
   }
+  if (format_needs_x_factors(rp.cache))  // xquant*, xquant-cl*: offline SVD of W_k, W_v
+    spec.options.factors = build_x_factors(w, x_factor_kind_for(rp.cache));
   return spec;
 }
 

@@ -54,6 +54,11 @@ XCTX_HOST_DEVICE inline void kvq_pack8(const uint8_t* codes /*[8]*/, int bits, u
   for (int b = 0; b < bits; ++b) out[b] = (uint8_t)(w >> (8 * b));
 }
 
+// Packs a row of C codes (C a multiple of 8).
+XCTX_HOST_DEVICE inline void kvq_pack_row(const uint8_t* codes /*[C]*/, int C, int bits, uint8_t* out /*[C*bits/8]*/) {
+  for (int i = 0; i < C; i += 8) kvq_pack8(codes + i, bits, out + (size_t)i / 8 * bits);
+}
+
 // ---- uniform (KIVI*) ----------------------------------------------------------------------
 // Asymmetric min/max quantization. Scale and zero are rounded to fp16 *before* encoding so the
 // stored parameters are exactly the ones the codes were computed against.

@@ -386,6 +386,25 @@ void merge_partials(isa v, const float* o_parts /*[n_part, n_row, head_dim]*/, c
   }
 }
 
+streamed_attention::streamed_attention(isa v, const attn_args& queries) : isa_(v), a_(queries) {
+  n_row_ = a_.n_q * a_.n_head;
+  o_parts_.assign((size_t)(2 * n_row_ * a_.head_dim), 0.0f);
+  lse_parts_.assign((size_t)(2 * n_row_), kNegInf);
+}
+
+void streamed_attention::add(const float* k, const float* v, const int32_t* kv_pos, int64_t n_kv) {
+  attn_args t = a_;
+  t.k = k, t.v = v, t.kv_pos = kv_pos, t.n_kv = n_kv, t.kv_type = kv_dtype::kv_f32;
+  t.o = o_parts_.data() + n_row_ * a_.head_dim, t.lse = lse_parts_.data() + n_row_;
+  attention_partial(isa_, t);
+  merge_partials(isa_, o_parts_.data(), lse_parts_.data(), 2, n_row_, a_.head_dim, o_parts_.data(), lse_parts_.data());
+}
+
+void streamed_attention::finish(float* o, float* lse) const {
+  std::copy(o_parts_.begin(), o_parts_.begin() + n_row_ * a_.head_dim, o);
+  std::copy(lse_parts_.begin(), lse_parts_.begin() + n_row_, lse);
+}
+
 }  // namespace impl
 
 void attention_partial(const attn_args& a) { impl::attention_partial(impl::best_isa(), a); }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/ops.h"
 
@@ -69,6 +70,23 @@ inline int64_t decode_scratch_floats(int R, int hd) {
 void decode_block(isa v, const decode_job& job);
 // Up to this many queries the attention kernels take the decode path.
 inline constexpr int64_t kDecodeMaxQueries = 8;
+
+// Attention of many queries over a shard streamed tile by tile (the compressed caches decode a
+// tile to f32, then add() it): each tile's partial is merged into the running one by lse.
+class streamed_attention {
+ public:
+  // `queries` gives q, q_pos, n_q, n_head, n_head_kv, head_dim, scale; its k/v/o/lse are unused.
+  streamed_attention(isa v, const attn_args& queries);
+  void add(const float* k /*[n_kv, n_head_kv, head_dim]*/, const float* v /*[same]*/,
+           const int32_t* kv_pos /*[n_kv]*/, int64_t n_kv);
+  void finish(float* o /*[n_q, n_head, head_dim]*/, float* lse /*[n_q, n_head]*/) const;
+
+ private:
+  isa isa_;
+  attn_args a_;
+  int64_t n_row_ = 0;
+  std::vector<float> o_parts_, lse_parts_;  // [running | tile] x [n_row, head_dim], [n_row]
+};
 
 // Row helpers the prefill path (sgemm tiles) runs per score row.
 struct row_ops {

@@ -26,6 +26,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/kvq_impl.h"
+#include "kernels/cpu/rope_tile.h"
 #include "kernels/ref/ref_ops.h"
 
 namespace xctx::cpu {
@@ -56,18 +57,13 @@ namespace {
 
 using impl::isa;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int kTile = 64;                  // slots decoded per tile (K + V f32: 2 * 64 * C floats)
+constexpr int kTile = impl::kRopeTile;      // slots decoded per tile (K + V f32: 2 * 64 * C floats)
 constexpr int64_t kDecodeMinChunk = 1024;  // shortest run of slots one decode work item streams
 constexpr int64_t kPrefillTile = 1024;     // slots per attention call on the prefill path
-constexpr int kMaxRot = 1024;              // rotary dims the on-the-fly RoPE supports
-
-// ---- encoder ---------------------------------------------------------------------------------
-
-void pack_row(const uint8_t* codes, int C, int bits, uint8_t* out) {
-  for (int i = 0; i < C; i += 8) kvq_pack8(codes + i, bits, out + (size_t)i / 8 * bits);
-}
 
 }  // namespace
+
+// ---- encoder ---------------------------------------------------------------------------------
 
 void kvq_encode(const kvq_encode_job& j) {
   XCTX_CHECK(j.bits >= 2 && j.bits <= kKvqMaxBits, "kvq_encode: bits must be 2..", kKvqMaxBits, ", got ", j.bits);
@@ -112,7 +108,7 @@ void kvq_encode(const kvq_encode_job& j) {
           j.affine[t * n_g + g] = p;
           for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(x[c], p, bits);
         }
-        pack_row(codes.data(), C, bits, j.codes + t * rb);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * rb);
       }
       return;
     }
@@ -132,7 +128,7 @@ void kvq_encode(const kvq_encode_job& j) {
           }
         }
         if (j.out_count != nullptr) j.out_count[t] = n_out;
-        pack_row(codes.data(), C, bits, j.codes + t * rb);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * rb);
       }
       return;
     }
@@ -167,7 +163,7 @@ void kvq_encode(const kvq_encode_job& j) {
         j.affine[t] = p;
         const float scale = fp16_to_fp32(p.scale), zero = fp16_to_fp32(p.zero);
         for (int c = 0; c < C; ++c) codes[c] = kvq_lut_encode(kvq_normalize(x[c], scale, zero), j.lut, n_lut);
-        pack_row(codes.data(), C, bits, j.codes + t * rb);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * rb);
       }
       return;
     }
@@ -176,124 +172,6 @@ void kvq_encode(const kvq_encode_job& j) {
 }
 
 namespace {
-
-// ---- RoPE tables -----------------------------------------------------------------------------
-
-struct rope_table {
-  rope_config cfg;
-  int n_pair = 0;
-  std::vector<double> theta;             // [n_pair] angle per unit of position
-  std::vector<float> off_cos, off_sin;   // [kTile, n_pair] cos/sin(j * theta_i)
-  std::vector<double> step_cos, step_sin;  // [n_pair] cos/sin(kTile * theta_i)
-};
-
-bool same_rope(const rope_config& a, const rope_config& b) {
-  return a.head_dim == b.head_dim && a.n_rot == b.n_rot && a.freq_base == b.freq_base && a.scaling == b.scaling &&
-         a.scaling_factor == b.scaling_factor;
-}
-
-// Built once per distinct config (a process sees one or two) and kept for its lifetime.
-const rope_table& get_rope_table(const rope_config& cfg) {
-  static std::mutex mu;
-  static std::vector<std::unique_ptr<rope_table>> tables;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& t : tables)
-    if (same_rope(t->cfg, cfg)) return *t;
-  auto t = std::make_unique<rope_table>();
-  t->cfg = cfg;
-  t->n_pair = cfg.n_rot / 2;
-  t->theta.resize(t->n_pair);
-  for (int i = 0; i < t->n_pair; ++i) t->theta[i] = ref::rope_theta(cfg, 1, i);  // angle per unit position
-  t->off_cos.resize((size_t)kTile * t->n_pair);
-  t->off_sin.resize((size_t)kTile * t->n_pair);
-  for (int j = 0; j < kTile; ++j)
-    for (int i = 0; i < t->n_pair; ++i) {
-      t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
-      t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
-    }
-  t->step_cos.resize(t->n_pair);
-  t->step_sin.resize(t->n_pair);
-  for (int i = 0; i < t->n_pair; ++i) {
-    t->step_cos[i] = std::cos(kTile * t->theta[i]);
-    t->step_sin[i] = std::sin(kTile * t->theta[i]);
-  }
-  tables.push_back(std::move(t));
-  return *tables.back();
-}
-
-// Angles of the position a work item expects next (exact at the item's start, then advanced).
-struct rope_cursor {
-  bool valid = false;
-  int64_t next_pos = 0;
-  std::vector<double> c, s;  // [n_pair]
-};
-
-void rotate_token(isa v, float* k /*[n_kvh, hd]*/, int n_kvh, int hd, int n_rot, float* cos2, float* sin2) {
-  for (int h = 0; h < n_kvh; ++h) {
-    float* x = k + (size_t)h * hd;
-    if (v == isa::isa_avx2 && n_rot % 8 == 0) {
-      impl::avx2::rope_rotate(x, cos2, sin2, n_rot);
-    } else {
-      for (int i = 0; i < n_rot; i += 2) {
-        const float x0 = x[i], x1 = x[i + 1];
-        x[i] = x0 * cos2[i] + x1 * sin2[i];
-        x[i + 1] = x1 * cos2[i + 1] + x0 * sin2[i + 1];
-      }
-    }
-  }
-}
-
-void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/, int nt, int n_kvh,
-               const rope_table& tab, rope_cursor& cur) {
-  const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
-  if (np == 0 || nt == 0) return;
-  float cos2[kMaxRot], sin2[kMaxRot];  // [n_rot] interleaved as rope_rotate wants them
-  const int64_t p0 = pos[0];
-  const bool consecutive = (int64_t)pos[nt - 1] - p0 == nt - 1;
-  if (!consecutive) {
-    for (int j = 0; j < nt; ++j) {
-      for (int i = 0; i < np; ++i) {
-        const double a = (double)pos[j] * tab.theta[i];
-        const float c = (float)std::cos(a), s = (float)std::sin(a);
-        cos2[2 * i] = cos2[2 * i + 1] = c;
-        sin2[2 * i] = -s, sin2[2 * i + 1] = s;
-      }
-      rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
-    }
-    cur.valid = false;
-    return;
-  }
-  if (!cur.valid || cur.next_pos != p0) {
-    cur.c.resize(np), cur.s.resize(np);
-    for (int i = 0; i < np; ++i) {
-      const double a = (double)p0 * tab.theta[i];
-      cur.c[i] = std::cos(a), cur.s[i] = std::sin(a);
-    }
-  }
-  float bc[kMaxRot / 2], bs[kMaxRot / 2];
-  for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
-  for (int j = 0; j < nt; ++j) {
-    const float* oc = tab.off_cos.data() + (size_t)j * np;
-    const float* os = tab.off_sin.data() + (size_t)j * np;
-    for (int i = 0; i < np; ++i) {
-      const float c = bc[i] * oc[i] - bs[i] * os[i], s = bs[i] * oc[i] + bc[i] * os[i];
-      cos2[2 * i] = cos2[2 * i + 1] = c;
-      sin2[2 * i] = -s, sin2[2 * i + 1] = s;
-    }
-    rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
-  }
-  if (nt == kTile) {  // advance the base by one tile in double; drift ~1e-16 per step
-    for (int i = 0; i < np; ++i) {
-      const double c = cur.c[i] * tab.step_cos[i] - cur.s[i] * tab.step_sin[i];
-      const double s = cur.s[i] * tab.step_cos[i] + cur.c[i] * tab.step_sin[i];
-      cur.c[i] = c, cur.s[i] = s;
-    }
-    cur.next_pos = p0 + kTile;
-    cur.valid = true;
-  } else {
-    cur.valid = false;
-  }
-}
 
 // ---- tile decode -----------------------------------------------------------------------------
 
@@ -308,8 +186,8 @@ void convert_f16_rows(const uint16_t* src, int64_t n, float* dst) {
 }
 
 // Slots [s0, s0 + nt) of the layer, decoded, outliers patched, keys rotated.
-void decode_tile(isa v, const kvq_layer_view& L, const rope_table& tab, int64_t s0, int nt,
-                 float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, rope_cursor& cur) {
+void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, int64_t s0, int nt,
+                 float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, impl::rope_cursor& cur) {
   const int C = L.channels();
   const bool fast = v == isa::isa_avx2;
   int r = 0;
@@ -358,7 +236,7 @@ void decode_tile(isa v, const kvq_layer_view& L, const rope_table& tab, int64_t 
     }
     r += (int)run;
   }
-  rope_tile(v, kt, L.pos + s0, nt, L.n_head_kv, tab, cur);
+  impl::rope_tile(v, kt, L.pos + s0, nt, L.n_head_kv, tab, cur);
 }
 
 void check_args(const kvq_attn_args& a) {
@@ -369,7 +247,7 @@ void check_args(const kvq_attn_args& a) {
              "attention_kvq: bad heads n_head=", a.n_head, " n_head_kv=", L.n_head_kv, " head_dim=", L.head_dim);
   XCTX_CHECK(0 <= L.n_sink && L.n_sink <= L.q_end && L.q_end <= L.n, "attention_kvq: bad slot split n_sink=",
              L.n_sink, " q_end=", L.q_end, " n=", L.n);
-  XCTX_CHECK(a.rope.head_dim == L.head_dim && a.rope.n_rot <= kMaxRot && a.rope.n_rot % 2 == 0,
+  XCTX_CHECK(a.rope.head_dim == L.head_dim && a.rope.n_rot <= impl::kMaxRot && a.rope.n_rot % 2 == 0,
              "attention_kvq: rope head_dim ", a.rope.head_dim, " / n_rot ", a.rope.n_rot, " do not fit head_dim ",
              L.head_dim);
 }
@@ -395,7 +273,7 @@ void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64
   const kvq_layer_view& L = a.kv;
   const int hd = L.head_dim, C = L.channels(), g = a.n_head / L.n_head_kv;
   const int R = (int)(a.n_q * a.n_head);
-  const rope_table& tab = get_rope_table(a.rope);
+  const impl::rope_table& tab = impl::rope_table_for(a.rope);
   // Rows ordered by kv head as decode_block wants them: r = (kvh * n_q + i) * g + u.
   std::vector<float> qs((size_t)R * hd);
   std::vector<int64_t> row_end((size_t)R), row_of((size_t)R);
@@ -425,7 +303,7 @@ void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64
       float* acc_lse = lse_parts.data() + (size_t)ch * R;
       std::fill(acc_o, acc_o + (size_t)R * hd, 0.0f);
       std::fill(acc_lse, acc_lse + R, kNegInf);
-      rope_cursor cur;
+      impl::rope_cursor cur;
       const int64_t end = std::min(kv_len, (ch + 1) * chunk);
       for (int64_t s0 = ch * chunk; s0 < end; s0 += kTile) {
         const int nt = (int)std::min<int64_t>(kTile, end - s0);
@@ -453,19 +331,19 @@ void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64
 void attention_kvq_prefill(isa v, const kvq_attn_args& a, int64_t kv_len) {
   const kvq_layer_view& L = a.kv;
   const int hd = L.head_dim, C = L.channels();
-  const int64_t n_row = a.n_q * a.n_head;
-  const rope_table& tab = get_rope_table(a.rope);
+  const impl::rope_table& tab = impl::rope_table_for(a.rope);
   std::vector<float> kbuf((size_t)kPrefillTile * C), vbuf((size_t)kPrefillTile * C);  // [tile, C]
-  std::vector<float> o_parts((size_t)2 * n_row * hd), lse_parts((size_t)2 * n_row);   // [running | tile]
-  std::fill(o_parts.begin(), o_parts.begin() + n_row * hd, 0.0f);
-  std::fill(lse_parts.begin(), lse_parts.begin() + n_row, kNegInf);
+  attn_args qa;
+  qa.q = a.q, qa.q_pos = a.q_pos, qa.n_q = a.n_q;
+  qa.n_head = a.n_head, qa.n_head_kv = L.n_head_kv, qa.head_dim = hd, qa.scale = a.scale;
+  impl::streamed_attention acc(v, qa);
   for (int64_t t0 = 0; t0 < kv_len; t0 += kPrefillTile) {
     const int64_t nt = std::min<int64_t>(kPrefillTile, kv_len - t0);
     const int64_t n_sub = (nt + kTile - 1) / kTile;
 #pragma omp parallel if (n_sub > 1)
     {
       group_scales gs;
-      rope_cursor cur;
+      impl::rope_cursor cur;
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < n_sub; ++b) {
         const int64_t s0 = t0 + b * kTile;
@@ -473,16 +351,9 @@ void attention_kvq_prefill(isa v, const kvq_attn_args& a, int64_t kv_len) {
         decode_tile(v, L, tab, s0, n, kbuf.data() + (s0 - t0) * C, vbuf.data() + (s0 - t0) * C, gs, cur);
       }
     }
-    attn_args at;
-    at.q = a.q, at.q_pos = a.q_pos, at.n_q = a.n_q;
-    at.k = kbuf.data(), at.v = vbuf.data(), at.kv_pos = L.pos + t0, at.n_kv = nt, at.kv_type = kv_dtype::kv_f32;
-    at.n_head = a.n_head, at.n_head_kv = L.n_head_kv, at.head_dim = hd, at.scale = a.scale;
-    at.o = o_parts.data() + n_row * hd, at.lse = lse_parts.data() + n_row;
-    impl::attention_partial(v, at);
-    impl::merge_partials(v, o_parts.data(), lse_parts.data(), 2, n_row, hd, o_parts.data(), lse_parts.data());
+    acc.add(kbuf.data(), vbuf.data(), L.pos + t0, nt);
   }
-  std::copy(o_parts.begin(), o_parts.begin() + n_row * hd, a.o);
-  std::copy(lse_parts.begin(), lse_parts.begin() + n_row, a.lse);
+  acc.finish(a.o, a.lse);
 }
 
 }  // namespace

@@ -20,10 +20,6 @@ void check_job(const kvq_encode_job& j) {
   XCTX_CHECK(j.n >= 0, "kvq_encode: negative row count ", j.n);
 }
 
-void pack_row(const uint8_t* codes /*[C]*/, int C, int bits, uint8_t* out /*[C*bits/8]*/) {
-  for (int i = 0; i < C; i += 8) kvq_pack8(codes + i, bits, out + (size_t)i / 8 * bits);
-}
-
 }  // namespace
 
 void kvq_encode(const kvq_encode_job& j) {
@@ -43,7 +39,7 @@ void kvq_encode(const kvq_encode_job& j) {
         j.affine[c] = p;
         for (int64_t t = 0; t < j.n; ++t) all[(size_t)t * C + c] = kvq_uniform_encode(j.x[t * C + c], p, bits);
       }
-      for (int64_t t = 0; t < j.n; ++t) pack_row(all.data() + (size_t)t * C, C, bits, j.codes + t * row_bytes);
+      for (int64_t t = 0; t < j.n; ++t) kvq_pack_row(all.data() + (size_t)t * C, C, bits, j.codes + t * row_bytes);
       return;
     }
     case kvq_tensor::kvq_uniform_values: {
@@ -59,7 +55,7 @@ void kvq_encode(const kvq_encode_job& j) {
           j.affine[t * n_g + g] = p;
           for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(x[c], p, bits);
         }
-        pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
       }
       return;
     }
@@ -77,7 +73,7 @@ void kvq_encode(const kvq_encode_job& j) {
           codes[c] = kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), j.lut, n_lut);
         }
         if (j.out_count != nullptr) j.out_count[t] = n_out;
-        pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
       }
       return;
     }
@@ -95,7 +91,7 @@ void kvq_encode(const kvq_encode_job& j) {
         j.affine[t] = p;
         const float scale = fp16_to_fp32(p.scale), zero = fp16_to_fp32(p.zero);
         for (int c = 0; c < C; ++c) codes[c] = kvq_lut_encode(kvq_normalize(x[c], scale, zero), j.lut, n_lut);
-        pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
+        kvq_pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
         if (side > 0) {
           std::vector<int> out(order.begin(), order.begin() + side);
           out.insert(out.end(), order.end() - side, order.end());

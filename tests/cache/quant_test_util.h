@@ -87,12 +87,9 @@ inline std::shared_ptr<calibration> make_synthetic_calibration(const cache_geome
   return c;
 }
 
-inline bool is_quantized(cache_format f) { return format_traits(f).family != cache_family::family_fp; }
+// The KV-quantizing formats (kivi, nuq); the X formats have their own tests (test_x_cache.cpp).
 inline std::vector<cache_format> quantized_formats() {
-  std::vector<cache_format> out;
-  for (cache_format f : all_cache_formats())
-    if (is_quantized(f)) out.push_back(f);
-  return out;
+  return formats_of({cache_family::family_kivi, cache_family::family_nuq});
 }
 
 }  // namespace xctx::test

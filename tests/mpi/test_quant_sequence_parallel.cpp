@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/calibration.h"
+#include "cache/x_factors.h"
 #include "coordinator/sampler.h"
 #include "mpi_test.h"
 #include "test_util.h"
@@ -74,6 +75,14 @@ std::shared_ptr<const calibration> shared_calibration(const model_weights& w, co
   return cached;
 }
 
+// The SVD factors of the X formats, built once per kind (each rank builds its own: deterministic).
+std::shared_ptr<const x_factors> factors_for(const model_weights& w, x_factor_kind kind) {
+  static std::shared_ptr<const x_factors> made[2];
+  auto& f = made[(int)kind];
+  if (!f) f = build_x_factors(w, kind);
+  return f;
+}
+
 class quant_sequence_parallel : public ::testing::TestWithParam<cache_format> {};
 
 TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
@@ -84,6 +93,7 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   ASSERT_EQ((int64_t)ids.size(), kPrompt);
   cache_options co;
   if (format_traits(GetParam()).needs_calibration) co.calib = shared_calibration(w, ids);
+  if (format_needs_x_factors(GetParam())) co.factors = factors_for(w, x_factor_kind_for(GetParam()));
   const cache_spec spec(GetParam(), co);
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
@@ -143,10 +153,8 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
 }
 
 std::vector<cache_format> quantized() {
-  std::vector<cache_format> out;
-  for (cache_format f : all_cache_formats())
-    if (format_traits(f).family != cache_family::family_fp) out.push_back(f);
-  return out;
+  return formats_of({cache_family::family_kivi, cache_family::family_nuq, cache_family::family_xquant,
+                     cache_family::family_xquant_cl, cache_family::family_clkv});
 }
 
 INSTANTIATE_TEST_SUITE_P(formats, quant_sequence_parallel, ::testing::ValuesIn(quantized()), [](const auto& info) {

@@ -1,0 +1,368 @@
+// The windowed X caches: xquant2/3/4 (XQuant §3.1, §3.3, App. B) and clkv (the ACL paper's
+// cross-layer shared codes with data-free calibration). Both store two streams per layer:
+//   stream 0 ("key side")   per channel over token groups    xquant: X·U_k [n, r]   clkv: K pre-RoPE
+//   stream 1 ("value side") per token over channel groups    xquant: X·U_v [n, r]   clkv: V
+// (xquant on an MHA model stores X once, per token, and rebuilds both K and V from it.)
+// Like kivi, a token's rows stay fp16 in the residual window until its window of `group_size`
+// consecutive slots is full; then the window is encoded. xquant uses one scale group = the window
+// (XQuant §4: group size 128); clkv uses KIVI's group size 32 inside a 128-token window (ACL §4.1).
+// clkv layers flagged shared store no codes: their rows decode layer l-1's codes with their own
+// (calibrated) scale and zero (ACL Algorithm 1, gamma_0 = 1).
+// Attention rebuilds K (and absorbs V) in the fused kernels of kernels/x_quant.h; the kernels are
+// called directly (cpu::, or ref:: on the ref backend) rather than through backend virtuals.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache/x_cache.h"
+#include "cache/slot_positions.h"
+#include "cache/x_factors.h"
+#include "common/error.h"
+#include "common/half.h"
+#include "kernels/x_quant.h"
+
+namespace xctx {
+namespace {
+
+size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
+
+struct stream_store {
+  int C = 0, bits = 0, group = 0;
+  xq_axis axis = xq_axis::xq_per_token;
+  float eta = 0.0f;
+  bool shared = false;              // codes are the previous layer's
+  bool ch0 = false;                 // first channel kept fp16
+  size_t rb = 0;                    // code bytes per row
+  int64_t params_per_window = 0;    // kvq_affine entries per encoded window
+  std::vector<uint8_t> codes;       // [capacity, rb] (empty when shared)
+  std::vector<kvq_affine> params;   // [capacity / window * params_per_window]
+  std::vector<uint16_t> tail;       // [window, C] fp16
+  std::vector<uint16_t> ch0_vals;   // [capacity] fp16
+};
+
+struct layer_store {
+  int64_t n = 0, nq = 0, n_tail = 0;
+  int n_streams = 2;
+  stream_store s[2];
+};
+
+class x_window_cache final : public kv_cache {
+ public:
+  x_window_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
+      : spec_(spec), geo_(g), traits_(format_traits(spec.format)), use_ref_(be.name() == "ref") {
+    XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
+               "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
+               " head_dim=", g.head_dim, " n_embd=", g.n_embd);
+    XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
+    XCTX_CHECK(be.name() == "ref" || be.name() == "cpu", "cache ", traits_.name,
+               " runs on the host backends (ref, cpu), not on ", be.name());
+    kv_ = g.n_head_kv * g.head_dim;
+    xquant_ = traits_.family == cache_family::family_xquant;
+    W_ = spec.options.group_size;
+    XCTX_CHECK(W_ >= 8 && W_ % 8 == 0 && W_ <= 65536, "cache ", traits_.name, ": group size ", W_,
+               " must be a multiple of 8 in [8, 65536]");
+    int kgroup = W_, vgroup = W_;
+    if (xquant_) {
+      check_x_factors(spec.options.factors.get(), spec.format, g);
+      factors_ = spec.options.factors;
+      latent_ = xquant_uses_latents(g);
+    } else {
+      const int G = spec.options.clkv_group;
+      XCTX_CHECK(G > 0 && W_ % G == 0, "cache clkv: group ", G, " must divide the residual window ", W_);
+      kgroup = vgroup = G;
+    }
+    const int C = xquant_ ? xquant_rank(g) : kv_;
+    XCTX_CHECK(C % 8 == 0 && C <= 65536, "cache ", traits_.name, ": ", C, " channels per row must be a multiple of 8");
+    pos_.resize(g.capacity);
+    layers_.resize(g.n_layer);
+    for (int l = 0; l < g.n_layer; ++l) {
+      layer_store& L = layers_[l];
+      L.n_streams = (xquant_ && !latent_) ? 1 : 2;
+      for (int k = 0; k < L.n_streams; ++k) {
+        stream_store& s = L.s[k];
+        s.C = C;
+        const bool key_side = k == 0 && L.n_streams == 2;
+        s.axis = key_side ? xq_axis::xq_per_channel : xq_axis::xq_per_token;
+        s.group = key_side ? kgroup : vgroup;
+        if (xquant_) {
+          s.bits = traits_.bits_per_element;
+          s.ch0 = key_side && spec.options.x_fp16_first_channel;
+        } else {
+          const clkv_layer c = clkv_layer_config(spec.options, g.n_layer, l);
+          s.bits = k == 0 ? c.key_bits : c.value_bits;
+          s.eta = k == 0 ? c.key_eta : c.value_eta;
+          s.shared = k == 0 ? c.key_shared : c.value_shared;
+          XCTX_CHECK(s.eta >= 0.0f && s.eta < 0.5f, "cache clkv: eta ", s.eta, " must be in [0, 0.5)");
+          if (s.shared)
+            XCTX_ASSERT(l > 0 && layers_[l - 1].s[k].bits == s.bits && !layers_[l - 1].s[k].shared);
+        }
+        s.rb = kvq_row_bytes(C, s.bits);
+        s.params_per_window = s.axis == xq_axis::xq_per_channel ? (int64_t)(W_ / s.group) * C
+                                                                 : (int64_t)W_ * ((C + s.group - 1) / s.group);
+        if (!s.shared) s.codes.resize((size_t)g.capacity * s.rb);
+        s.params.resize((size_t)(g.capacity / W_) * s.params_per_window);
+        s.tail.resize((size_t)W_ * C);
+        if (s.ch0) s.ch0_vals.resize(g.capacity);
+      }
+    }
+  }
+
+  cache_format format() const override { return spec_.format; }
+  const cache_geometry& geometry() const override { return geo_; }
+  int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
+
+  size_t bytes_allocated() const override {
+    size_t b = pos_.capacity() * 4;
+    for (const layer_store& L : layers_)
+      for (int k = 0; k < L.n_streams; ++k)
+        b += L.s[k].codes.capacity() + L.s[k].params.capacity() * sizeof(kvq_affine) + L.s[k].tail.capacity() * 2 +
+             L.s[k].ch0_vals.capacity() * 2;
+    return b;
+  }
+
+  size_t bytes_used() const override {
+    int64_t n_max = 0;
+    size_t b = 0;
+    for (const layer_store& L : layers_) {
+      n_max = std::max(n_max, L.n);
+      for (int k = 0; k < L.n_streams; ++k) {
+        const stream_store& s = L.s[k];
+        if (!s.shared) b += (size_t)L.nq * s.rb;
+        b += (size_t)(L.nq / W_) * s.params_per_window * sizeof(kvq_affine);
+        b += (size_t)L.n_tail * s.C * 2;
+        if (s.ch0) b += (size_t)L.nq * 2;
+      }
+    }
+    return b + (size_t)n_max * sizeof(int32_t);
+  }
+
+  void clear() override {
+    for (layer_store& L : layers_) L.n = L.nq = L.n_tail = 0;
+    n_pos_ = 0;
+  }
+
+  void append(int layer, const layer_input& in) override {
+    XCTX_ASSERT(layer >= 0 && layer < geo_.n_layer);
+    layer_store& L = layers_[layer];
+    XCTX_CHECK(L.n + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", L.n, " tokens, appending ", in.n,
+               " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
+    if (in.n == 0) return;
+    XCTX_CHECK(xquant_ ? in.x != nullptr : (in.k != nullptr && in.v != nullptr), "cache ", traits_.name,
+               ": layer ", layer, " input lacks ", xquant_ ? "the layer input x" : "keys/values");
+    if (!xquant_ && layer > 0)
+      for (int k = 0; k < 2; ++k)
+        XCTX_CHECK(!L.s[k].shared || layers_[layer - 1].n >= L.n + in.n, "cache clkv: layer ", layer,
+                   " shares layer ", layer - 1, "'s codes, which must be appended first");
+    store_slot_positions(pos_.data(), n_pos_, layer, L.n, in);
+    const float* rows[2] = {in.k, in.v};
+    if (xquant_) {
+      if (latent_) {  // the latents X·U_k and X·U_v of the new rows
+        const x_layer_factors& F = factors_->layers[layer];
+        proj_[0].resize((size_t)in.n * L.s[0].C), proj_[1].resize((size_t)in.n * L.s[1].C);
+        project(in.x, F.u_k.data(), in.n, proj_[0].data(), L.s[0].C);
+        project(in.x, F.u_v.data(), in.n, proj_[1].data(), L.s[1].C);
+        rows[0] = proj_[0].data(), rows[1] = proj_[1].data();
+      } else {
+        rows[0] = in.x;
+      }
+    }
+    int64_t i = 0;
+    while (i < in.n) {
+      const int64_t take = std::min<int64_t>(in.n - i, W_ - L.n_tail);
+      for (int k = 0; k < L.n_streams; ++k) {
+        stream_store& s = L.s[k];
+        const float* src = rows[k] + i * s.C;
+        uint16_t* dst = s.tail.data() + L.n_tail * s.C;
+        for (int64_t e = 0; e < take * s.C; ++e) dst[e] = fp32_to_fp16(src[e]);
+      }
+      L.n_tail += take, L.n += take, i += take;
+      if (L.n_tail == W_) encode_window(layer);
+    }
+  }
+
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+    const layer_store& L = layers_.at(layer);
+    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.data(), q, q_pos, n_q, o, lse);
+  }
+
+  // Block: int64 {n, nq, n_tail} | pos | per stream: codes (the shared partner's for clkv),
+  // params, tail, ch0; each array padded to 8 bytes.
+  size_t exported_bytes(int layer) const override {
+    const layer_store& L = layers_.at(layer);
+    return block_bytes(layer, L.nq, L.n_tail);
+  }
+
+  void export_layer(int layer, void* dst) const override {
+    const layer_store& L = layers_.at(layer);
+    auto* out = static_cast<uint8_t*>(dst);
+    const int64_t hdr[3] = {L.n, L.nq, L.n_tail};
+    std::memcpy(out, hdr, sizeof hdr);
+    size_t at = sizeof hdr;
+    const auto put = [&](const void* p, size_t bytes) {
+      if (bytes) std::memcpy(out + at, p, bytes);
+      at += pad8(bytes);
+    };
+    put(pos_.data(), L.n * 4);
+    for (int k = 0; k < L.n_streams; ++k) {
+      const stream_store& s = L.s[k];
+      put(codes_of(layer, k), L.nq * s.rb);
+      put(s.params.data(), (L.nq / W_) * s.params_per_window * sizeof(kvq_affine));
+      put(s.tail.data(), L.n_tail * s.C * 2);
+      if (s.ch0) put(s.ch0_vals.data(), L.nq * 2);
+    }
+    XCTX_ASSERT(at == exported_bytes(layer));
+  }
+
+  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
+                       float* o, float* lse) override {
+    const auto* in = static_cast<const uint8_t*>(block);
+    int64_t hdr[3] = {};
+    XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
+    std::memcpy(hdr, in, sizeof hdr);
+    const int64_t n = hdr[0], nq = hdr[1], n_tail = hdr[2];
+    const bool sane = n >= 0 && nq >= 0 && n_tail >= 0 && n == nq + n_tail && nq % W_ == 0 && n_tail < W_;
+    XCTX_CHECK(sane && block_bytes(layer, nq, n_tail) == bytes, "cache block for layer ", layer, " is inconsistent: ",
+               n, " tokens (", nq, " quantized, window ", n_tail, ") in ", bytes, " bytes");
+    const layer_store& L = layers_.at(layer);
+    size_t at = sizeof hdr;
+    const auto take = [&](size_t b) {
+      const uint8_t* p = in + at;
+      at += pad8(b);
+      return p;
+    };
+    const auto* pos = reinterpret_cast<const int32_t*>(take(n * 4));
+    for (int64_t i = 1; i < n; ++i)
+      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
+    xq_stream v[2];
+    for (int k = 0; k < L.n_streams; ++k) {
+      const stream_store& s = L.s[k];
+      v[k] = base_view(s);
+      v[k].nq = nq;
+      v[k].codes = take(nq * s.rb);
+      v[k].params = reinterpret_cast<const kvq_affine*>(take((nq / W_) * s.params_per_window * sizeof(kvq_affine)));
+      v[k].tail = reinterpret_cast<const uint16_t*>(take(n_tail * s.C * 2));
+      if (s.ch0) v[k].ch0 = reinterpret_cast<const uint16_t*>(take(nq * 2));
+    }
+    run(layer, v[0], v[L.n_streams - 1], n, pos, q, q_pos, n_q, o, lse);
+  }
+
+  xq_stream view(int layer, int k) const {
+    const layer_store& L = layers_.at(layer);
+    XCTX_CHECK(k >= 0 && k < L.n_streams, "cache ", traits_.name, " has no stream ", k);
+    const stream_store& s = L.s[k];
+    xq_stream v = base_view(s);
+    v.nq = L.nq;
+    v.codes = codes_of(layer, k);
+    v.params = s.params.data();
+    v.tail = s.tail.data();
+    if (s.ch0) v.ch0 = s.ch0_vals.data();
+    return v;
+  }
+  int n_streams(int layer) const { return layers_.at(layer).n_streams; }
+
+ private:
+  static xq_stream base_view(const stream_store& s) {
+    xq_stream v;
+    v.axis = s.axis, v.channels = s.C, v.bits = s.bits, v.group = s.group;
+    return v;
+  }
+
+  const uint8_t* codes_of(int layer, int k) const {
+    return layers_[layer].s[k].shared ? layers_[layer - 1].s[k].codes.data() : layers_[layer].s[k].codes.data();
+  }
+
+  size_t block_bytes(int layer, int64_t nq, int64_t n_tail) const {
+    const layer_store& L = layers_[layer];
+    size_t b = 3 * 8 + pad8((nq + n_tail) * 4);
+    for (int k = 0; k < L.n_streams; ++k) {
+      const stream_store& s = L.s[k];
+      b += pad8(nq * s.rb) + pad8((nq / W_) * s.params_per_window * sizeof(kvq_affine)) + pad8(n_tail * s.C * 2);
+      if (s.ch0) b += pad8(nq * 2);
+    }
+    return b;
+  }
+
+  void project(const float* x, const float* u, int64_t n, float* out, int r) const {
+    if (use_ref_)
+      ref::xq_project(x, u, n, geo_.n_embd, r, out);
+    else
+      cpu::xq_project(x, u, n, geo_.n_embd, r, out);
+  }
+
+  void encode_window(int layer) {
+    layer_store& L = layers_[layer];
+    for (int k = 0; k < L.n_streams; ++k) {
+      stream_store& s = L.s[k];
+      scratch_.resize((size_t)W_ * s.C);
+      for (size_t e = 0; e < scratch_.size(); ++e) scratch_[e] = fp16_to_fp32(s.tail[e]);
+      if (s.ch0) {  // App. B: the outlier channel stays fp16; its code slot encodes a constant 0
+        for (int t = 0; t < W_; ++t) {
+          s.ch0_vals[L.nq + t] = s.tail[(size_t)t * s.C];
+          scratch_[(size_t)t * s.C] = 0.0f;
+        }
+      }
+      xq_encode_job j;
+      j.axis = s.axis, j.bits = s.bits, j.channels = s.C, j.group = s.group, j.eta = s.eta, j.n = W_;
+      j.x = scratch_.data();
+      j.codes = s.shared ? nullptr : s.codes.data() + (size_t)L.nq * s.rb;
+      j.params = s.params.data() + (size_t)(L.nq / W_) * s.params_per_window;
+      if (use_ref_)
+        ref::xq_encode(j);
+      else
+        cpu::xq_encode(j);
+    }
+    L.nq += W_;
+    L.n_tail = 0;
+  }
+
+  void run(int layer, const xq_stream& zk, const xq_stream& zv, int64_t n, const int32_t* pos, const float* q,
+           const int32_t* q_pos, int64_t n_q, float* o, float* lse) const {
+    xq_attn_args a;
+    a.n = n, a.pos = pos, a.zk = zk, a.zv = zv;
+    a.same_stream = layers_[layer].n_streams == 1;
+    if (xquant_) {
+      const x_layer_factors& F = factors_->layers[layer];
+      a.m_k = F.m_k.data(), a.ld_mk = kv_, a.m_v = F.m_v.data(), a.ld_mv = kv_;
+      a.b_k = F.b_k.empty() ? nullptr : F.b_k.data();
+      a.b_v = F.b_v.empty() ? nullptr : F.b_v.data();
+    }
+    a.q = q, a.q_pos = q_pos, a.n_q = n_q;
+    a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
+    a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
+    a.rope = geo_.rope;
+    a.o = o, a.lse = lse;
+    if (use_ref_)
+      ref::attention_xq(a);
+    else
+      cpu::attention_xq(a);
+  }
+
+
+  cache_spec spec_;
+  cache_geometry geo_;
+  cache_format_traits traits_;
+  bool use_ref_ = false;
+  bool xquant_ = false, latent_ = false;
+  int kv_ = 0, W_ = 0;
+  std::shared_ptr<const x_factors> factors_;
+  std::vector<int32_t> pos_;  // [capacity]
+  int64_t n_pos_ = 0;
+  std::vector<layer_store> layers_;
+  std::vector<float> proj_[2];  // [n, r] latents of the rows being appended
+  std::vector<float> scratch_;  // [window, C] a window widened for encoding
+};
+
+}  // namespace
+
+std::unique_ptr<kv_cache> make_x_window_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  return std::make_unique<x_window_cache>(spec, g, be);
+}
+
+xq_stream x_cache_stream(const kv_cache& c, int layer, int which) {
+  if (const auto* w = dynamic_cast<const x_window_cache*>(&c)) return w->view(layer, which);
+  return x_cl_cache_stream(c, layer, which);
+}
+
+}  // namespace xctx

@@ -1,0 +1,152 @@
+// Offline SVD of the key/value projections for the X caches (see x_factors.h).
+#include "cache/x_factors.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+
+// LAPACK from OpenBLAS. The Debian OpenBLAS ships the Fortran symbols but not lapacke.h, so the
+// routine is declared here with the gfortran calling convention (trailing hidden length of the
+// character argument).
+extern "C" void dgesdd_(const char* jobz, const int* m, const int* n, double* a, const int* lda, double* s, double* u,
+                        const int* ldu, double* vt, const int* ldvt, double* work, const int* lwork, int* iwork,
+                        int* info, size_t jobz_len);
+
+namespace xctx {
+namespace {
+
+// Rows of a weight matrix, dequantized to double: [n_rows, n_cols] row-major, which read as
+// column-major is the paper's [n_cols = d, n_rows = kv] matrix W.
+std::vector<double> weight_rows(const weight_view& w, const char* what, int layer) {
+  XCTX_CHECK(w.data != nullptr && w.n_rows > 0 && w.n_cols > 0, "x factors: layer ", layer, " has no ", what,
+             " weights");
+  std::vector<float> row((size_t)w.n_cols);
+  std::vector<double> out((size_t)w.n_rows * w.n_cols);
+  const auto* base = static_cast<const uint8_t*>(w.data);
+  for (int64_t r = 0; r < w.n_rows; ++r) {
+    cpu::dequantize_row(w.type, base + (size_t)r * w.row_bytes(), row.data(), w.n_cols);
+    std::copy(row.begin(), row.end(), out.begin() + (size_t)r * w.n_cols);
+  }
+  return out;
+}
+
+// Thin SVD of the column-major [m, n] matrix a (destroyed): u [m, k] and vt [k, n]
+// column-major, s [k], k = min(m, n).
+void svd(std::vector<double>& a, int m, int n, std::vector<double>& s, std::vector<double>& u,
+         std::vector<double>& vt, int layer) {
+  const int k = std::min(m, n);
+  s.assign(k, 0.0), u.assign((size_t)m * k, 0.0), vt.assign((size_t)k * n, 0.0);
+  std::vector<int> iwork((size_t)8 * k);
+  int lwork = -1, info = 0;
+  double query = 0.0;
+  const char jobz = 'S';
+  dgesdd_(&jobz, &m, &n, a.data(), &m, s.data(), u.data(), &m, vt.data(), &k, &query, &lwork, iwork.data(), &info, 1);
+  XCTX_CHECK(info == 0, "x factors: dgesdd workspace query failed for layer ", layer, " (info ", info, ")");
+  lwork = (int)query;
+  std::vector<double> work((size_t)std::max(1, lwork));
+  dgesdd_(&jobz, &m, &n, a.data(), &m, s.data(), u.data(), &m, vt.data(), &k, work.data(), &lwork, iwork.data(),
+          &info, 1);
+  XCTX_CHECK(info == 0, "x factors: SVD of layer ", layer, " did not converge (dgesdd info ", info, ")");
+}
+
+// u [m, k] column-major -> row-major f32; Σ·Vᵀ [k, n] row-major f32.
+void store_factors(const std::vector<double>& s, const std::vector<double>& u, const std::vector<double>& vt, int m,
+                   int n, std::vector<float>& u_out, std::vector<float>& m_out) {
+  const int k = (int)s.size();
+  u_out.resize((size_t)m * k);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < k; ++j) u_out[(size_t)i * k + j] = (float)u[(size_t)j * m + i];
+  m_out.resize((size_t)k * n);
+  for (int j = 0; j < k; ++j)
+    for (int c = 0; c < n; ++c) m_out[(size_t)j * n + c] = (float)(s[j] * vt[(size_t)c * k + j]);
+}
+
+// W (column-major [d, cols]) as row-major f32 [d, ld] starting at column offset off.
+void store_transposed(const std::vector<double>& wcm, int d, int cols, int ld, int off, std::vector<float>& out) {
+  for (int c = 0; c < cols; ++c)
+    for (int i = 0; i < d; ++i) out[(size_t)i * ld + off + c] = (float)wcm[(size_t)c * d + i];
+}
+
+}  // namespace
+
+bool format_needs_x_factors(cache_format f) {
+  const cache_family fam = format_traits(f).family;
+  return fam == cache_family::family_xquant || fam == cache_family::family_xquant_cl;
+}
+
+x_factor_kind x_factor_kind_for(cache_format f) {
+  XCTX_CHECK(format_needs_x_factors(f), "cache ", format_traits(f).name, " uses no rebuild factors");
+  return format_traits(f).family == cache_family::family_xquant ? x_factor_kind::xf_latent
+                                                                : x_factor_kind::xf_cross_layer;
+}
+
+std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_factor_kind kind) {
+  const model_hparams& hp = w.hp;
+  auto f = std::make_shared<x_factors>();
+  f->kind = kind;
+  f->n_layer = hp.n_layer, f->n_embd = hp.n_embd, f->kv_dim = hp.kv_dim();
+  f->identity = hp.n_head_kv == hp.n_head;  // MHA caches X itself (§3.1)
+  const int d = hp.n_embd, C = hp.kv_dim();
+  XCTX_CHECK((int)w.layers.size() == hp.n_layer, "x factors: model has ", w.layers.size(), " layers, hparams say ",
+             hp.n_layer);
+  f->rank = kind == x_factor_kind::xf_latent ? (f->identity ? d : std::min(d, C))
+                                             : (f->identity ? d : std::min(d, 2 * C));
+  f->layers.resize(hp.n_layer);
+  for (int l = 0; l < hp.n_layer; ++l) {
+    const layer_weights& L = w.layers[l];
+    XCTX_CHECK(L.wk.n_cols == d && L.wk.n_rows == C && L.wv.n_cols == d && L.wv.n_rows == C, "x factors: layer ", l,
+               " W_k/W_v are ", L.wk.n_rows, "x", L.wk.n_cols, " / ", L.wv.n_rows, "x", L.wv.n_cols, ", expected ", C,
+               "x", d);
+    x_layer_factors& F = f->layers[l];
+    F.b_k = L.bk, F.b_v = L.bv;
+    std::vector<double> wk = weight_rows(L.wk, "key", l), wv = weight_rows(L.wv, "value", l);
+    std::vector<double> s, u, vt;
+    if (kind == x_factor_kind::xf_latent) {
+      if (f->identity) {
+        F.m_k.resize((size_t)d * C), F.m_v.resize((size_t)d * C);
+        store_transposed(wk, d, C, C, 0, F.m_k);
+        store_transposed(wv, d, C, C, 0, F.m_v);
+        continue;
+      }
+      svd(wk, d, C, s, u, vt, l);
+      store_factors(s, u, vt, d, C, F.u_k, F.m_k);
+      svd(wv, d, C, s, u, vt, l);
+      store_factors(s, u, vt, d, C, F.u_v, F.m_v);
+      continue;
+    }
+    std::vector<double> wkv(wk);  // column-major [d, 2C]: the columns of W_k, then of W_v
+    wkv.insert(wkv.end(), wv.begin(), wv.end());
+    F.w_kv.resize((size_t)d * 2 * C);
+    store_transposed(wkv, d, 2 * C, 2 * C, 0, F.w_kv);
+    if (f->identity) {
+      F.m_kv = F.w_kv;
+      continue;
+    }
+    svd(wkv, d, 2 * C, s, u, vt, l);
+    store_factors(s, u, vt, d, 2 * C, F.u_kv, F.m_kv);
+  }
+  return f;
+}
+
+void check_x_factors(const x_factors* f, cache_format fmt, const cache_geometry& g) {
+  const char* name = format_traits(fmt).name;
+  XCTX_CHECK(f != nullptr, "cache ", name,
+             " needs the model's rebuild factors (cache_options.factors, made by build_x_factors; the CLI builds "
+             "them from the loaded model)");
+  const x_factor_kind want = x_factor_kind_for(fmt);
+  XCTX_CHECK(f->kind == want, "cache ", name, ": rebuild factors are of the wrong kind (",
+             f->kind == x_factor_kind::xf_latent ? "xquant" : "xquant-cl", ")");
+  const int C = g.n_head_kv * g.head_dim;
+  XCTX_CHECK(f->n_layer == g.n_layer && f->n_embd == g.n_embd && f->kv_dim == C, "cache ", name,
+             ": rebuild factors are for ", f->n_layer, " layers, n_embd ", f->n_embd, ", kv_dim ", f->kv_dim,
+             "; the cache has ", g.n_layer, ", ", g.n_embd, ", ", C);
+  XCTX_CHECK(f->identity == !xquant_uses_latents(g), "cache ", name,
+             ": rebuild factors and geometry disagree on MHA vs GQA (n_head ", g.n_head, ", n_head_kv ", g.n_head_kv,
+             ")");
+  const int want_rank = want == x_factor_kind::xf_latent ? xquant_rank(g) : xquant_cl_rank(g);
+  XCTX_CHECK(f->rank == want_rank, "cache ", name, ": factor rank ", f->rank, " != ", want_rank);
+}
+
+}  // namespace xctx

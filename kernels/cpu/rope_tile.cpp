@@ -1,0 +1,119 @@
+// On-the-fly RoPE for tiles of pre-RoPE keys (see rope_tile.h).
+#include "kernels/cpu/rope_tile.h"
+
+#include <cmath>
+#include <memory>
+#include <mutex>
+
+#include "common/error.h"
+#include "kernels/ref/ref_ops.h"
+
+namespace xctx::cpu::impl {
+namespace {
+
+bool same_rope(const rope_config& a, const rope_config& b) {
+  return a.head_dim == b.head_dim && a.n_rot == b.n_rot && a.freq_base == b.freq_base && a.scaling == b.scaling &&
+         a.scaling_factor == b.scaling_factor;
+}
+
+}  // namespace
+
+const rope_table& rope_table_for(const rope_config& cfg) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<rope_table>> tables;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& t : tables)
+    if (same_rope(t->cfg, cfg)) return *t;
+  auto t = std::make_unique<rope_table>();
+  t->cfg = cfg;
+  t->n_pair = cfg.n_rot / 2;
+  t->theta.resize(t->n_pair);
+  for (int i = 0; i < t->n_pair; ++i) t->theta[i] = ref::rope_theta(cfg, 1, i);  // angle per unit position
+  t->off_cos.resize((size_t)kRopeTile * t->n_pair);
+  t->off_sin.resize((size_t)kRopeTile * t->n_pair);
+  for (int j = 0; j < kRopeTile; ++j)
+    for (int i = 0; i < t->n_pair; ++i) {
+      t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
+      t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
+    }
+  t->step_cos.resize(t->n_pair);
+  t->step_sin.resize(t->n_pair);
+  for (int i = 0; i < t->n_pair; ++i) {
+    t->step_cos[i] = std::cos(kRopeTile * t->theta[i]);
+    t->step_sin[i] = std::sin(kRopeTile * t->theta[i]);
+  }
+  tables.push_back(std::move(t));
+  return *tables.back();
+}
+
+namespace {
+void rotate_token(isa v, float* k /*[n_kvh, hd]*/, int n_kvh, int hd, int n_rot, float* cos2, float* sin2) {
+  for (int h = 0; h < n_kvh; ++h) {
+    float* x = k + (size_t)h * hd;
+    if (v == isa::isa_avx2 && n_rot % 8 == 0) {
+      impl::avx2::rope_rotate(x, cos2, sin2, n_rot);
+    } else {
+      for (int i = 0; i < n_rot; i += 2) {
+        const float x0 = x[i], x1 = x[i + 1];
+        x[i] = x0 * cos2[i] + x1 * sin2[i];
+        x[i + 1] = x1 * cos2[i + 1] + x0 * sin2[i + 1];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/, int nt, int n_kvh,
+               const rope_table& tab, rope_cursor& cur) {
+  const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
+  if (np == 0 || nt == 0) return;
+  float cos2[kMaxRot], sin2[kMaxRot];  // [n_rot] interleaved as rope_rotate wants them
+  const int64_t p0 = pos[0];
+  const bool consecutive = (int64_t)pos[nt - 1] - p0 == nt - 1;
+  if (!consecutive) {
+    for (int j = 0; j < nt; ++j) {
+      for (int i = 0; i < np; ++i) {
+        const double a = (double)pos[j] * tab.theta[i];
+        const float c = (float)std::cos(a), s = (float)std::sin(a);
+        cos2[2 * i] = cos2[2 * i + 1] = c;
+        sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+      }
+      rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
+    }
+    cur.valid = false;
+    return;
+  }
+  if (!cur.valid || cur.next_pos != p0) {
+    cur.c.resize(np), cur.s.resize(np);
+    for (int i = 0; i < np; ++i) {
+      const double a = (double)p0 * tab.theta[i];
+      cur.c[i] = std::cos(a), cur.s[i] = std::sin(a);
+    }
+  }
+  float bc[kMaxRot / 2], bs[kMaxRot / 2];
+  for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
+  for (int j = 0; j < nt; ++j) {
+    const float* oc = tab.off_cos.data() + (size_t)j * np;
+    const float* os = tab.off_sin.data() + (size_t)j * np;
+    for (int i = 0; i < np; ++i) {
+      const float c = bc[i] * oc[i] - bs[i] * os[i], s = bs[i] * oc[i] + bc[i] * os[i];
+      cos2[2 * i] = cos2[2 * i + 1] = c;
+      sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+    }
+    rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
+  }
+  if (nt == kRopeTile) {  // advance the base by one tile in double; drift ~1e-16 per step
+    for (int i = 0; i < np; ++i) {
+      const double c = cur.c[i] * tab.step_cos[i] - cur.s[i] * tab.step_sin[i];
+      const double s = cur.s[i] * tab.step_cos[i] + cur.c[i] * tab.step_sin[i];
+      cur.c[i] = c, cur.s[i] = s;
+    }
+    cur.next_pos = p0 + kRopeTile;
+    cur.valid = true;
+  } else {
+    cur.valid = false;
+  }
+}
+
+}  // namespace xctx::cpu::impl

@@ -1,0 +1,41 @@
+// RoPE applied on the fly to tiles of pre-RoPE keys, shared by the quantized-cache attention
+// kernels (kvq.cpp, xq.cpp). Calling sincos per token and rotary pair would cost more than
+// reading the codes, so a caller computes the angles of a run's first position exactly (double),
+// advances whole tiles by a precomputed rotation (double), and derives each token inside a tile
+// from the tile base and a table of cos/sin(j·θ), j < kRopeTile (one float complex multiply).
+// Positions that are not consecutive inside a tile fall back to exact per-token angles.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/ops.h"
+
+namespace xctx::cpu::impl {
+
+inline constexpr int kRopeTile = 64;   // tokens per tile the offset table covers
+inline constexpr int kMaxRot = 1024;   // rotary dims supported
+
+struct rope_table {
+  rope_config cfg;
+  int n_pair = 0;
+  std::vector<double> theta;               // [n_pair] angle per unit of position
+  std::vector<float> off_cos, off_sin;     // [kRopeTile, n_pair] cos/sin(j * theta_i)
+  std::vector<double> step_cos, step_sin;  // [n_pair] cos/sin(kRopeTile * theta_i)
+};
+// Built once per distinct config (a process sees one or two) and kept for its lifetime.
+const rope_table& rope_table_for(const rope_config& cfg);
+
+// Angles of the position a run expects next (exact at the run's start, then advanced).
+struct rope_cursor {
+  bool valid = false;
+  int64_t next_pos = 0;
+  std::vector<double> c, s;  // [n_pair]
+};
+
+// Rotates nt <= kRopeTile tokens of keys [nt, n_kvh, head_dim] to positions pos.
+void rope_tile(isa v, float* k, const int32_t* pos /*[nt]*/, int nt, int n_kvh, const rope_table& tab,
+               rope_cursor& cur);
+
+}  // namespace xctx::cpu::impl

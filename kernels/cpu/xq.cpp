@@ -1,0 +1,323 @@
+// CPU kernels of the X caches (contracts in kernels/x_quant.h): the encoder (OpenMP over
+// independent rows / groups, codes identical to ref::xq_encode because each piece is encoded by
+// the same scalar code) and the fused rebuild-attention.
+//
+// Decode (n_q <= kDecodeMaxQueries): the visible rows are split into chunks (one work item per
+// thread, OpenBLAS pinned to one thread inside the region as in attention.cpp). Per tile of kTile
+// rows: decode the latent tile, K = Z_k·M_k + b_k (sgemm), rotate it, scores S = Q·Kᵀ per kv head
+// (sgemm), online softmax, and U += P·Z_v (sgemm) in the latent space. The chunk partials are
+// merged in the latent space (a linear map commutes with the merge) and projected once by M_v.
+// Prefill (more queries): blocks of kBlock rows rebuilt explicitly (K and V, sgemm) and handed to
+// the BLAS-tiled attention core, merged by log-sum-exp; absorption would cost R·r per row and
+// query instead of kv·r per row, which loses once R = n_q·n_head exceeds ~kv·r/(r - head_dim).
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/rope_tile.h"
+#include "kernels/ref/ref_ops.h"
+#include "kernels/x_quant.h"
+
+namespace xctx::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kTile = impl::kRopeTile;  // rows rebuilt at a time on the decode path
+constexpr int64_t kMinChunk = 512;     // shortest run of rows one decode work item takes
+constexpr int64_t kBlock = 512;        // rows rebuilt at a time on the prefill path
+
+// ---- stream decode --------------------------------------------------------------------------
+// Rows [t0, t0 + nt) to f32, parameters converted once per group instead of per element.
+void decode_rows(const xq_stream& s, int64_t t0, int nt, float* out /*[nt, C]*/, std::vector<float>& sc,
+                 std::vector<float>& zc) {
+  const int C = s.channels;
+  if (s.dense != nullptr) {
+    std::copy(s.dense + t0 * C, s.dense + (t0 + nt) * C, out);
+    return;
+  }
+  const size_t rb = kvq_row_bytes(C, s.bits);
+  sc.resize(C), zc.resize(C);
+  int64_t cached_group = -1;
+  for (int r = 0; r < nt; ++r) {
+    const int64_t t = t0 + r;
+    float* o = out + (size_t)r * C;
+    if (t >= s.nq) {
+      const uint16_t* src = s.tail + (t - s.nq) * C;
+      for (int c = 0; c < C; ++c) o[c] = fp16_to_fp32(src[c]);
+      continue;
+    }
+    if (s.axis == xq_axis::xq_per_channel) {
+      const int64_t g = t / s.group;
+      if (g != cached_group) {
+        for (int c = 0; c < C; ++c) {
+          const kvq_affine p = s.params[(size_t)g * C + c];
+          sc[c] = fp16_to_fp32(p.scale), zc[c] = fp16_to_fp32(p.zero);
+        }
+        cached_group = g;
+      }
+    } else {
+      const int n_g = s.n_groups_per_row();
+      for (int g = 0; g < n_g; ++g) {
+        const kvq_affine p = s.params[(size_t)t * n_g + g];
+        const float a = fp16_to_fp32(p.scale), z = fp16_to_fp32(p.zero);
+        for (int c = g * s.group; c < std::min(C, (g + 1) * s.group); ++c) sc[c] = a, zc[c] = z;
+      }
+    }
+    const uint8_t* row = s.codes + (size_t)t * rb;
+    for (int c = 0; c < C; ++c) o[c] = (float)kvq_get_code(row, s.bits, c) * sc[c] + zc[c];
+    if (s.ch0 != nullptr) o[0] = fp16_to_fp32(s.ch0[t]);
+  }
+}
+
+// Z·M (+ b) into out [nt, kv]; M null = identity (Z is already [nt, kv]).
+void rebuild(const float* z, int nt, int cz, const float* m, int64_t ldm, const float* b, int kv, float* out) {
+  if (m != nullptr) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nt, kv, cz, 1.0f, z, cz, m, (int)ldm, 0.0f, out, kv);
+  } else {
+    std::copy(z, z + (size_t)nt * kv, out);
+  }
+  if (b != nullptr)
+    for (int t = 0; t < nt; ++t)
+      for (int c = 0; c < kv; ++c) out[(size_t)t * kv + c] += b[c];
+}
+
+void check(const xq_attn_args& a) {
+  const int kv = a.n_head_kv * a.head_dim;
+  XCTX_CHECK(a.n_head_kv > 0 && a.head_dim > 0 && a.n_head % a.n_head_kv == 0, "attention_xq: bad heads n_head=",
+             a.n_head, " n_head_kv=", a.n_head_kv, " head_dim=", a.head_dim);
+  for (const xq_stream* s : {&a.zk, &a.zv}) {
+    XCTX_CHECK(s->channels > 0 && s->channels % 8 == 0, "attention_xq: stream of ", s->channels, " channels");
+    if (s->dense == nullptr)
+      XCTX_CHECK(s->bits >= 1 && s->bits <= kXqMaxBits && s->group > 0 &&
+                     (s->axis != xq_axis::xq_per_channel || s->nq % s->group == 0) && s->nq <= a.n,
+                 "attention_xq: bad stream (bits ", s->bits, ", group ", s->group, ", nq ", s->nq, ", n ", a.n, ")");
+  }
+  XCTX_CHECK((a.m_k != nullptr || a.zk.channels == kv) && (a.m_v != nullptr || a.zv.channels == kv),
+             "attention_xq: identity rebuild needs ", kv, " channels");
+  XCTX_CHECK(a.rope.head_dim == a.head_dim && a.rope.n_rot <= a.head_dim && a.rope.n_rot % 2 == 0,
+             "attention_xq: rope head_dim ", a.rope.head_dim, " / n_rot ", a.rope.n_rot, " do not fit ", a.head_dim);
+}
+
+void attention_decode(const xq_attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len) {
+  const int hd = a.head_dim, kv = a.n_head_kv * hd, g = a.n_head / a.n_head_kv;
+  const int ck = a.zk.channels, cv = a.zv.channels;
+  const int nqg = (int)a.n_q * g;          // rows per kv head
+  const int R = a.n_head_kv * nqg;         // r = (kvh * n_q + i) * g + u
+  const impl::rope_table& tab = impl::rope_table_for(a.rope);
+  std::vector<float> qs((size_t)R * hd);
+  std::vector<int64_t> row_of((size_t)R), row_end((size_t)R);
+  for (int kvh = 0; kvh < a.n_head_kv; ++kvh)
+    for (int64_t i = 0; i < a.n_q; ++i)
+      for (int u = 0; u < g; ++u) {
+        const int64_t r = ((int64_t)kvh * a.n_q + i) * g + u;
+        row_of[r] = i * a.n_head + (int64_t)kvh * g + u;
+        for (int d = 0; d < hd; ++d) qs[r * hd + d] = a.q[row_of[r] * hd + d] * a.scale;
+        row_end[r] = q_end[i];
+      }
+  const int64_t threads = omp_get_max_threads();
+  int64_t n_chunk = std::clamp<int64_t>(threads, 1, std::max<int64_t>(1, kv_len / kMinChunk));
+  int64_t chunk = (kv_len + n_chunk - 1) / n_chunk;
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  n_chunk = (kv_len + chunk - 1) / chunk;
+  std::vector<float> m_p((size_t)n_chunk * R), l_p((size_t)n_chunk * R), u_p((size_t)n_chunk * R * cv);
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+#pragma omp parallel if (n_chunk > 1)
+  {
+    std::vector<float> zk((size_t)kTile * ck), zv((size_t)kTile * cv), kt((size_t)kTile * kv);
+    std::vector<float> s((size_t)R * kTile), sc, zc;
+    const impl::isa isa = impl::best_isa();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ch = 0; ch < n_chunk; ++ch) {
+      impl::rope_cursor cur;  // exact angles at the chunk's first row, then advanced tile by tile
+      float* m = m_p.data() + ch * R;
+      float* l = l_p.data() + ch * R;
+      float* u = u_p.data() + (size_t)ch * R * cv;
+      std::fill(m, m + R, kNegInf), std::fill(l, l + R, 0.0f), std::fill(u, u + (size_t)R * cv, 0.0f);
+      const int64_t end = std::min(kv_len, (ch + 1) * chunk);
+      for (int64_t t0 = ch * chunk; t0 < end; t0 += kTile) {
+        const int nt = (int)std::min<int64_t>(kTile, end - t0);
+        decode_rows(a.zk, t0, nt, zk.data(), sc, zc);
+        rebuild(zk.data(), nt, ck, a.m_k, a.ld_mk, a.b_k, kv, kt.data());
+        impl::rope_tile(isa, kt.data(), a.pos + t0, nt, a.n_head_kv, tab, cur);
+        const float* zvp = zk.data();
+        if (!a.same_stream) {
+          decode_rows(a.zv, t0, nt, zv.data(), sc, zc);
+          zvp = zv.data();
+        }
+        for (int kvh = 0; kvh < a.n_head_kv; ++kvh)  // S[rows of kvh, nt] = Q·Kᵀ
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nqg, nt, hd, 1.0f, qs.data() + (size_t)kvh * nqg * hd,
+                      hd, kt.data() + kvh * hd, kv, 0.0f, s.data() + (size_t)kvh * nqg * kTile, kTile);
+        for (int r = 0; r < R; ++r) {
+          float* sr = s.data() + (size_t)r * kTile;
+          const int vis = (int)std::clamp<int64_t>(row_end[r] - t0, 0, nt);
+          float mx = m[r];
+          for (int t = 0; t < vis; ++t) mx = std::max(mx, sr[t]);
+          if (vis == 0 || mx == kNegInf) {
+            std::fill(sr, sr + nt, 0.0f);
+            continue;
+          }
+          const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - mx);
+          float sum = 0.0f;
+          for (int t = 0; t < vis; ++t) sum += (sr[t] = std::exp(sr[t] - mx));
+          std::fill(sr + vis, sr + nt, 0.0f);
+          l[r] = l[r] * alpha + sum;
+          m[r] = mx;
+          if (alpha != 1.0f)
+            for (int j = 0; j < cv; ++j) u[(size_t)r * cv + j] *= alpha;
+        }
+        // U[R, cv] += P[R, nt]·Z_v[nt, cv]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, cv, nt, 1.0f, s.data(), kTile, zvp, cv, 1.0f, u, cv);
+      }
+    }
+  }
+  openblas_set_num_threads(blas_threads);
+  // Merge the chunks in the latent space, then project once per row.
+  std::vector<double> ur((size_t)cv);
+  for (int r = 0; r < R; ++r) {
+    float M = kNegInf;
+    for (int64_t ch = 0; ch < n_chunk; ++ch) M = std::max(M, m_p[ch * R + r]);
+    float* o = a.o + row_of[r] * hd;
+    if (M == kNegInf) {
+      std::fill(o, o + hd, 0.0f);
+      a.lse[row_of[r]] = kNegInf;
+      continue;
+    }
+    double L = 0.0;
+    std::fill(ur.begin(), ur.end(), 0.0);
+    for (int64_t ch = 0; ch < n_chunk; ++ch) {
+      if (m_p[ch * R + r] == kNegInf) continue;
+      const double w = std::exp((double)m_p[ch * R + r] - M);
+      L += w * l_p[ch * R + r];
+      const float* uc = u_p.data() + ((size_t)ch * R + r) * cv;
+      for (int j = 0; j < cv; ++j) ur[j] += w * uc[j];
+    }
+    const int kvh = r / nqg;
+    for (int e = 0; e < hd; ++e) {
+      const int c = kvh * hd + e;
+      double acc = 0.0;
+      if (a.m_v != nullptr)
+        for (int j = 0; j < cv; ++j) acc += ur[j] * a.m_v[j * a.ld_mv + c];
+      else
+        acc = ur[c];
+      o[e] = (float)(acc / L) + (a.b_v ? a.b_v[c] : 0.0f);
+    }
+    a.lse[row_of[r]] = M + (float)std::log(L);
+  }
+}
+
+void attention_prefill(const xq_attn_args& a, int64_t kv_len) {
+  const int hd = a.head_dim, kv = a.n_head_kv * hd, ck = a.zk.channels, cv = a.zv.channels;
+  const impl::rope_table& tab = impl::rope_table_for(a.rope);
+  const impl::isa v = impl::best_isa();
+  std::vector<float> zk((size_t)kBlock * ck), zv((size_t)kBlock * cv), kb((size_t)kBlock * kv), vb((size_t)kBlock * kv);
+  attn_args qa;
+  qa.q = a.q, qa.q_pos = a.q_pos, qa.n_q = a.n_q;
+  qa.n_head = a.n_head, qa.n_head_kv = a.n_head_kv, qa.head_dim = hd, qa.scale = a.scale;
+  impl::streamed_attention acc(v, qa);
+  for (int64_t b0 = 0; b0 < kv_len; b0 += kBlock) {
+    const int nb = (int)std::min<int64_t>(kBlock, kv_len - b0);
+    const int n_tiles = (nb + kTile - 1) / kTile;
+#pragma omp parallel if (n_tiles > 1)
+    {
+      std::vector<float> sc, zc;
+#pragma omp for schedule(static)
+      for (int ti = 0; ti < n_tiles; ++ti) {
+        const int r0 = ti * kTile, nt = std::min(kTile, nb - r0);
+        decode_rows(a.zk, b0 + r0, nt, zk.data() + (size_t)r0 * ck, sc, zc);
+        if (!a.same_stream) decode_rows(a.zv, b0 + r0, nt, zv.data() + (size_t)r0 * cv, sc, zc);
+      }
+    }
+    rebuild(zk.data(), nb, ck, a.m_k, a.ld_mk, a.b_k, kv, kb.data());
+    rebuild(a.same_stream ? zk.data() : zv.data(), nb, cv, a.m_v, a.ld_mv, a.b_v, kv, vb.data());
+#pragma omp parallel for schedule(static) if (n_tiles > 1)
+    for (int ti = 0; ti < n_tiles; ++ti) {
+      const int r0 = ti * kTile;
+      impl::rope_cursor cur;  // each tile from exact angles
+      impl::rope_tile(impl::best_isa(), kb.data() + (size_t)r0 * kv, a.pos + b0 + r0, std::min(kTile, nb - r0),
+                      a.n_head_kv, tab, cur);
+    }
+    acc.add(kb.data(), vb.data(), a.pos + b0, nb);
+  }
+  acc.finish(a.o, a.lse);
+}
+
+}  // namespace
+
+void xq_encode(const xq_encode_job& j) {
+  XCTX_CHECK(j.group > 0 && j.n >= 0, "xq_encode: group ", j.group, " / rows ", j.n, " invalid");
+  const bool per_ch = j.axis == xq_axis::xq_per_channel;
+  const int64_t unit = per_ch ? j.group : 1;  // rows encoded together
+  const int64_t n_units = per_ch ? j.n / j.group : j.n;
+  if (n_units <= 1 || (per_ch && j.n % j.group != 0)) {  // nothing to split (or let ref report the error)
+    ref::xq_encode(j);
+    return;
+  }
+  const size_t rb = kvq_row_bytes(j.channels, j.bits);
+  const int64_t params_per_unit = per_ch ? j.channels : (j.channels + j.group - 1) / j.group;
+  const int64_t n_piece = std::min<int64_t>(n_units, 4 * (int64_t)omp_get_max_threads());
+#pragma omp parallel for schedule(static) if ((int64_t)j.n * j.channels >= 16384)
+  for (int64_t p = 0; p < n_piece; ++p) {
+    const int64_t u0 = n_units * p / n_piece, u1 = n_units * (p + 1) / n_piece;
+    xq_encode_job sub = j;
+    sub.n = (u1 - u0) * unit;
+    sub.x = j.x + u0 * unit * j.channels;
+    sub.codes = j.codes ? j.codes + u0 * unit * rb : nullptr;
+    sub.params = j.params + u0 * params_per_unit;
+    ref::xq_encode(sub);
+  }
+}
+
+void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) {
+  if (n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, d, r, 1.0f, z, r, u, r, 1.0f, acc, d);
+}
+
+void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) {
+  const int64_t n_piece = (nt + kTile - 1) / kTile;
+#pragma omp parallel if (n_piece > 1 && nt * s.channels >= 65536)
+  {
+    std::vector<float> sc, zc;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < n_piece; ++p) {
+      const int64_t r0 = p * kTile;
+      decode_rows(s, t0 + r0, (int)std::min<int64_t>(kTile, nt - r0), out + r0 * s.channels, sc, zc);
+    }
+  }
+}
+
+void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) {
+  if (n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, r, d, 1.0f, x, d, u, r, 0.0f, out, r);
+}
+
+void attention_xq(const xq_attn_args& a) {
+  check(a);
+  if (a.n_q == 0) return;
+  std::vector<int64_t> q_end((size_t)a.n_q);
+  int64_t kv_len = 0;
+  for (int64_t i = 0; i < a.n_q; ++i) {
+    q_end[i] = std::upper_bound(a.pos, a.pos + a.n, a.q_pos[i]) - a.pos;
+    kv_len = std::max(kv_len, q_end[i]);
+  }
+  if (kv_len == 0) {
+    std::fill(a.o, a.o + a.n_q * a.n_head * a.head_dim, 0.0f);
+    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
+    return;
+  }
+  if (a.n_q <= impl::kDecodeMaxQueries)
+    attention_decode(a, q_end, kv_len);
+  else
+    attention_prefill(a, kv_len);
+}
+
+}  // namespace xctx::cpu
