@@ -59,10 +59,25 @@ def main():
     ap.add_argument("--np", type=int, default=1, help="ranks (mpirun) per evaluation")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ppl_sweep"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of formats not run now from the existing CSV (same settings assumed)")
     args = ap.parse_args()
     formats = args.formats.split(",")
+    kept = {}
+    if args.merge and os.path.exists(args.out + ".csv"):
+        with open(args.out + ".csv") as f:
+            for r in csv.DictReader(f):
+                if r["format"] not in formats:
+                    kept[r["format"]] = {k: (float(v) if k != "format" and v != "" else v) for k, v in r.items()}
     rows = []
-    for fmt in formats:
+    for fmt in FORMATS + [f for f in formats if f not in FORMATS]:
+        if fmt in kept:
+            row = kept[fmt]
+            row["fp16_bytes_per_token"] = row["bytes_per_token"] / row["kv_size_vs_fp16"]
+            rows.append(row)
+            continue
+        if fmt not in formats:
+            continue
         row = {"format": fmt}
         for text, label in CORPORA:
             j = run_one(args, fmt, text)
