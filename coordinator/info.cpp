@@ -89,13 +89,39 @@ int run_info(const info_options& opt) {
     const auto row = [&](const char* what, size_t bytes, const char* how) {
       if (bytes != 0) std::printf("    %-26s %12s  %s\n", what, format_bytes((double)bytes).c_str(), how);
     };
+    const char* codes = "packed K and V codes";
+    const char* rows = "";
+    const char* scales = "";
+    switch (t.family) {
+      case cache_family::family_fp: codes = "K and V elements"; break;
+      case cache_family::family_kivi:
+        rows = "residual window (tokens of the open group)";
+        scales = "fp16 per key group x channel and per token x value group";
+        break;
+      case cache_family::family_nuq:
+        rows = "attention sink (position 0)";
+        scales = "fp16 per value token";
+        break;
+      case cache_family::family_xquant:
+        codes = "packed latents X.U_k (per channel) and X.U_v (per token)";
+        rows = "residual window (tokens of the open group)";
+        scales = "fp16 per latent group";
+        break;
+      case cache_family::family_xquant_cl:
+        codes = "packed X (first layers) and cross-layer deltas";
+        rows = "fp16 parts (see docs/x_formats.md)";
+        scales = "fp16 per token x channel group";
+        break;
+      case cache_family::family_clkv:
+        codes = "packed 2/1-bit K and V codes (shared layers store none)";
+        rows = "residual window (tokens of the open group)";
+        scales = "fp16 per group, every layer its own (shared codes too)";
+        break;
+    }
     row("positions", b.positions, "int32 per token");
-    row("codes", b.codes, t.family == cache_family::family_fp ? "K and V elements" : "packed K and V codes");
-    row("fp16 rows", b.fp16_rows, t.family == cache_family::family_kivi ? "residual window (tokens of the open group)"
-                                                                        : "attention sink (position 0)");
-    row("scales and zero points", b.scales,
-        t.family == cache_family::family_kivi ? "fp16 per key group x channel and per token x value group"
-                                              : "fp16 per value token");
+    row("codes", b.codes, codes);
+    row("fp16 rows", b.fp16_rows, rows);
+    row("scales and zero points", b.scales, scales);
     row("per-layer tables", b.tables, "LUTs, key channel scales/zeros, outlier thresholds (f32)");
     row("sparse outliers", b.outliers, "fp16 value + uint16 channel; key column offsets uint32 (nominal 1%)");
     if (t.needs_calibration) std::printf("  needs --calib FILE (xctx calibrate)\n");
