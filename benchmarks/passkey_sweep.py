@@ -40,7 +40,7 @@ def run(args, fmt, ctx, filler):
     if fmt.startswith("nuq"):
         cmd += ["--calib", args.calib]
     if ctx > TRAINED:
-        cmd += ["--rope-scaling", "ntk", "--rope-factor", str(math.ceil(ctx / TRAINED)), "--ctx", str(ctx + 64)]
+        cmd += ["--rope-scaling", "ntk", "--rope-factor", str(math.ceil(ctx / TRAINED)), "--ctx", str(ctx + 1024)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         print(f"  {fmt} {ctx} {filler}: FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
@@ -66,12 +66,23 @@ def main():
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--fillers", default="classic,austen")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "passkey_sweep"))
+    ap.add_argument("--from-csv", default="",
+                    help="comma-separated CSVs of earlier runs: no runs, just the tables and heatmaps of their union")
     args = ap.parse_args()
     formats = args.formats.split(",")
     contexts = [FITS_8K if parse_count(c) == TRAINED else parse_count(c) for c in args.contexts.split(",")]
     fillers = args.fillers.split(",")
     rows = []
-    for filler in fillers:
+    if args.from_csv:
+        for path in args.from_csv.split(","):
+            with open(path) as f:
+                for r in csv.DictReader(f):
+                    rows.append({k: (v if k in ("filler", "format") else (float(v) if k == "depth" else int(v)))
+                                 for k, v in r.items()})
+        seen = lambda key: list(dict.fromkeys(r[key] for r in rows))
+        formats, fillers, contexts = seen("format"), seen("filler"), sorted(set(seen("context")))
+        fillers = [f for f in args.fillers.split(",") if f in fillers]
+    for filler in ([] if args.from_csv else fillers):
         for fmt in formats:
             for ctx in contexts:
                 j = run(args, fmt, ctx, filler)
@@ -82,7 +93,8 @@ def main():
                                  "correct": d["correct"], "trials": d["trials"], "seed": args.seed,
                                  "ranks": args.np})
     with open(args.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["filler", "format", "context", "depth", "correct", "trials", "seed", "ranks"])
+        w = csv.DictWriter(f, fieldnames=["filler", "format", "context", "depth", "correct", "trials", "seed", "ranks"],
+                           extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 
@@ -93,8 +105,9 @@ def main():
         return sum(r["correct"] for r in sel) / t if t else None
 
     lines = ["# Passkey retrieval per cache format (SmolLM2-135M-Instruct Q4_1)", "",
-             f"Command: `benchmarks/passkey_sweep.py --np {args.np} --formats {args.formats} --contexts {args.contexts}"
-             f" --depths {args.depths} --trials {args.trials} --seed {args.seed} --fillers {args.fillers}`", "",
+             (f"Union of the runs in {args.from_csv} (their commands: benchmarks/README.md)" if args.from_csv else
+              f"Command: `benchmarks/passkey_sweep.py --np {args.np} --formats {args.formats} --contexts {args.contexts}"
+              f" --depths {args.depths} --trials {args.trials} --seed {args.seed} --fillers {args.fillers}`"), "",
              "Accuracy over all depths and trials (trial t uses seed + t). Contexts above 8K use NTK RoPE scaling.", ""]
     for filler in fillers:
         lines += [f"## filler: {filler}", "", "| format | " + " | ".join(f"{round(c / 1024)}K" for c in contexts) + " |",
@@ -113,6 +126,9 @@ def main():
     except ImportError:
         return
     depths = sorted({r["depth"] for r in rows})
+    if not rows:
+        print("no successful runs: no PNG", file=sys.stderr)
+        return
     fig, axes = plt.subplots(len(fillers), len(formats), figsize=(2.4 * len(formats), 2.6 * len(fillers)),
                              squeeze=False)
     for i, filler in enumerate(fillers):
