@@ -41,7 +41,8 @@ def run(args, fmt, ctx, filler):
         cmd += ["--calib", args.calib]
     if ctx > TRAINED:
         cmd += ["--rope-scaling", "ntk", "--rope-factor", str(math.ceil(ctx / TRAINED)), "--ctx", str(ctx + 1024)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    # errors=replace: a broken format can make the model emit bytes that are not UTF-8
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if p.returncode != 0:
         print(f"  {fmt} {ctx} {filler}: FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
         return None

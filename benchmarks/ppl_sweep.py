@@ -38,7 +38,8 @@ def run_one(args, fmt, text):
         cmd += ["--calib", args.calib]
     if args.np > 1:
         cmd = [os.path.join(ROOT, "launch", "xctx-mpirun"), "-np", str(args.np)] + cmd
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    # errors=replace: a broken format can make the model emit bytes that are not UTF-8
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if p.returncode != 0:
         err = (p.stderr.strip().splitlines() or ["?"])[-1]
         print(f"  {fmt:11s} {text}: FAILED: {err}", file=sys.stderr)
