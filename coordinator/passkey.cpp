@@ -421,7 +421,8 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                        {"accuracy", (double)all / n_total}, {"prefill_s_total", prefill_total_s}}}};
       std::ofstream f(opt.json_path);
       XCTX_CHECK(f.good(), "--json: cannot write ", opt.json_path);
-      f << out.dump(2) << "\n";
+      // Answers of a broken cache can hold invalid UTF-8: replace it rather than fail the run.
+      f << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
       XCTX_CHECK(f.good(), "--json: write failed on ", opt.json_path);
     }
   }
