@@ -16,7 +16,8 @@ void set_force_scalar(bool on);
 
 // ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok
-// (prefill): weight row panels dequantized to f32 and multiplied with OpenBLAS sgemm.
+// (prefill): weight row panels dequantized to f32 and multiplied by a row-invariant GEMM (a
+// token row's bits do not depend on n_tok, its offset, the other rows or the thread count).
 //
 // Activations of the decode path for legacy block quants (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0):
 //  * act_f32 (default): the weight codes are widened to floats in registers and multiplied
@@ -34,6 +35,14 @@ void set_decode_activations(decode_activations act);
 decode_activations get_decode_activations();
 
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
+// C = A·B (b_transposed false: B [k, n_out] row-major) or A·Bᵀ (true: B [n_out, k]), plus C
+// itself when beta is 1 (beta must be 0 or 1). Row-invariant like the prefill matmul: every
+// element is one chain of fused multiply-adds in k order, added to C last, so a row's bits do not
+// depend on n, on the row's place in the call or on the other rows (sequence-parallel shards
+// reproduce single-rank results). Runs on the calling thread only, so it may be called from
+// inside an OpenMP region; the caller parallelizes.
+void gemm_rows(const float* a /*[n, k]*/, int64_t n, int k, const float* b /*[k, n_out] or [n_out, k]*/,
+               bool b_transposed, int n_out, float beta, float* c /*[n, ldc]*/, int64_t ldc);
 void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out);
 void dequantize_row(ggml_type type, const void* src, float* dst, int64_t n);
 

@@ -1,7 +1,7 @@
-// cpu::matmul and cpu::get_rows: path choice (decode vs prefill), OpenMP threading, the
-// OpenBLAS prefill path and the scalar fallbacks of the decode kernels (the AVX2 ones are in
-// matmul_avx2.cpp).
-#include <cblas.h>
+// cpu::matmul, cpu::gemm_rows and cpu::get_rows: path choice (decode vs prefill), OpenMP
+// threading, the row-invariant GEMM of the prefill path and the scalar fallbacks of the decode
+// kernels (the AVX2 decode kernels are in matmul_avx2.cpp).
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -28,10 +28,10 @@ namespace {
 // 2.47-2.55 ms, 128 KiB 2.39-2.47 ms, 256 KiB 2.53-2.66 ms.
 constexpr size_t k_min_parallel_bytes = 128 * 1024;
 
-// Weights dequantized per sgemm call in prefill_split_rows: 256K floats (1 MiB) stays in L2.
-// Single-thread n_tok = 512, Q4_1, GFLOP/s by panel size (64K / 128K / 256K / 1M floats):
-// 576x576 128 / 127 / 126 / 123; 576x1536 114 / 121 / 129 / 122 (narrower panels make the
-// 1536-wide matrix's sgemm calls too thin).
+// Weights dequantized and packed per panel in prefill_split_rows: 256K floats (1 MiB). With
+// OpenBLAS sgemm it measured (1 thread, n_tok = 512, Q4_1, GFLOP/s for 64K / 128K / 256K / 1M
+// floats) 576x576 128 / 127 / 126 / 123, 576x1536 114 / 121 / 129 / 122; the own GEMM reads a
+// 16-row strip at a time, so the panel only bounds the buffer and the dequantization batch.
 constexpr int64_t k_panel_floats = 256 * 1024;
 
 template <typename F>
@@ -47,14 +47,6 @@ void run_rows(int64_t n_rows, size_t work_bytes, F&& body) {
     thread_rows(n_rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
     if (r0 < r1) body(r0, r1);
   }
-}
-
-// OpenBLAS keeps a thread pool of its own; running it next to the OpenMP team would put 4
-// busy threads on 2 cores. The split-rows prefill parallelizes with OpenMP and calls sgemm
-// single-threaded from each thread, so OpenBLAS is pinned to 1 thread except around the
-// whole-matrix sgemm.
-void set_blas_threads(int n) {
-  if (openblas_get_num_threads() != n) openblas_set_num_threads(n);
 }
 
 // Scalar view of a legacy block: w_j = d * q[j] + c.
@@ -137,6 +129,171 @@ void probe_dequantize(const weight_view& w) {
   if (is_legacy_quant(w.type) || is_float_type(w.type) || w.n_rows == 0) return;
   std::vector<float> row((size_t)w.n_cols);
   dequantize_row(w.type, w.data, row.data(), w.n_cols);
+}
+
+// ---- the row-invariant GEMM behind the prefill path and gemm_rows ---------------------------
+//
+// OpenBLAS cannot give row-invariant results. Measured with 0.3.21 (Debian, DYNAMIC_ARCH picks
+// its Haswell kernels on this AMD EPYC), single-threaded, one row placed at each index of a
+// fixed 64-row call: rows 0-5 of every 12-row group, rows 6-11 and the 4 tail rows get three
+// different bit patterns (rows 6-11 sum k in two halves, 288 + 288 for K = 576); with the
+// operands swapped (tokens on its packed-A side) rows 0-7 and 56-63 differ from 8-55. So a fixed
+// call shape is not enough: a token's index inside its block still moves the last bits, and an
+// index fixed per token would waste most of each block. The kernel below instead computes every
+// element as ONE chain of fused multiply-adds over k = 0, 1, ..., k - 1 starting from 0 (plus C,
+// added last, for beta = 1), in a vector lane or a scalar std::fma alike; tiling, panels and
+// threads only choose which element is computed when, never how. The scalar fallback therefore
+// gives the AVX2 kernel's bits too.
+
+constexpr int k_strip = 16;      // output columns per packed strip of B: two AVX registers
+constexpr int k_tile_rows = 6;   // rows per micro tile: 12 accumulators + 2 of B + 1 broadcast = 15 of 16 ymm
+constexpr int64_t k_row_block = 64;  // rows of A kept in L2 while all strips of a panel pass over them
+
+// c[i * 16 + j] = Σ_kk a[i * lda + kk] · b[kk * ldb + j], i < R, j < 16. Named accumulators, not
+// arrays: GCC keeps arrays of __m256 on the stack and stores them every iteration (2x slower).
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* a, int64_t lda, const float* b, int64_t ldb, int k,
+                                                    float* c /*[R, 16]*/) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;
+  __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+  const float* a0 = a;
+  const float* a1 = a + lda;
+  const float* a2 = a + 2 * lda;
+  const float* a3 = a + 3 * lda;
+  const float* a4 = a + 4 * lda;
+  const float* a5 = a + 5 * lda;
+  for (int kk = 0; kk < k; ++kk, b += ldb) {
+    const __m256 b0 = _mm256_loadu_ps(b);
+    const __m256 b1 = _mm256_loadu_ps(b + 8);
+    __m256 av = _mm256_broadcast_ss(a0 + kk);
+    l0 = _mm256_fmadd_ps(av, b0, l0);
+    h0 = _mm256_fmadd_ps(av, b1, h0);
+    if constexpr (R > 1) {
+      av = _mm256_broadcast_ss(a1 + kk);
+      l1 = _mm256_fmadd_ps(av, b0, l1);
+      h1 = _mm256_fmadd_ps(av, b1, h1);
+    }
+    if constexpr (R > 2) {
+      av = _mm256_broadcast_ss(a2 + kk);
+      l2 = _mm256_fmadd_ps(av, b0, l2);
+      h2 = _mm256_fmadd_ps(av, b1, h2);
+    }
+    if constexpr (R > 3) {
+      av = _mm256_broadcast_ss(a3 + kk);
+      l3 = _mm256_fmadd_ps(av, b0, l3);
+      h3 = _mm256_fmadd_ps(av, b1, h3);
+    }
+    if constexpr (R > 4) {
+      av = _mm256_broadcast_ss(a4 + kk);
+      l4 = _mm256_fmadd_ps(av, b0, l4);
+      h4 = _mm256_fmadd_ps(av, b1, h4);
+    }
+    if constexpr (R > 5) {
+      av = _mm256_broadcast_ss(a5 + kk);
+      l5 = _mm256_fmadd_ps(av, b0, l5);
+      h5 = _mm256_fmadd_ps(av, b1, h5);
+    }
+  }
+  const __m256 lo[6] = {l0, l1, l2, l3, l4, l5}, hi[6] = {h0, h1, h2, h3, h4, h5};
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(c + i * k_strip, lo[i]);
+    _mm256_storeu_ps(c + i * k_strip + 8, hi[i]);
+  }
+}
+
+void tile_scalar(int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int k, float* c /*[rows, 16]*/) {
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < k_strip; ++j) {
+      float acc = 0.0f;
+      for (int kk = 0; kk < k; ++kk) acc = std::fma(a[i * lda + kk], b[kk * ldb + j], acc);
+      c[i * k_strip + j] = acc;
+    }
+  }
+}
+
+void run_tile(bool simd, int rows, const float* a, int64_t lda, const float* b, int64_t ldb, int k, float* c) {
+  if (!simd) {
+    tile_scalar(rows, a, lda, b, ldb, k, c);
+    return;
+  }
+  switch (rows) {
+    case 1: tile_avx2<1>(a, lda, b, ldb, k, c); return;
+    case 2: tile_avx2<2>(a, lda, b, ldb, k, c); return;
+    case 3: tile_avx2<3>(a, lda, b, ldb, k, c); return;
+    case 4: tile_avx2<4>(a, lda, b, ldb, k, c); return;
+    case 5: tile_avx2<5>(a, lda, b, ldb, k, c); return;
+    case 6: tile_avx2<6>(a, lda, b, ldb, k, c); return;
+  }
+  XCTX_ASSERT(false, "run_tile: bad row count ", rows);
+}
+
+// One strip of B: `b` [k, ldb], its first min(16, columns left) columns are real.
+struct strip_ref {
+  const float* b;
+  int64_t ldb;
+};
+
+// c[t, 16 s + j] (+)= row t of A times column j of strip s, for t < n and the real columns of
+// strips [0, n_strips); strip(s) returns strip s, `n_cols` counts the real columns.
+template <typename StripFn>
+void rows_times_strips(bool simd, const float* a /*[n, lda]*/, int64_t n, int64_t lda, int k, int64_t n_strips,
+                       StripFn&& strip, int64_t n_cols, bool add, float* c /*[n, ldc]*/, int64_t ldc) {
+  alignas(32) float tile[k_tile_rows * k_strip];
+  for (int64_t t0 = 0; t0 < n; t0 += k_row_block) {
+    const int64_t t1 = std::min(n, t0 + k_row_block);
+    for (int64_t s = 0; s < n_strips; ++s) {
+      const strip_ref sr = strip(s);
+      const int64_t j0 = s * k_strip;
+      const int64_t nv = std::min<int64_t>(k_strip, n_cols - j0);
+      for (int64_t i = t0; i < t1; i += k_tile_rows) {
+        const int rows = (int)std::min<int64_t>(k_tile_rows, t1 - i);
+        run_tile(simd, rows, a + i * lda, lda, sr.b, sr.ldb, k, tile);
+        for (int r = 0; r < rows; ++r) {
+          float* dst = c + (i + r) * ldc + j0;
+          const float* src = tile + r * k_strip;
+          if (add) {
+            for (int64_t j = 0; j < nv; ++j) dst[j] += src[j];
+          } else {
+            std::memcpy(dst, src, (size_t)nv * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + n) of W as strips [ceil(n / 16), n_cols, 16] (zero past row r0 + n).
+void pack_weight_strips(const weight_view& w, int64_t r0, int64_t n, float* dst, std::vector<float>& row) {
+  const int64_t n_cols = w.n_cols;
+  const size_t row_bytes = w.row_bytes();
+  const int64_t n_strips = (n + k_strip - 1) / k_strip;
+  row.resize((size_t)n_cols);
+  for (int64_t s = 0; s < n_strips; ++s) {
+    float* sd = dst + s * n_cols * k_strip;
+    for (int j = 0; j < k_strip; ++j) {
+      const int64_t r = s * k_strip + j;
+      if (r >= n) {
+        for (int64_t kk = 0; kk < n_cols; ++kk) sd[kk * k_strip + j] = 0.0f;
+        continue;
+      }
+      const void* src = (const uint8_t*)w.data + (size_t)(r0 + r) * row_bytes;
+      const float* v = (const float*)src;
+      if (w.type != ggml_type::ggml_f32) {
+        dequantize_row(w.type, src, row.data(), n_cols);
+        v = row.data();
+      }
+      for (int64_t kk = 0; kk < n_cols; ++kk) sd[kk * k_strip + j] = v[kk];
+    }
+  }
+}
+
+// y[:, r0 : r0 + n] for weight rows already packed by pack_weight_strips.
+void prefill_panel(bool simd, const weight_view& w, const float* packed, int64_t r0, int64_t n, const float* x,
+                   int64_t n_tok, float* y) {
+  const int64_t n_cols = w.n_cols;
+  rows_times_strips(
+      simd, x, n_tok, n_cols, (int)n_cols, (n + k_strip - 1) / k_strip,
+      [&](int64_t s) { return strip_ref{packed + s * n_cols * k_strip, k_strip}; }, n, false, y + r0, w.n_rows);
 }
 
 }  // namespace
@@ -302,51 +459,37 @@ void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y
 
 void matmul_prefill(const weight_view& w, const float* x, int64_t n_tok, float* y, prefill_mode mode) {
   probe_dequantize(w);
+  const bool simd = has_avx2();
   const int64_t n_rows = w.n_rows, n_cols = w.n_cols;
-  const size_t row_bytes = w.row_bytes();
-  const bool is_f32 = w.type == ggml_type::ggml_f32;
-  // y[:, r0:r0+n] = x · W[r0:r0+n]ᵀ with W rows given as f32 [n, n_cols].
-  auto gemm = [&](const float* rows, int64_t r0, int64_t n) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n_tok, (int)n, (int)n_cols, 1.0f, x, (int)n_cols, rows,
-                (int)n_cols, 0.0f, y + r0, (int)n_rows);
-  };
   switch (mode) {
     case prefill_mode::prefill_split_rows: {
-      set_blas_threads(1);
-      const int64_t panel = std::max<int64_t>(16, k_panel_floats / n_cols / 16 * 16);
+      // Thread row ranges and panels are multiples of 16 rows, so strips never straddle them.
+      const int64_t panel = std::max<int64_t>(k_strip, k_panel_floats / n_cols / k_strip * k_strip);
       run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
-        if (is_f32) {
-          gemm((const float*)w.data + r0 * n_cols, r0, r1 - r0);
-          return;
-        }
-        thread_local std::vector<float> buf;  // [panel, n_cols]
+        thread_local std::vector<float> buf, row;  // [panel / 16, n_cols, 16], [n_cols]
         buf.resize((size_t)(panel * n_cols));
         for (int64_t p = r0; p < r1; p += panel) {
           const int64_t n = std::min(panel, r1 - p);
-          for (int64_t r = 0; r < n; ++r) {
-            dequantize_row(w.type, (const uint8_t*)w.data + (size_t)(p + r) * row_bytes, buf.data() + r * n_cols,
-                           n_cols);
-          }
-          gemm(buf.data(), p, n);
+          pack_weight_strips(w, p, n, buf.data(), row);
+          prefill_panel(simd, w, buf.data(), p, n, x, n_tok, y);
         }
       });
       return;
     }
     case prefill_mode::prefill_whole_matrix: {
-      const float* all = (const float*)w.data;
-      thread_local std::vector<float> buf;  // [n_rows, n_cols]
-      if (!is_f32) {
-        buf.resize((size_t)(n_rows * n_cols));
-        float* dst = buf.data();  // the caller's buffer: inside the region `buf` names each thread's own
+      const int64_t n_strips = (n_rows + k_strip - 1) / k_strip;
+      thread_local std::vector<float> buf;  // [n_strips, n_cols, 16]
+      buf.resize((size_t)(n_strips * n_cols * k_strip));
+      float* all = buf.data();  // the caller's buffer: inside the regions `buf` names each thread's own
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < n_rows; ++r) {
-          dequantize_row(w.type, (const uint8_t*)w.data + (size_t)r * row_bytes, dst + r * n_cols, n_cols);
-        }
-        all = dst;
+      for (int64_t s = 0; s < n_strips; ++s) {
+        thread_local std::vector<float> row;  // [n_cols]
+        const int64_t r0 = s * k_strip;
+        pack_weight_strips(w, r0, std::min<int64_t>(k_strip, n_rows - r0), all + s * n_cols * k_strip, row);
       }
-      set_blas_threads(omp_get_max_threads());
-      gemm(all, 0, n_rows);
-      set_blas_threads(1);
+      run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+        prefill_panel(simd, w, all + r0 * n_cols, r0, r1 - r0, x, n_tok, y);
+      });
       return;
     }
   }
@@ -443,6 +586,41 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   } else {
     detail::matmul_decode(w, x, n_tok, y, act);
   }
+}
+
+void gemm_rows(const float* a, int64_t n, int k, const float* b, bool b_transposed, int n_out, float beta, float* c,
+               int64_t ldc) {
+  XCTX_CHECK(beta == 0.0f || beta == 1.0f, "cpu::gemm_rows: beta must be 0 or 1, not ", beta);
+  XCTX_CHECK(n >= 0 && k >= 0 && n_out >= 0 && ldc >= n_out, "cpu::gemm_rows: bad shape n ", n, " k ", k,
+             " n_out ", n_out, " ldc ", ldc);
+  if (n == 0 || n_out == 0) return;
+  using namespace detail;
+  const bool simd = has_avx2();
+  const int64_t n_strips = (n_out + k_strip - 1) / k_strip;
+  const int64_t n_full = n_out / k_strip;
+  // Bᵀ is packed into strips; plain B is read in place except for a partial last strip.
+  thread_local std::vector<float> pack;  // [strips packed, k, 16]
+  const int64_t first_packed = b_transposed ? 0 : n_full;
+  pack.resize((size_t)((n_strips - first_packed) * k * k_strip));
+  for (int64_t s = first_packed; s < n_strips; ++s) {
+    float* sd = pack.data() + (s - first_packed) * k * k_strip;
+    for (int j = 0; j < k_strip; ++j) {
+      const int64_t col = s * k_strip + j;
+      for (int kk = 0; kk < k; ++kk) {
+        float v = 0.0f;
+        if (col < n_out) v = b_transposed ? b[col * k + kk] : b[(int64_t)kk * n_out + col];
+        sd[kk * k_strip + j] = v;
+      }
+    }
+  }
+  const float* packed = pack.data();
+  rows_times_strips(
+      simd, a, n, k, k, n_strips,
+      [&](int64_t s) {
+        if (s < first_packed) return strip_ref{b + s * k_strip, n_out};
+        return strip_ref{packed + (s - first_packed) * k * k_strip, k_strip};
+      },
+      n_out, beta != 0.0f, c, ldc);
 }
 
 void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) {

@@ -63,18 +63,15 @@ bool is_float_type(ggml_type type);
 // `act` matters only for legacy quants (the other types always use float activations).
 void matmul_decode(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
                    float* y /*[n_tok, n_rows]*/, decode_activations act = get_decode_activations());
-// Measured at n_tok = 512, Q4_1, 2 threads (1 thread: ~120-125 GFLOP/s either way):
-//   split_rows:   576x576 1.56 ms (218 GFLOP/s), 1536x576 3.94 ms (230), 576x1536 4.11 ms (221)
-//   whole_matrix: 576x576 17.0 ms, 1536x576 11.2 ms, 576x1536 11.4 ms
-// whole_matrix loses because the OpenMP worker still spins after the dequantization region
-// while OpenBLAS's thread needs its core (worst under real-time scheduling, where the spinner is
-// never preempted; 1.7x slower than split_rows under normal scheduling on a busy machine).
-// cpu::matmul therefore uses split_rows; whole_matrix stays for the benchmark's comparison.
+// Both prefill modes dequantize weights to f32 strips and run the row-invariant GEMM of
+// matmul.cpp (every y[t, r] one fused multiply-add chain in column order), so they give the
+// same bits as each other and for every n_tok, row offset and thread count. OpenBLAS sgemm was
+// dropped here: its result for a row depends on the row's index inside the call (see
+// matmul.cpp). cpu::matmul uses split_rows; whole_matrix stays for the benchmark's comparison.
 enum class prefill_mode : uint8_t {
-  // Each OpenMP thread dequantizes panels of its own rows and runs a single-threaded sgemm on
-  // them: no second thread pool competes for the cores.
+  // Each OpenMP thread dequantizes panels of its own weight rows and multiplies them.
   prefill_split_rows,
-  // The whole matrix is dequantized (OpenMP), then one sgemm runs on OpenBLAS's own threads.
+  // The whole matrix is dequantized (OpenMP over strips), then the threads split its rows.
   prefill_whole_matrix,
 };
 void matmul_prefill(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
