@@ -10,6 +10,7 @@
 #include "cache/format.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx {
 
@@ -22,6 +23,11 @@ struct layer_input {
   int64_t n = 0;
 };
 
+// The caller's phase. Formats with two attention kernels (xquant: V rebuilt per unit for many
+// queries, V absorbed in the latent space for a decode step) choose by it, so whether a token's
+// attention runs one way or the other never depends on how many queries share the call.
+enum class attend_path : uint8_t { attend_prefill, attend_decode };
+
 class kv_cache {
  public:
   virtual ~kv_cache() = default;
@@ -30,28 +36,30 @@ class kv_cache {
   // Appends to one layer. Throws xctx::Error when the shard's capacity would be exceeded.
   virtual void append(int layer, const layer_input& in) = 0;
   virtual int64_t n_tokens(int layer) const = 0;
-  // Attention partial of queries (RoPE applied) over this layer's cached tokens, causal by
-  // position; see attn_args for the meaning of o and lse.
+  // Attention of queries (RoPE applied) over this layer's cached tokens, causal by position,
+  // added to `out` (rows n_q * n_head, width head_dim; kernels/softmax_acc.h) as exact
+  // per-unit deposits: the sum does not depend on how the sequence is split over caches.
+  // `path` names the caller's phase so formats with two kernels pick by it, never by n_q.
   virtual void attend(int layer,
                       const float* q,        // [n_q, n_head, head_dim]
                       const int32_t* q_pos,  // [n_q]
-                      int64_t n_q,
-                      float* o,              // [n_q, n_head, head_dim]
-                      float* lse)            // [n_q, n_head]
-      = 0;
+                      int64_t n_q, attend_path path, softmax_acc& out) = 0;
   // The ring prefill passes a layer's tokens between ranks in the representation the format
   // stores (compressed formats send compressed bytes). export_layer writes exactly
-  // exported_bytes(layer) bytes; attend_exported computes the partial of queries over such a
-  // block produced by a cache of the same format and geometry on another rank.
+  // exported_bytes(layer) bytes; attend_exported attends over such a block produced by a cache
+  // of the same format and geometry on another rank.
   virtual size_t exported_bytes(int layer) const = 0;
   virtual void export_layer(int layer, void* dst) const = 0;
   virtual void attend_exported(int layer, const void* block, size_t bytes,
                                const float* q,        // [n_q, n_head, head_dim]
                                const int32_t* q_pos,  // [n_q]
-                               int64_t n_q,
-                               float* o,              // [n_q, n_head, head_dim]
-                               float* lse)            // [n_q, n_head]
-      = 0;
+                               int64_t n_q, attend_path path, softmax_acc& out) = 0;
+  // One call's partial as (o normalised, lse natural log), see attn_args: for tests and tools.
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o /*[n_q, n_head, head_dim]*/,
+              float* lse /*[n_q, n_head]*/, attend_path path = attend_path::attend_prefill);
+  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
+                       float* o /*[n_q, n_head, head_dim]*/, float* lse /*[n_q, n_head]*/,
+                       attend_path path = attend_path::attend_prefill);
   virtual void clear() = 0;
   virtual size_t bytes_allocated() const = 0;
   virtual size_t bytes_used() const = 0;  // for the tokens held now

@@ -3,6 +3,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "cache/cache.h"
@@ -66,8 +67,8 @@ class fp_cache final : public kv_cache {
     n_[layer] = at + in.n;
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
-    run_attention(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q, o, lse);
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
+    run_attention(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q, path, out);
   }
 
   // Block layout: int64 n | int32 pos[n] | K [n, n_head_kv, head_dim] | V [same], K/V in the
@@ -83,7 +84,7 @@ class fp_cache final : public kv_cache {
     std::memcpy(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
   }
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       float* o, float* lse) override {
+                       attend_path path, softmax_acc& out) override {
     const auto* in = static_cast<const uint8_t*>(block);
     XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
     int64_t n = 0;
@@ -92,7 +93,7 @@ class fp_cache final : public kv_cache {
                bytes, " bytes (expected ", n >= 0 ? block_bytes(n) : 0, ")");
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     const uint8_t* k = in + 8 + padded_pos_bytes(n);
-    run_attention(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q, o, lse);
+    run_attention(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q, path, out);
   }
 
  private:
@@ -100,7 +101,7 @@ class fp_cache final : public kv_cache {
   size_t block_bytes(int64_t n) const { return 8 + padded_pos_bytes(n) + 2 * (size_t)n * row_elems_ * elem_bytes_; }
 
   void run_attention(const void* k, const void* v, const int32_t* kv_pos, int64_t n_kv, const float* q,
-                     const int32_t* q_pos, int64_t n_q, float* o, float* lse) {
+                     const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) {
     attn_args a;
     a.q = q;
     a.q_pos = q_pos;
@@ -114,8 +115,7 @@ class fp_cache final : public kv_cache {
     a.n_head_kv = geo_.n_head_kv;
     a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
-    a.o = o;
-    a.lse = lse;
+    a.acc = &out;
     be_.attention_partial(a);
   }
 
@@ -170,15 +170,34 @@ std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometr
 }
 
 int64_t cache_alignment(const cache_spec& spec) {
+  // Attention deposits one partial per unit of kAttnUnit positions, so no unit may straddle two
+  // ranks; the windowed formats also need whole quantization groups on one rank.
+  int64_t group = 1;
   switch (format_traits(spec.format).family) {
     case cache_family::family_fp:
-    case cache_family::family_nuq: return 1;
-    case cache_family::family_kivi: return spec.options.group_size;
+    case cache_family::family_nuq:
+    case cache_family::family_xquant_cl: break;  // every token encoded when appended
+    case cache_family::family_kivi:
     case cache_family::family_xquant:  // residual window of group_size tokens, as kivi
-    case cache_family::family_clkv: return spec.options.group_size;
-    case cache_family::family_xquant_cl: return 1;  // every token encoded when appended
+    case cache_family::family_clkv: group = spec.options.group_size; break;
   }
-  return 1;
+  return std::lcm<int64_t>(kAttnUnit, group);
+}
+
+void kv_cache::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse,
+                      attend_path path) {
+  const cache_geometry& g = geometry();
+  softmax_acc acc(n_q * g.n_head, g.head_dim);
+  attend(layer, q, q_pos, n_q, path, acc);
+  acc.finish(o, lse);
+}
+
+void kv_cache::attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, float* o, float* lse, attend_path path) {
+  const cache_geometry& g = geometry();
+  softmax_acc acc(n_q * g.n_head, g.head_dim);
+  attend_exported(layer, block, bytes, q, q_pos, n_q, path, acc);
+  acc.finish(o, lse);
 }
 
 }  // namespace xctx

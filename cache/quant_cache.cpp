@@ -189,8 +189,8 @@ class quant_cache final : public kv_cache {
     if (i < in.n) encode_nuq_rows(s, in.k + i * C_, in.v + i * C_, in.n - i);
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
-    run_attention(view_of(layer), q, q_pos, n_q, o, lse);
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
+    run_attention(view_of(layer), q, q_pos, n_q, path, out);
   }
 
   size_t exported_bytes(int layer) const override {
@@ -228,7 +228,7 @@ class quant_cache final : public kv_cache {
   }
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       float* o, float* lse) override {
+                       attend_path path, softmax_acc& out) override {
     const auto* in = static_cast<const uint8_t*>(block);
     int64_t hdr[5] = {};
     XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
@@ -278,7 +278,7 @@ class quant_cache final : public kv_cache {
     }
     for (int64_t i = 1; i < n; ++i)
       XCTX_CHECK(v.pos[i - 1] < v.pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
-    run_attention(v, q, q_pos, n_q, o, lse);
+    run_attention(v, q, q_pos, n_q, path, out);
   }
 
   // For tests and tools: the layer as the kernels see it.
@@ -384,14 +384,14 @@ class quant_cache final : public kv_cache {
     s.nq += n, s.n += n;
   }
 
-  void run_attention(const kvq_layer_view& v, const float* q, const int32_t* q_pos, int64_t n_q, float* o,
-                     float* lse) {
+  void run_attention(const kvq_layer_view& v, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
+                     softmax_acc& out) {
     kvq_attn_args a;
     a.kv = v;
     a.q = q, a.q_pos = q_pos, a.n_q = n_q, a.n_head = geo_.n_head;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
-    a.o = o, a.lse = lse;
+    a.acc = &out;
     be_.attention_kvq(a);
   }
 

@@ -182,9 +182,9 @@ class x_window_cache final : public kv_cache {
     }
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
     const layer_store& L = layers_.at(layer);
-    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.data(), q, q_pos, n_q, o, lse);
+    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.data(), q, q_pos, n_q, path, out);
   }
 
   // Block: int64 {n, nq, n_tail} | pos | per stream: codes (the shared partner's for clkv),
@@ -216,7 +216,7 @@ class x_window_cache final : public kv_cache {
   }
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       float* o, float* lse) override {
+                       attend_path path, softmax_acc& out) override {
     const auto* in = static_cast<const uint8_t*>(block);
     int64_t hdr[3] = {};
     XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
@@ -245,7 +245,7 @@ class x_window_cache final : public kv_cache {
       v[k].tail = reinterpret_cast<const uint16_t*>(take(n_tail * s.C * 2));
       if (s.ch0) v[k].ch0 = reinterpret_cast<const uint16_t*>(take(nq * 2));
     }
-    run(layer, v[0], v[L.n_streams - 1], n, pos, q, q_pos, n_q, o, lse);
+    run(layer, v[0], v[L.n_streams - 1], n, pos, q, q_pos, n_q, path, out);
   }
 
   xq_stream view(int layer, int k) const {
@@ -318,7 +318,7 @@ class x_window_cache final : public kv_cache {
   }
 
   void run(int layer, const xq_stream& zk, const xq_stream& zv, int64_t n, const int32_t* pos, const float* q,
-           const int32_t* q_pos, int64_t n_q, float* o, float* lse) const {
+           const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
     xq_attn_args a;
     a.n = n, a.pos = pos, a.zk = zk, a.zv = zv;
     a.same_stream = layers_[layer].n_streams == 1;
@@ -332,7 +332,8 @@ class x_window_cache final : public kv_cache {
     a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
-    a.o = o, a.lse = lse;
+    a.acc = &out;
+    a.absorb_v = path == attend_path::attend_decode;
     if (use_ref_)
       ref::attention_xq(a);
     else

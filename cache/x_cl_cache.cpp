@@ -20,7 +20,10 @@
 // for layers < base carry the 4-bit X codes; for layers >= base the receiver cannot rebuild X̂
 // from one delta, so the block carries the fp16 latent X̂_i·U_i (GQA: 2·kv_dim channels, the
 // same bytes as fp16 K and V; MHA: X̂_i itself, half of fp16 K and V), which rebuilds K|V
-// exactly through Σ_kv B_kvᵀ.
+// exactly through Σ_kv B_kvᵀ. Attention reads that fp16 latent for the own shard too
+// (deviation from the paper, which rebuilds from the f32 X̂: one fp16 rounding of the latent),
+// so a token's keys and values are the same bits on every rank and the result does not depend
+// on the rank count.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -138,16 +141,16 @@ class x_cl_cache final : public kv_cache {
     advance(a0, a0 + in.n, layer);
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
     const cl_layer& L = layers_.at(layer);
     if (layer < base_) {
-      run_w(layer, stream_view(layer), L.n, pos_.data(), q, q_pos, n_q, o, lse);
+      run_w(layer, stream_view(layer), L.n, pos_.data(), q, q_pos, n_q, path, out);
       return;
     }
-    advance(0, L.n, layer);
-    xq_stream s;
-    s.channels = d_, s.dense = acc_.data();
-    run_w(layer, s, L.n, pos_.data(), q, q_pos, n_q, o, lse);
+    // The own shard is attended through the same fp16 latent a ring block carries, so a token's
+    // keys and values are the same bits whichever rank attends it (rank-count invariance).
+    const std::vector<uint16_t> y = latent_fp16(layer, L.n);
+    run_latent(layer, y.data(), L.n, pos_.data(), q, q_pos, n_q, path, out);
   }
 
   // Block: int64 n | pos | layers < base: X codes, params; layers >= base: fp16 [n, r] latent.
@@ -168,24 +171,14 @@ class x_cl_cache final : public kv_cache {
       put(L.codes.data(), n * L.rb);
       put(L.params.data(), n * L.n_g * sizeof(kvq_affine));
     } else {
-      advance(0, n, layer);
-      const auto& F = factors_->layers[layer];
-      std::vector<float> y((size_t)n * r_);
-      if (F.u_kv.empty())
-        std::copy(acc_.begin(), acc_.begin() + n * d_, y.begin());
-      else if (use_ref_)
-        ref::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
-      else
-        cpu::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
-      std::vector<uint16_t> h(y.size());
-      for (size_t e = 0; e < y.size(); ++e) h[e] = fp32_to_fp16(y[e]);
+      const std::vector<uint16_t> h = latent_fp16(layer, n);
       put(h.data(), h.size() * 2);
     }
     XCTX_ASSERT(at == exported_bytes(layer));
   }
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       float* o, float* lse) override {
+                       attend_path path, softmax_acc& out) override {
     const auto* in = static_cast<const uint8_t*>(block);
     XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
     int64_t n = 0;
@@ -202,14 +195,36 @@ class x_cl_cache final : public kv_cache {
       s.nq = n;
       s.codes = body;
       s.params = reinterpret_cast<const kvq_affine*>(body + pad8(n * L.rb));
-      run_w(layer, s, n, pos, q, q_pos, n_q, o, lse);
+      run_w(layer, s, n, pos, q, q_pos, n_q, path, out);
       return;
     }
+    run_latent(layer, reinterpret_cast<const uint16_t*>(body), n, pos, q, q_pos, n_q, path, out);
+  }
+
+  // The accumulator of tokens [0, n) at `layer` in the [W_k | W_v] latent, rounded to fp16: what
+  // ring blocks carry and what every rank attends (own shard included).
+  std::vector<uint16_t> latent_fp16(int layer, int64_t n) const {
+    advance(0, n, layer);
+    const auto& F = factors_->layers[layer];
+    std::vector<float> y((size_t)n * r_);
+    if (F.u_kv.empty())
+      std::copy(acc_.begin(), acc_.begin() + n * d_, y.begin());
+    else if (use_ref_)
+      ref::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
+    else
+      cpu::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
+    std::vector<uint16_t> h(y.size());
+    for (size_t e = 0; e < y.size(); ++e) h[e] = fp32_to_fp16(y[e]);
+    return h;
+  }
+
+  void run_latent(int layer, const uint16_t* y /*[n, r]*/, int64_t n, const int32_t* pos, const float* q,
+                  const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
     xq_stream s;
     s.axis = xq_axis::xq_per_token, s.channels = r_, s.bits = 4, s.group = G_, s.nq = 0;
-    s.tail = reinterpret_cast<const uint16_t*>(body);
+    s.tail = y;
     const auto& F = factors_->layers[layer];
-    xq_attn_args a = args(layer, s, n, pos, q, q_pos, n_q, o, lse);
+    xq_attn_args a = args(layer, s, n, pos, q, q_pos, n_q, path, out);
     a.m_k = F.m_kv.data(), a.ld_mk = 2 * kv_, a.m_v = F.m_kv.data() + kv_, a.ld_mv = 2 * kv_;
     attention(a);
   }
@@ -303,7 +318,7 @@ class x_cl_cache final : public kv_cache {
   }
 
   xq_attn_args args(int layer, const xq_stream& s, int64_t n, const int32_t* pos, const float* q,
-                    const int32_t* q_pos, int64_t n_q, float* o, float* lse) const {
+                    const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
     const auto& F = factors_->layers[layer];
     xq_attn_args a;
     a.n = n, a.pos = pos, a.zk = s, a.zv = s, a.same_stream = true;
@@ -314,14 +329,15 @@ class x_cl_cache final : public kv_cache {
     a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
-    a.o = o, a.lse = lse;
+    a.acc = &out;
+    a.absorb_v = path == attend_path::attend_decode;
     return a;
   }
 
   // Attention over an X stream (or the accumulator) with K|V = X·[W_k | W_v] + b.
   void run_w(int layer, const xq_stream& s, int64_t n, const int32_t* pos, const float* q, const int32_t* q_pos,
-             int64_t n_q, float* o, float* lse) const {
-    attention(args(layer, s, n, pos, q, q_pos, n_q, o, lse));
+             int64_t n_q, attend_path path, softmax_acc& out) const {
+    attention(args(layer, s, n, pos, q, q_pos, n_q, path, out));
   }
 
   void attention(const xq_attn_args& a) const {

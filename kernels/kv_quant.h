@@ -207,6 +207,7 @@ struct kvq_attn_args {
   rope_config rope;  // applied to the decoded pre-RoPE keys at their positions
   float* o = nullptr;    // [n_q, n_head, head_dim]
   float* lse = nullptr;  // [n_q, n_head]
+  softmax_acc* acc = nullptr;  // when set: exact per-unit deposits instead of o/lse (see attn_args)
 };
 
 }  // namespace xctx

@@ -49,6 +49,7 @@ enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
 // Quantized-cache kernels (encode, attention over one quantized layer): kernels/kv_quant.h.
 struct kvq_encode_job;
 struct kvq_attn_args;
+class softmax_acc;  // kernels/softmax_acc.h
 
 // One attention call: queries against a set of cached tokens, producing a *partial* result
 // (o normalised by its own softmax sum, plus the log-sum-exp) that can be merged with the
@@ -69,6 +70,11 @@ struct attn_args {
   float scale = 0.0f;  // usually 1/sqrt(head_dim)
   float* o = nullptr;    // [n_q, n_head, head_dim]
   float* lse = nullptr;  // [n_q, n_head], natural log
+  // When set, o/lse are not written: the partial is added to acc (rows n_q * n_head, width
+  // head_dim) as exact per-unit deposits whose sum does not depend on how the keys are split
+  // (kernels/cpu/attention_units.h). Host memory; the CPU backend implements it per unit, the
+  // ref backend as one deposit per row, the CUDA backend not at all (it throws).
+  softmax_acc* acc = nullptr;
 };
 
 class backend {

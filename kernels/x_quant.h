@@ -93,6 +93,12 @@ struct xq_attn_args {
   rope_config rope;              // applied to the rebuilt keys at their positions
   float* o = nullptr;            // [n_q, n_head, head_dim]
   float* lse = nullptr;          // [n_q, n_head]
+  // When set: exact per-unit deposits instead of o/lse (see attn_args). absorb_v then picks the
+  // unit kernel: V absorbed in the latent space (few queries: decode steps) or K and V rebuilt
+  // per unit (many queries share them: prefill). The caller decides, never n_q, so a token's
+  // result does not depend on how many other queries share its call.
+  softmax_acc* acc = nullptr;
+  bool absorb_v = false;
 };
 
 namespace ref {

@@ -27,19 +27,22 @@ class attention_exchange {
       = 0;
 };
 
-// One process, one cache: store = append, attend = the cache's own partial (already normalized).
+// One process, one cache: store = append, attend = the cache's own attention.
 class local_attention final : public attention_exchange {
  public:
-  explicit local_attention(kv_cache& cache) : cache_(cache) {}
+  explicit local_attention(kv_cache& cache, attend_path path = attend_path::attend_prefill)
+      : cache_(cache), path_(path) {}
   void store(int layer, const layer_input& in) override { cache_.append(layer, in); }
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override {
-    lse_.resize((size_t)n_q * cache_.geometry().n_head);
-    cache_.attend(layer, q, q_pos, n_q, o, lse_.data());
+    acc_.reset(n_q * cache_.geometry().n_head, cache_.geometry().head_dim);
+    cache_.attend(layer, q, q_pos, n_q, path_, acc_);
+    acc_.finish(o);
   }
 
  private:
   kv_cache& cache_;
-  std::vector<float> lse_;  // [n_q, n_head]
+  attend_path path_;
+  softmax_acc acc_;  // rows n_q * n_head
 };
 
 }  // namespace xctx

@@ -30,16 +30,17 @@ class recording_cache final : public kv_cache {
     inner_->append(layer, in);
   }
   int64_t n_tokens(int layer) const override { return inner_->n_tokens(layer); }
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
+              softmax_acc& out) override {
     const size_t row = (size_t)geometry().n_head * geometry().head_dim;
     q_[layer].insert(q_[layer].end(), q, q + n_q * row);
-    inner_->attend(layer, q, q_pos, n_q, o, lse);
+    inner_->attend(layer, q, q_pos, n_q, path, out);
   }
   size_t exported_bytes(int layer) const override { return inner_->exported_bytes(layer); }
   void export_layer(int layer, void* dst) const override { inner_->export_layer(layer, dst); }
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       float* o, float* lse) override {
-    inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, o, lse);
+                       attend_path path, softmax_acc& out) override {
+    inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
   }
   void clear() override {
     inner_->clear();

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "worker/shard_plan.h"
 
 namespace xctx {
 
@@ -70,15 +71,38 @@ void add_bias(float* y, const std::vector<float>& b, int64_t n) {
 }
 }  // namespace
 
+std::vector<int64_t> batch_bounds(int64_t n, int64_t batch, int64_t align) {
+  XCTX_CHECK(batch > 0 && align > 0, "batch_bounds: batch ", batch, " / align ", align);
+  const int64_t b = std::max(align, batch / align * align);
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < n; s += b) out.push_back(s);
+  // A short tail joins the batch before it: no batch of a long run is short enough for the
+  // matmul kernels to take their decode path, which rounds differently.
+  if (out.size() > 1 && n - out.back() < kMinPrefillBatch) out.pop_back();
+  out.push_back(n);
+  return out;
+}
+
+namespace {
+
+int64_t max_batch(int64_t n, int64_t batch, int64_t align) {
+  const std::vector<int64_t> b = batch_bounds(n, batch, align);
+  int64_t m = 0;
+  for (size_t i = 1; i < b.size(); ++i) m = std::max(m, b[i] - b[i - 1]);
+  return m;
+}
+
+}  // namespace
+
 void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange& attn,
                               const progress_fn& layer_progress) {
   const model_hparams& hp = w_.hp;
   const int64_t d = hp.n_embd, qd = (int64_t)hp.n_head * hp.head_dim;
-  const int64_t sub = std::min<int64_t>(n, rp_.n_batch);
+  const std::vector<int64_t> sb = batch_bounds(n, rp_.n_batch, 1);
   for (int l = 0; l < hp.n_layer; ++l) {
     const layer_weights& L = w_.layers[l];
-    for (int64_t s = 0; s < n; s += sub) {  // q, k, v; store k, v
-      const int64_t m = std::min(sub, n - s);
+    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {  // q, k, v; store k, v
+      const int64_t s = sb[bi], m = sb[bi + 1] - s;
       be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
       float* q = q_.data() + s * qd;
       be_.matmul(L.wq, h_.data(), m, q);
@@ -97,8 +121,8 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
       attn.store(l, in);
     }
     attn.attend(l, q_.data(), pos, n, o_.data());
-    for (int64_t s = 0; s < n; s += sub) {  // output projection and MLP
-      const int64_t m = std::min(sub, n - s);
+    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {  // output projection and MLP
+      const int64_t s = sb[bi], m = sb[bi + 1] - s;
       float* x = x_.data() + s * d;
       be_.matmul(L.wo, o_.data() + s * qd, m, tmp_.data());
       be_.add(x, tmp_.data(), m * d);
@@ -130,13 +154,14 @@ void check_tokens(const int32_t* tokens, int64_t n, int32_t n_vocab) {
 }  // namespace
 
 void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
-                           logits_for which, float* logits, const progress_fn& progress) {
+                           logits_for which, float* logits, const progress_fn& progress, int64_t chunk_align) {
   const model_hparams& hp = w_.hp;
   check_tokens(tokens, n, hp.n_vocab);
-  const int64_t chunk = std::min<int64_t>(n, rp_.n_batch);
-  ensure_scratch(chunk, chunk);
-  for (int64_t s = 0; s < n; s += chunk) {
-    const int64_t m = std::min(chunk, n - s);
+  const std::vector<int64_t> cb = batch_bounds(n, rp_.n_batch, chunk_align);
+  const int64_t chunk = max_batch(n, rp_.n_batch, chunk_align);
+  ensure_scratch(chunk, max_batch(chunk, rp_.n_batch, 1));
+  for (size_t ci = 0; ci + 1 < cb.size(); ++ci) {
+    const int64_t s = cb[ci], m = cb[ci + 1] - s;
     be_.get_rows(w_.tok_embd, tokens + s, m, x_.data());
     run_layers(pos + s, m, attn, {});
     if (which == logits_for::logits_all) {
@@ -157,7 +182,7 @@ void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n,
 void llama_engine::forward_layer_major(const int32_t* tokens, const int32_t* pos, int64_t n,
                                        attention_exchange& attn, const progress_fn& progress) {
   check_tokens(tokens, n, w_.hp.n_vocab);
-  ensure_scratch(n, std::min<int64_t>(n, rp_.n_batch));
+  ensure_scratch(n, max_batch(n, rp_.n_batch, 1));
   be_.get_rows(w_.tok_embd, tokens, n, x_.data());
   run_layers(pos, n, attn, progress);
 }
@@ -166,10 +191,11 @@ void llama_engine::forward_layer_major_scored(const int32_t* tokens, const int32
                                               attention_exchange& attn, const int32_t* targets, float* nll,
                                               const progress_fn& progress) {
   forward_layer_major(tokens, pos, n, attn, progress);
-  const int64_t V = w_.hp.n_vocab, chunk = std::min<int64_t>(n, rp_.n_batch);
-  std::vector<float> logits((size_t)(chunk * V));  // [chunk, n_vocab]
-  for (int64_t s = 0; s < n; s += chunk) {
-    const int64_t m = std::min(chunk, n - s);
+  const int64_t V = w_.hp.n_vocab;
+  const std::vector<int64_t> lb = batch_bounds(n, rp_.n_batch, 1);
+  std::vector<float> logits((size_t)(max_batch(n, rp_.n_batch, 1) * V));  // [batch, n_vocab]
+  for (size_t bi = 0; bi + 1 < lb.size(); ++bi) {
+    const int64_t s = lb[bi], m = lb[bi + 1] - s;
     compute_logits(x_.data() + s * w_.hp.n_embd, m, logits.data());
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; ++i) {

@@ -30,12 +30,14 @@ class llama_engine {
 
   // Runs n tokens at positions pos through the model. Token-chunk-major: chunks of
   // run_params.n_batch tokens go through all layers one after the other, so memory stays
-  // bounded for any n (each chunk attends to what earlier chunks stored). logits: [1, n_vocab]
+  // bounded for any n (each chunk attends to what earlier chunks stored). Chunks start on
+  // multiples of chunk_align (a cache's alignment: a chunk then ends on the same quantization
+  // group boundaries a rank of a shard plan would), and see batch_bounds for the tail. logits: [1, n_vocab]
   // for logits_last, [n, n_vocab] for logits_all.
   void forward(const int32_t* tokens,  // [n]
                const int32_t* pos,     // [n]
                int64_t n, attention_exchange& attn, logits_for which, float* logits,
-               const progress_fn& progress = {});
+               const progress_fn& progress = {}, int64_t chunk_align = 1);
   // The same over one local cache.
   void forward(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache, logits_for which,
                float* logits, const progress_fn& progress = {});
@@ -82,5 +84,12 @@ class llama_engine {
 rope_config make_rope_config(const model_hparams& hp, const run_params& rp);
 // Geometry of a cache of `capacity` tokens for this model.
 cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity);
+
+// Batch boundaries for n tokens: batches of batch tokens (rounded down to a multiple of align,
+// at least align) starting at 0; a tail shorter than kMinPrefillBatch joins the batch before
+// it. Returns the starts plus n. Every token of a long run thus goes through the matmuls in a
+// batch of >= kMinPrefillBatch rows -- the GEMM path, whose rows do not depend on the batch --
+// wherever the run is cut.
+std::vector<int64_t> batch_bounds(int64_t n, int64_t batch, int64_t align);
 
 }  // namespace xctx

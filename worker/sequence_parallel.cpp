@@ -22,7 +22,7 @@ const char* prefill_mode_name(prefill_mode m) {
 }
 
 size_t partial_bytes_per_token_layer(const model_hparams& hp) {
-  return (size_t)hp.n_head * (hp.head_dim + 1) * sizeof(float);
+  return (size_t)hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(int64_t));
 }
 
 // ---- ring (exact prefill) ----------------------------------------------------------------
@@ -34,34 +34,27 @@ void ring_attention::store(int layer, const layer_input& in) { own_.append(layer
 
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
-  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim;
-  o_parts_.resize(2 * od);
-  lse_parts_.resize(2 * rows);
-  if (n_q > 0) own_.attend(layer, q, q_pos, n_q, o_parts_.data(), lse_parts_.data());
-
+  acc_.reset(n_q * g.n_head, g.head_dim);
+  if (n_q > 0) own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
   const int p = comm_.size();
-  if (p == 1) {
-    if (n_q > 0) std::memcpy(o, o_parts_.data(), od * sizeof(float));
-    return;
-  }
-  const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
-  send_.resize(own_.exported_bytes(layer));
-  own_.export_layer(layer, send_.data());
-  // P-1 steps: pass on the block received last, so every block visits every rank once.
-  for (int step = 1; step < p; ++step) {
-    uint64_t out_bytes = send_.size(), in_bytes = 0;
-    comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
-    recv_.resize(in_bytes);
-    comm_.sendrecv(send_.data(), send_.size(), next, recv_.data(), recv_.size(), prev, 2 * step + 1);
-    stats_.ring_bytes_sent += out_bytes;
-    if (n_q > 0) {
-      own_.attend_exported(layer, recv_.data(), recv_.size(), q, q_pos, n_q, o_parts_.data() + od,
-                           lse_parts_.data() + rows);
-      be_.merge_partials(o_parts_.data(), lse_parts_.data(), 2, rows, g.head_dim, o_parts_.data(), lse_parts_.data());
+  if (p > 1) {
+    const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
+    send_.resize(own_.exported_bytes(layer));
+    own_.export_layer(layer, send_.data());
+    // P-1 steps: pass on the block received last, so every block visits every rank once. The
+    // exact accumulator makes the arrival order (and so the rank count) invisible in o.
+    for (int step = 1; step < p; ++step) {
+      uint64_t out_bytes = send_.size(), in_bytes = 0;
+      comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
+      recv_.resize(in_bytes);
+      comm_.sendrecv(send_.data(), send_.size(), next, recv_.data(), recv_.size(), prev, 2 * step + 1);
+      stats_.ring_bytes_sent += out_bytes;
+      if (n_q > 0)
+        own_.attend_exported(layer, recv_.data(), recv_.size(), q, q_pos, n_q, attend_path::attend_prefill, acc_);
+      std::swap(send_, recv_);
     }
-    std::swap(send_, recv_);
   }
-  if (n_q > 0) std::memcpy(o, o_parts_.data(), od * sizeof(float));
+  if (n_q > 0) acc_.finish(o);
 }
 
 // ---- merged partials (decode / suffix) -----------------------------------------------------
@@ -77,27 +70,22 @@ void merged_attention::store(int layer, const layer_input& in) {
 void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
   const int p = comm_.size();
-  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim, stride = od + rows;
-  // Pack [o | lse] of this rank, gather everyone's, unpack into the merge layout.
-  packed_.resize(stride);
-  own_.attend(layer, q, q_pos, n_q, packed_.data(), packed_.data() + od);
-  if (p == 1) {
-    std::memcpy(o, packed_.data(), od * sizeof(float));
-    return;
+  acc_.reset(n_q * g.n_head, g.head_dim);
+  own_.attend(layer, q, q_pos, n_q, attend_path::attend_decode, acc_);
+  if (p > 1) {
+    // Every rank gathers every rank's exact partial and adds them: identical o on all ranks,
+    // and the same o one rank holding the whole cache would get.
+    const size_t bytes = acc_.serialized_bytes();
+    packed_.resize(bytes);
+    acc_.serialize(packed_.data());
+    gathered_.resize(bytes * p);
+    comm_.all_gather(packed_.data(), gathered_.data(), bytes);
+    stats_.gather_bytes_sent += bytes;
+    stats_.gather_bytes_recv += bytes * p;
+    acc_.reset(n_q * g.n_head, g.head_dim);
+    for (int r = 0; r < p; ++r) acc_.merge_serialized(gathered_.data() + bytes * r, bytes);
   }
-  gathered_.resize(stride * p);
-  comm_.all_gather(packed_.data(), gathered_.data(), stride * sizeof(float));
-  stats_.gather_bytes_sent += stride * sizeof(float);
-  stats_.gather_bytes_recv += stride * sizeof(float) * p;
-  o_parts_.resize(od * p);
-  lse_parts_.resize(rows * p);
-  for (int r = 0; r < p; ++r) {
-    std::memcpy(o_parts_.data() + r * od, gathered_.data() + r * stride, od * sizeof(float));
-    std::memcpy(lse_parts_.data() + r * rows, gathered_.data() + r * stride + od, rows * sizeof(float));
-  }
-  lse_.resize(rows);
-  // Every rank merges the same gathered bytes in the same order: identical o on all ranks.
-  be_.merge_partials(o_parts_.data(), lse_parts_.data(), p, rows, g.head_dim, o, lse_.data());
+  acc_.finish(o);
 }
 
 // ---- star (anchor + own chunk) -------------------------------------------------------------
@@ -133,15 +121,10 @@ void star_attention::store(int layer, const layer_input& in) {
 
 void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
-  const int64_t rows = n_q * g.n_head, od = rows * g.head_dim;
-  o_parts_.resize(2 * od);
-  lse_parts_.resize(2 * rows);
-  own_.attend(layer, q, q_pos, n_q, o_parts_.data(), lse_parts_.data());
-  if (anchor_ != nullptr) {
-    anchor_->attend(layer, q, q_pos, n_q, o_parts_.data() + od, lse_parts_.data() + rows);
-    be_.merge_partials(o_parts_.data(), lse_parts_.data(), 2, rows, g.head_dim, o_parts_.data(), lse_parts_.data());
-  }
-  std::memcpy(o, o_parts_.data(), od * sizeof(float));
+  acc_.reset(n_q * g.n_head, g.head_dim);
+  own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  if (anchor_ != nullptr) anchor_->attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  acc_.finish(o);
 }
 
 // ---- the runner ------------------------------------------------------------------------------
@@ -167,7 +150,7 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   const int p = comm_.size(), rank = comm_.rank();
   const int64_t n = (int64_t)context.size();
   const shard_layout layout = opt_.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt_.layout;
-  plan_ = make_shard_plan(n, p, layout, cache_alignment(spec_));
+  plan_ = make_shard_plan(n, p, layout, cache_alignment(spec_), kMinPrefillBatch);
   // With an empty context (short prompt) the suffix lands on rank 0.
   if (n == 0) plan_.tail_rank = 0;
   const bool tail = rank == plan_.tail_rank;
@@ -183,7 +166,7 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
         ring_attention ring(*cache_, comm_, be_, stats_);
         if (p == 1) {  // one rank: chunk-major keeps memory bounded for any length
           engine_.forward(mine.data(), pos.data(), (int64_t)mine.size(), ring, llama_engine::logits_for::logits_none,
-                          nullptr, progress);
+                          nullptr, progress, cache_alignment(spec_));
         } else if (!mine.empty()) {
           engine_.forward_layer_major(mine.data(), pos.data(), (int64_t)mine.size(), ring, progress);
         } else {  // fewer context tokens than shards: still relay the other ranks' blocks
@@ -223,7 +206,7 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
   XCTX_CHECK(!cache_, "score called on a sequence that was already prefilled");
   const int64_t n = (int64_t)tokens.size();
   XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
-  plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_));
+  plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_), kMinPrefillBatch);
   const std::vector<int32_t> pos = plan_.positions_of(comm_.rank());
   cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size())), be_);
   std::vector<int32_t> mine(pos.size()), targets(pos.size());

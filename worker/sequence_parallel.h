@@ -36,13 +36,14 @@ struct sequence_options {
 // Bytes this rank moved through the communicator, by purpose.
 struct sequence_comm_stats {
   uint64_t ring_bytes_sent = 0;      // exact prefill: cache blocks passed on
-  uint64_t gather_bytes_sent = 0;    // decode/suffix: packed (o, lse) partials contributed
+  uint64_t gather_bytes_sent = 0;    // decode/suffix: serialized exact partials contributed
   uint64_t gather_bytes_recv = 0;    // decode/suffix: partials received (all ranks')
   uint64_t decode_tokens = 0;        // tokens run through the merged path
 };
 
-// Bytes of packed partials one rank contributes per token per layer: n_head·(head_dim + 1)
-// floats (o and lse); every rank receives n_rank times that.
+// Bytes of the serialized exact partial (kernels/softmax_acc.h) one rank contributes per token
+// per layer: n_head rows of one int32 top bin and kAccBins·(head_dim + 1) int64 slice sums;
+// every rank receives n_rank times that.
 size_t partial_bytes_per_token_layer(const model_hparams& hp);
 
 class sequence_parallel_runner {
@@ -94,7 +95,7 @@ class ring_attention final : public attention_exchange {
   backend& be_;
   sequence_comm_stats& stats_;
   std::vector<uint8_t> send_, recv_;
-  std::vector<float> o_parts_, lse_parts_;  // [2, n_q·n_head, head_dim], [2, n_q·n_head]
+  softmax_acc acc_;  // rows n_q·n_head: the own shard and every block passed by
 };
 
 class merged_attention final : public attention_exchange {
@@ -109,7 +110,8 @@ class merged_attention final : public attention_exchange {
   communicator& comm_;
   backend& be_;
   sequence_comm_stats& stats_;
-  std::vector<float> packed_, gathered_, o_parts_, lse_parts_, lse_;
+  softmax_acc acc_;  // rows n_q·n_head
+  std::vector<uint8_t> packed_, gathered_;  // serialized accumulators: this rank's, all ranks'
 };
 
 class star_attention final : public attention_exchange {
@@ -124,7 +126,7 @@ class star_attention final : public attention_exchange {
   kv_cache* anchor_;
   int64_t anchor_end_;
   backend& be_;
-  std::vector<float> o_parts_, lse_parts_;
+  softmax_acc acc_;  // rows n_q·n_head
 };
 
 }  // namespace xctx

@@ -1,5 +1,7 @@
 #include "worker/shard_plan.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace xctx {
@@ -18,7 +20,7 @@ std::vector<int32_t> shard_plan::positions_of(int rank) const {
   return pos;
 }
 
-shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align) {
+shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align, int64_t min_tail) {
   XCTX_CHECK(n_rank >= 1, "shard plan: need at least one rank, got ", n_rank);
   XCTX_CHECK(align >= 1, "shard plan: alignment must be >= 1, got ", align);
   XCTX_CHECK(n_tokens >= 0 && n_tokens < (int64_t)INT32_MAX, "shard plan: ", n_tokens, " tokens is out of range");
@@ -27,10 +29,13 @@ shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, in
   p.n_rank = n_rank;
   p.n_tokens = n_tokens;
   p.ranges.resize(n_rank);
-  // Boundary k of `parts` pieces, rounded down to the alignment (the end stays the end).
+  // Boundary k of `parts` pieces, rounded down to the alignment (the end stays the end), and
+  // never so close to the end that the last piece is a tiny batch.
   const auto cut = [&](int64_t k, int64_t parts) {
     if (k >= parts) return n_tokens;
-    return n_tokens * k / parts / align * align;
+    int64_t last = n_tokens * (parts - 1) / parts / align * align;
+    while (last > 0 && n_tokens - last < min_tail) last = (last - 1) / align * align;
+    return std::min(last, n_tokens * k / parts / align * align);
   };
   switch (layout) {
     case shard_layout::shard_contiguous:

@@ -27,9 +27,17 @@ struct shard_plan {
   std::vector<int32_t> positions_of(int rank) const;
 };
 
+// Smallest prefill batch the engine and shard plans hand the matmuls (unless the whole run is
+// shorter): below ~40-64 rows the matmul kernels take their decode path, which rounds
+// differently from the GEMM path, and a token's projections would depend on its batch.
+inline constexpr int64_t kMinPrefillBatch = 64;
+
 // align > 1 puts every boundary between pieces on a multiple of align (the last piece takes the
 // remainder), so formats that compress groups of positions see the same groups on any rank count.
-shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align = 1);
+// A last piece shorter than min_tail (> 0) is merged into the piece before it (the runners pass
+// kMinPrefillBatch).
+shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align = 1,
+                           int64_t min_tail = 0);
 shard_layout parse_shard_layout(const std::string& name);  // contiguous | zigzag
 const char* shard_layout_name(shard_layout l);
 

@@ -13,10 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common/error.h"
 #include "common/half.h"
+#include "kernels/cpu/attention_units.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 
@@ -327,7 +329,26 @@ void decode_block(isa v, const decode_job& jb) {
     decode_block_scalar(jb);
 }
 
+// Plain caches need no decoding: a unit is a window of the cache itself.
+class plain_loader final : public unit_loader {
+ public:
+  explicit plain_loader(const attn_args& a) : a_(a), ld_((int64_t)a.n_head_kv * a.head_dim) {}
+  unit_kv load(int64_t s0, int, float*, float*) override {
+    const size_t off = (size_t)(s0 * ld_) * kv_elt_bytes(a_.kv_type);
+    return unit_kv{(const char*)a_.k + off, (const char*)a_.v + off, a_.kv_type, ld_};
+  }
+
+ private:
+  const attn_args& a_;
+  int64_t ld_;
+};
+
 void attention_partial(isa v, const attn_args& a) {
+  if (a.acc != nullptr) {
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale};
+    attend_units(qs, a.kv_pos, a.n_kv, [&] { return std::make_unique<plain_loader>(a); }, *a.acc);
+    return;
+  }
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
              "attention: n_head=", a.n_head, " must be a positive multiple of n_head_kv=", a.n_head_kv);

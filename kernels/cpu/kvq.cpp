@@ -6,12 +6,12 @@
 // the regular attention core on it, merging tile partials by log-sum-exp. Memory traffic is the
 // compressed bytes; no f32 copy of the shard ever exists.
 //
-// RoPE on the fly: per token and rotary pair the kernel needs cos/sin(p * theta_i). Calling
-// sincos for each would cost more than reading the codes, so a work item computes the angles of
-// its first position exactly (double), then advances whole tiles by a precomputed rotation
-// (double) and derives each token inside a tile from the tile base and a table of
-// cos/sin(j * theta_i), j < kTile (one float complex multiply). Positions that are not
-// consecutive inside a tile fall back to exact per-token angles.
+// RoPE on the fly: kernels/cpu/rope_tile.h (exact angles per tile start, a float complex
+// multiply per token inside the tile).
+//
+// With an accumulator (args.acc, the path the caches take) the layer is attended unit by unit
+// instead (kernels/cpu/attention_units.h): each unit decoded as above, then the same decode
+// kernel per query, deposited exactly -- the result does not depend on how the cache is split.
 #include <omp.h>
 
 #include <algorithm>
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/cpu/attention_units.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/kvq_impl.h"
@@ -356,12 +357,38 @@ void attention_kvq_prefill(isa v, const kvq_attn_args& a, int64_t kv_len) {
   acc.finish(a.o, a.lse);
 }
 
+// A unit decoded to f32 (outliers patched, keys rotated) in halves of one RoPE tile each.
+class kvq_loader final : public unit_loader {
+ public:
+  kvq_loader(const kvq_attn_args& a, const impl::rope_table& tab) : a_(a), tab_(tab) {}
+  unit_kv load(int64_t s0, int n, float* kbuf, float* vbuf) override {
+    const int C = a_.kv.channels();
+    for (int h = 0; h < n; h += kTile) {
+      const int nt = std::min(kTile, n - h);
+      decode_tile(impl::best_isa(), a_.kv, tab_, s0 + h, nt, kbuf + (size_t)h * C, vbuf + (size_t)h * C, gs_, cur_);
+    }
+    return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, C};
+  }
+
+ private:
+  const kvq_attn_args& a_;
+  const impl::rope_table& tab_;
+  group_scales gs_;
+  impl::rope_cursor cur_;
+};
+
 }  // namespace
 
 void attention_kvq(const kvq_attn_args& a) {
   check_args(a);
-  if (a.n_q == 0) return;
   const kvq_layer_view& L = a.kv;
+  if (a.acc != nullptr) {
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale};
+    const impl::rope_table& tab = impl::rope_table_for(a.rope);
+    attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
+    return;
+  }
+  if (a.n_q == 0) return;
   std::vector<int64_t> q_end((size_t)a.n_q);
   int64_t kv_len = 0;
   for (int64_t i = 0; i < a.n_q; ++i) {

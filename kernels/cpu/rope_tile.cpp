@@ -36,12 +36,6 @@ const rope_table& rope_table_for(const rope_config& cfg) {
       t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
       t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
     }
-  t->step_cos.resize(t->n_pair);
-  t->step_sin.resize(t->n_pair);
-  for (int i = 0; i < t->n_pair; ++i) {
-    t->step_cos[i] = std::cos(kRopeTile * t->theta[i]);
-    t->step_sin[i] = std::sin(kRopeTile * t->theta[i]);
-  }
   tables.push_back(std::move(t));
   return *tables.back();
 }
@@ -84,12 +78,17 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
     cur.valid = false;
     return;
   }
+  // The base angles are exact at p0 (double), a function of p0 alone: a key's rotation must not
+  // depend on where the caller's run of tiles started, or a split of the cache across ranks
+  // would rotate it differently. The cursor only saves recomputing the same p0.
   if (!cur.valid || cur.next_pos != p0) {
     cur.c.resize(np), cur.s.resize(np);
     for (int i = 0; i < np; ++i) {
       const double a = (double)p0 * tab.theta[i];
       cur.c[i] = std::cos(a), cur.s[i] = std::sin(a);
     }
+    cur.valid = true;
+    cur.next_pos = p0;
   }
   float bc[kMaxRot / 2], bs[kMaxRot / 2];
   for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
@@ -102,17 +101,6 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
       sin2[2 * i] = -s, sin2[2 * i + 1] = s;
     }
     rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
-  }
-  if (nt == kRopeTile) {  // advance the base by one tile in double; drift ~1e-16 per step
-    for (int i = 0; i < np; ++i) {
-      const double c = cur.c[i] * tab.step_cos[i] - cur.s[i] * tab.step_sin[i];
-      const double s = cur.s[i] * tab.step_cos[i] + cur.c[i] * tab.step_sin[i];
-      cur.c[i] = c, cur.s[i] = s;
-    }
-    cur.next_pos = p0 + kRopeTile;
-    cur.valid = true;
-  } else {
-    cur.valid = false;
   }
 }
 

@@ -1,9 +1,11 @@
 // RoPE applied on the fly to tiles of pre-RoPE keys, shared by the quantized-cache attention
 // kernels (kvq.cpp, xq.cpp). Calling sincos per token and rotary pair would cost more than
-// reading the codes, so a caller computes the angles of a run's first position exactly (double),
-// advances whole tiles by a precomputed rotation (double), and derives each token inside a tile
-// from the tile base and a table of cos/sin(j·θ), j < kRopeTile (one float complex multiply).
-// Positions that are not consecutive inside a tile fall back to exact per-token angles.
+// reading the codes, so the angles of a tile's first position are computed exactly (double)
+// and each token inside the tile derives from them and a table of cos/sin(j·θ), j < kRopeTile
+// (one float complex multiply). A key's rotation is thus a function of its position and its
+// tile's first position only -- never of where a run of tiles started -- which the
+// rank-count-invariant attention relies on. Positions that are not consecutive inside a tile
+// fall back to exact per-token angles.
 #pragma once
 
 #include <cstdint>
@@ -22,12 +24,11 @@ struct rope_table {
   int n_pair = 0;
   std::vector<double> theta;               // [n_pair] angle per unit of position
   std::vector<float> off_cos, off_sin;     // [kRopeTile, n_pair] cos/sin(j * theta_i)
-  std::vector<double> step_cos, step_sin;  // [n_pair] cos/sin(kRopeTile * theta_i)
 };
 // Built once per distinct config (a process sees one or two) and kept for its lifetime.
 const rope_table& rope_table_for(const rope_config& cfg);
 
-// Angles of the position a run expects next (exact at the run's start, then advanced).
+// The exact angles of the last tile start seen (recomputed for any other start).
 struct rope_cursor {
   bool valid = false;
   int64_t next_pos = 0;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/cpu/attention_units.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/rope_tile.h"
@@ -34,6 +35,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTile = impl::kRopeTile;  // rows rebuilt at a time on the decode path
 constexpr int64_t kMinChunk = 512;     // shortest run of rows one decode work item takes
 constexpr int64_t kBlock = 512;        // rows rebuilt at a time on the prefill path
+constexpr int kGemmRows = 64;          // rows per work item of the parallel row-invariant products
+
+// C[n, n_out] = A[n, k]·B (+ C when beta = 1) with cpu::gemm_rows, whose rows do not depend on
+// n or on their place in the call (a token's latent must not depend on its batch: the
+// rank-count-invariant caches need that). OpenMP over row blocks outside parallel regions.
+void gemm_fixed_rows(const float* a, int64_t n, int k, const float* b, bool b_trans, int n_out, float beta, float* c,
+                     int64_t ldc) {
+  const int64_t n_blk = (n + kGemmRows - 1) / kGemmRows;
+#pragma omp parallel for schedule(static) if (n_blk > 1 && !omp_in_parallel())
+  for (int64_t blk = 0; blk < n_blk; ++blk) {
+    const int64_t r0 = blk * kGemmRows;
+    gemm_rows(a + r0 * k, std::min<int64_t>(kGemmRows, n - r0), k, b, b_trans, n_out, beta, c + r0 * ldc, ldc);
+  }
+}
 
 // ---- stream decode --------------------------------------------------------------------------
 // Rows [t0, t0 + nt) to f32, parameters converted once per group instead of per element.
@@ -278,8 +293,7 @@ void xq_encode(const xq_encode_job& j) {
 }
 
 void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) {
-  if (n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, d, r, 1.0f, z, r, u, r, 1.0f, acc, d);
+  gemm_fixed_rows(z, n, r, u, true, d, 1.0f, acc, d);
 }
 
 void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) {
@@ -296,12 +310,161 @@ void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) {
 }
 
 void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) {
-  if (n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, r, d, 1.0f, x, d, u, r, 0.0f, out, r);
+  gemm_fixed_rows(x, n, d, u, false, r, 0.0f, out, r);
 }
+
+namespace {
+
+// ---- unit paths (args.acc set; kernels/cpu/attention_units.h) ---------------------------------
+
+// Rows [t0, t0 + nt) of the layer rebuilt: K = Z_k·M_k + b_k rotated to its positions, and
+// (unless only K is wanted) V = Z_v·M_v + b_v; or the latent Z_v kept for absorption.
+struct unit_rebuilder {
+  const xq_attn_args& a;
+  const impl::rope_table& tab;
+  int kv, ck, cv;
+  std::vector<float> zk, zv, sc, zc;
+  impl::rope_cursor cur;
+  unit_rebuilder(const xq_attn_args& args, const impl::rope_table& t)
+      : a(args), tab(t), kv(args.n_head_kv * args.head_dim), ck(args.zk.channels), cv(args.zv.channels) {
+    zk.resize((size_t)kTile * ck), zv.resize((size_t)kTile * cv);
+  }
+  // kt: [nt, kv]; vt: [nt, kv] rebuilt V, or null; zvt: [nt, cv] latent values, or null.
+  void rows(int64_t t0, int nt, float* kt, float* vt, float* zvt) {
+    for (int h = 0; h < nt; h += kTile) {
+      const int m = std::min(kTile, nt - h);
+      decode_rows(a.zk, t0 + h, m, zk.data(), sc, zc);
+      rebuild_fixed(zk.data(), m, ck, a.m_k, a.ld_mk, a.b_k, kt + (size_t)h * kv);
+      impl::rope_tile(impl::best_isa(), kt + (size_t)h * kv, a.pos + t0 + h, m, a.n_head_kv, tab, cur);
+      const float* zvp = zk.data();
+      if (!a.same_stream) {
+        decode_rows(a.zv, t0 + h, m, zv.data(), sc, zc);
+        zvp = zv.data();
+      }
+      if (vt != nullptr) rebuild_fixed(zvp, m, cv, a.m_v, a.ld_mv, a.b_v, vt + (size_t)h * kv);
+      if (zvt != nullptr) std::copy(zvp, zvp + (size_t)m * cv, zvt + (size_t)h * cv);
+    }
+  }
+  void rebuild_fixed(const float* z, int nt, int cz, const float* m, int64_t ldm, const float* b, float* out) const {
+    if (m != nullptr) {
+      // M is [cz, ldm] with the kv columns first: a row-invariant product over those columns.
+      if (ldm == kv) {
+        gemm_fixed_rows(z, nt, cz, m, false, kv, 0.0f, out, kv);
+      } else {
+        std::vector<float> mc((size_t)cz * kv);
+        for (int j = 0; j < cz; ++j) std::copy(m + j * ldm, m + j * ldm + kv, mc.begin() + (size_t)j * kv);
+        gemm_fixed_rows(z, nt, cz, mc.data(), false, kv, 0.0f, out, kv);
+      }
+    } else {
+      std::copy(z, z + (size_t)nt * kv, out);
+    }
+    if (b != nullptr)
+      for (int t = 0; t < nt; ++t)
+        for (int c = 0; c < kv; ++c) out[(size_t)t * kv + c] += b[c];
+  }
+};
+
+// Prefill: K and V rebuilt per unit, then the shared decode kernel.
+class xq_unit_loader final : public unit_loader {
+ public:
+  xq_unit_loader(const xq_attn_args& a, const impl::rope_table& tab) : rb_(a, tab) {}
+  unit_kv load(int64_t s0, int n, float* kbuf, float* vbuf) override {
+    rb_.rows(s0, n, kbuf, vbuf, nullptr);
+    return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, rb_.kv};
+  }
+
+ private:
+  unit_rebuilder rb_;
+};
+
+// Decode steps: per unit, K rebuilt and rotated; V absorbed: u = Σ_t p_t z_v,t in the latent
+// space, o = u·M_v[:, head] / Σ p_t + b_v. Each (query, head, unit) is computed by the same
+// loops wherever the unit lives, and deposited exactly.
+void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
+  const int hd = a.head_dim, g = a.n_head / a.n_head_kv, kv = a.n_head_kv * hd, cv = a.zv.channels;
+  std::vector<int64_t> q_end((size_t)a.n_q);
+  int64_t kv_len = 0;
+  for (int64_t i = 0; i < a.n_q; ++i) {
+    q_end[i] = std::upper_bound(a.pos, a.pos + a.n, a.q_pos[i]) - a.pos;
+    kv_len = std::max(kv_len, q_end[i]);
+  }
+  if (kv_len == 0) return;
+  const std::vector<int64_t> ub = unit_bounds(a.pos, kv_len);
+  const int64_t n_unit = (int64_t)ub.size() - 1;
+  const impl::rope_table& tab = impl::rope_table_for(a.rope);
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+#pragma omp parallel if (n_unit > 1)
+  {
+    unit_rebuilder rb(a, tab);
+    std::vector<float> kt((size_t)kAttnUnit * kv), zvt((size_t)kAttnUnit * cv), s(kAttnUnit), u((size_t)cv), o(hd);
+    softmax_acc mine(acc.rows(), acc.width());
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t un = 0; un < n_unit; ++un) {
+      const int64_t s0 = ub[un];
+      const int n = (int)(ub[un + 1] - s0);
+      rb.rows(s0, n, kt.data(), nullptr, zvt.data());
+      for (int64_t i = 0; i < a.n_q; ++i) {
+        const int vis = (int)std::min<int64_t>(n, q_end[i] - s0);
+        if (vis <= 0) continue;
+        for (int h = 0; h < a.n_head; ++h) {
+          const int kvh = h / g;
+          const float* q = a.q + (i * a.n_head + h) * hd;
+          float m = kNegInf;
+          for (int t = 0; t < vis; ++t) {
+            const float* k = kt.data() + (size_t)t * kv + kvh * hd;
+            float dot = 0.0f;
+            for (int e = 0; e < hd; ++e) dot += (q[e] * a.scale) * k[e];
+            s[t] = dot;
+            m = std::max(m, dot);
+          }
+          float l = 0.0f;
+          std::fill(u.begin(), u.end(), 0.0f);
+          for (int t = 0; t < vis; ++t) {
+            const float p = std::exp(s[t] - m);
+            l += p;
+            const float* z = zvt.data() + (size_t)t * cv;
+            for (int c = 0; c < cv; ++c) u[c] += p * z[c];
+          }
+          const float inv = 1.0f / l;
+          for (int e = 0; e < hd; ++e) {
+            const int col = kvh * hd + e;
+            float acc_e = 0.0f;
+            if (a.m_v != nullptr)
+              for (int c = 0; c < cv; ++c) acc_e += u[c] * a.m_v[c * a.ld_mv + col];
+            else
+              acc_e = u[col];
+            o[e] = acc_e * inv + (a.b_v ? a.b_v[col] : 0.0f);
+          }
+          mine.add_partial(i * a.n_head + h, m + std::log(l), o.data());
+        }
+      }
+    }
+#pragma omp critical(xctx_xq_absorbed_merge)
+    acc.merge(mine);
+  }
+  openblas_set_num_threads(blas_threads);
+}
+
+}  // namespace
 
 void attention_xq(const xq_attn_args& a) {
   check(a);
+  if (a.acc != nullptr) {
+    XCTX_CHECK(a.acc->rows() == a.n_q * a.n_head && a.acc->width() == a.head_dim, "attention_xq: accumulator of ",
+               a.acc->rows(), " x ", a.acc->width(), " for ", a.n_q, " x ", a.n_head, " x ", a.head_dim);
+    if (a.absorb_v) {
+      attention_absorbed_units(a, *a.acc);
+      return;
+    }
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale};
+    const impl::rope_table& tab = impl::rope_table_for(a.rope);
+    const int blas_threads = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+    attend_units(qs, a.pos, a.n, [&] { return std::make_unique<xq_unit_loader>(a, tab); }, *a.acc);
+    openblas_set_num_threads(blas_threads);
+    return;
+  }
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end((size_t)a.n_q);
   int64_t kv_len = 0;

@@ -25,6 +25,10 @@ namespace xctx::cuda {
 
 namespace {
 
+constexpr const char* kNoAccumulator =
+    "cuda backend: exact per-unit attention accumulation (softmax_acc) runs on the CPU backend only; "
+    "the CUDA kernels produce (o, lse) partials";
+
 // Probed by device_present(): fails with "no kernel image" on GPUs older than the compiled
 // architectures (sm_80 SASS + PTX), which would otherwise fail at the first real launch.
 __global__ void probe_kernel() {}
@@ -169,6 +173,7 @@ class cuda_backend final : public backend {
     cuda::add(ctx_, y, x, n);
   }
   void attention_partial(const attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
     use_device();
     cuda::attention_partial(ctx_, a);
   }
@@ -182,6 +187,7 @@ class cuda_backend final : public backend {
     cuda::kvq_encode(ctx_, job);
   }
   void attention_kvq(const kvq_attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
     use_device();
     cuda::attention_kvq(ctx_, a);
   }

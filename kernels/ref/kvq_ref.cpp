@@ -131,6 +131,10 @@ void kvq_decode_layer(const kvq_layer_view& v, float* k, float* vo) {
 }
 
 void attention_kvq(const kvq_attn_args& a) {
+  if (a.acc != nullptr) {
+    with_accumulator(a, a.n_q * a.n_head, a.kv.head_dim, [](const kvq_attn_args& b) { attention_kvq(b); });
+    return;
+  }
   const kvq_layer_view& v = a.kv;
   const int C = v.channels();
   std::vector<float> k((size_t)v.n * C), val((size_t)v.n * C);  // [n, C]

@@ -3,11 +3,25 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx::ref {
+
+// Runs an attention call that has an accumulator (args.acc) as a plain (o, lse) call and adds
+// each row's partial to the accumulator as one deposit: exact, but not split into the units
+// the CPU kernels use, so the oracle is not rank-count invariant (it is not meant to be).
+template <class Args, class Fn>
+void with_accumulator(const Args& a, int64_t n_row, int width, Fn run) {
+  std::vector<float> o((size_t)n_row * width), lse((size_t)n_row);
+  Args b = a;
+  b.acc = nullptr, b.o = o.data(), b.lse = lse.data();
+  run(b);
+  for (int64_t r = 0; r < n_row; ++r) a.acc->add_partial(r, lse[(size_t)r], o.data() + (size_t)r * width);
+}
 
 // ---- quantization (kernels/ref/quant_ref.cpp) --------------------------------------------
 // Dequantizes n elements (a multiple of the type's block size) of one row.

@@ -91,6 +91,11 @@ void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* 
 }
 
 void attention_xq(const xq_attn_args& a, bool absorb) {
+  if (a.acc != nullptr) {
+    with_accumulator(a, a.n_q * a.n_head, a.head_dim,
+                     [absorb](const xq_attn_args& b) { attention_xq(b, absorb || b.absorb_v); });
+    return;
+  }
   check_stream(a.zk, "keys");
   check_stream(a.zv, "values");
   const int kv = a.n_head_kv * a.head_dim, ck = a.zk.channels, cv = a.zv.channels;

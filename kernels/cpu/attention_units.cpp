@@ -1,0 +1,136 @@
+#include "kernels/cpu/attention_units.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/error.h"
+#include "kernels/cpu/elementwise_attention_impl.h"
+
+namespace xctx::cpu {
+namespace {
+
+// Units loaded together on the many-query path (each thread then runs its queries over all of
+// them): enough to amortize the barrier, few enough to stay in L2 (8 x 128 x 192 x 2 x 4 B).
+constexpr int kUnitBatch = 8;
+
+// The per-query work shared by both paths: the decode kernel over one unit, then the deposit.
+struct query_runner {
+  const unit_queries& qs;
+  const std::vector<float>& q_scaled;     // [n_q, n_head, head_dim]
+  const std::vector<int64_t>& q_end;      // [n_q] visible slots are [0, q_end)
+  impl::isa isa;
+  std::vector<float> o, lse, scratch;     // [n_head, hd], [n_head], decode scratch
+  std::vector<int64_t> row_end;           // [n_head]
+
+  query_runner(const unit_queries& q, const std::vector<float>& qsc, const std::vector<int64_t>& qe)
+      : qs(q), q_scaled(qsc), q_end(qe), isa(impl::best_isa()) {
+    o.resize((size_t)qs.n_head * qs.head_dim);
+    lse.resize((size_t)qs.n_head);
+    scratch.resize((size_t)impl::decode_scratch_floats(qs.n_head, qs.head_dim));
+    row_end.resize((size_t)qs.n_head);
+  }
+  void run(int64_t i, const unit_kv& kv, int64_t s0, int n, softmax_acc& acc) {
+    const int64_t vis = std::min<int64_t>(n, q_end[i] - s0);
+    if (vis <= 0) return;
+    std::fill(row_end.begin(), row_end.end(), vis);
+    impl::decode_job jb;
+    jb.q = q_scaled.data() + (size_t)i * qs.n_head * qs.head_dim;
+    jb.row_end = row_end.data();
+    jb.R = qs.n_head;  // rows in head order: head h reads kv head h / (n_head / n_head_kv)
+    jb.n_kvh = qs.n_head_kv;
+    jb.hd = qs.head_dim;
+    jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
+    jb.j0 = 0, jb.j1 = n;
+    jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+    impl::decode_block(isa, jb);
+    for (int h = 0; h < qs.n_head; ++h)
+      acc.add_partial(i * qs.n_head + h, lse[(size_t)h], o.data() + (size_t)h * qs.head_dim);
+  }
+};
+
+}  // namespace
+
+std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
+  std::vector<int64_t> b;
+  for (int64_t s = 0; s < n; ++s)
+    if (s == 0 || pos[s] / kAttnUnit != pos[s - 1] / kAttnUnit) b.push_back(s);
+  b.push_back(n);
+  return b;
+}
+
+void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
+                  const std::function<std::unique_ptr<unit_loader>()>& make_loader, softmax_acc& acc) {
+  XCTX_CHECK(qs.n_head > 0 && qs.n_head_kv > 0 && qs.n_head % qs.n_head_kv == 0 && qs.head_dim > 0,
+             "attention: bad heads n_head=", qs.n_head, " n_head_kv=", qs.n_head_kv, " head_dim=", qs.head_dim);
+  XCTX_CHECK(acc.rows() == qs.n_q * qs.n_head && acc.width() == qs.head_dim, "attention: accumulator of ",
+             acc.rows(), " x ", acc.width(), " for ", qs.n_q, " queries x ", qs.n_head, " heads x ", qs.head_dim);
+  for (int64_t j = 1; j < n_kv; ++j)
+    XCTX_CHECK(kv_pos[j - 1] <= kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
+               "]=", kv_pos[j - 1], " > kv_pos[", j, "]=", kv_pos[j]);
+  if (qs.n_q == 0 || n_kv == 0) return;
+  const int hd = qs.head_dim;
+  const int C = qs.n_head_kv * hd;
+  std::vector<int64_t> q_end((size_t)qs.n_q);
+  int64_t kv_len = 0;
+  for (int64_t i = 0; i < qs.n_q; ++i) {
+    q_end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[i]) - kv_pos;
+    kv_len = std::max(kv_len, q_end[i]);
+  }
+  if (kv_len == 0) return;
+  std::vector<float> q_scaled((size_t)qs.n_q * qs.n_head * hd);
+  for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = qs.q[e] * qs.scale;
+  const std::vector<int64_t> ub = unit_bounds(kv_pos, kv_len);
+  const int64_t n_unit = (int64_t)ub.size() - 1;
+  const int threads = omp_get_max_threads();
+
+  if (qs.n_q < 2 * threads) {
+    // Few queries (decode): threads split the units, each deposits into its own accumulator;
+    // the exact merge makes the split invisible.
+#pragma omp parallel if (n_unit > 1 && threads > 1)
+    {
+      std::unique_ptr<unit_loader> ld = make_loader();
+      query_runner qr(qs, q_scaled, q_end);
+      std::vector<float> kbuf((size_t)kAttnUnit * C), vbuf((size_t)kAttnUnit * C);
+      softmax_acc mine(acc.rows(), acc.width());
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t u = 0; u < n_unit; ++u) {
+        const int64_t s0 = ub[u];
+        const int n = (int)(ub[u + 1] - s0);
+        const unit_kv kv = ld->load(s0, n, kbuf.data(), vbuf.data());
+        for (int64_t i = 0; i < qs.n_q; ++i) qr.run(i, kv, s0, n, mine);
+      }
+#pragma omp critical(xctx_attend_units_merge)
+      acc.merge(mine);
+    }
+    return;
+  }
+
+  // Many queries (prefill): load a batch of units together, then threads split the queries
+  // (each query's rows belong to one thread, so deposits go straight into acc).
+  std::vector<float> kbuf((size_t)kUnitBatch * kAttnUnit * C), vbuf((size_t)kUnitBatch * kAttnUnit * C);
+  std::vector<unit_kv> kvs(kUnitBatch);
+#pragma omp parallel
+  {
+    std::unique_ptr<unit_loader> ld = make_loader();
+    query_runner qr(qs, q_scaled, q_end);
+    for (int64_t u0 = 0; u0 < n_unit; u0 += kUnitBatch) {
+      const int nb = (int)std::min<int64_t>(kUnitBatch, n_unit - u0);
+#pragma omp for schedule(static)
+      for (int b = 0; b < nb; ++b) {
+        const int64_t s0 = ub[u0 + b];
+        const size_t off = (size_t)b * kAttnUnit * C;
+        kvs[b] = ld->load(s0, (int)(ub[u0 + b + 1] - s0), kbuf.data() + off, vbuf.data() + off);
+      }
+#pragma omp for schedule(dynamic, 8)
+      for (int64_t i = 0; i < qs.n_q; ++i)
+        for (int b = 0; b < nb; ++b) {
+          const int64_t s0 = ub[u0 + b];
+          qr.run(i, kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+        }
+    }
+  }
+}
+
+}  // namespace xctx::cpu

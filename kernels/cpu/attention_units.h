@@ -1,0 +1,56 @@
+// Attention whose result does not depend on how the keys are split (across ranks, ring steps,
+// threads or prefill chunks): one partial per *unit* of kAttnUnit absolute positions, each
+// computed by the same decode kernel for one query at a time, deposited into an exact
+// softmax_acc (kernels/softmax_acc.h). A unit's partial depends only on the query and the
+// unit's visible keys, and the accumulator's sum only on the set of deposits, so any split of
+// the keys along unit boundaries gives bitwise the same o and lse.
+//
+// Callers must not split a unit between two caches: shard plans align rank boundaries to
+// kAttnUnit (cache_alignment). A unit cut short by causality (a query's own prefix) is fine:
+// every split sees the same visible keys of it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "kernels/softmax_acc.h"
+
+namespace xctx::cpu {
+
+// Keys (RoPE applied) and values of one unit's slots: row j of K at k + j * ld elements.
+struct unit_kv {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  kv_dtype type = kv_dtype::kv_f32;
+  int64_t ld = 0;
+};
+
+// Produces a unit's K/V, either pointing into the cache or decoded into the f32 buffers given
+// (kbuf, vbuf: [n, channels] each). One loader per thread, so it may keep state.
+class unit_loader {
+ public:
+  virtual ~unit_loader() = default;
+  virtual unit_kv load(int64_t s0, int n, float* kbuf, float* vbuf) = 0;
+};
+
+struct unit_queries {
+  const float* q = nullptr;        // [n_q, n_head, head_dim], RoPE applied
+  const int32_t* q_pos = nullptr;  // [n_q]
+  int64_t n_q = 0;
+  int n_head = 0, n_head_kv = 0, head_dim = 0;
+  float scale = 0.0f;
+};
+
+// Slot ranges of the units of slots [0, n) with ascending positions pos: a new unit starts
+// wherever pos / kAttnUnit changes. Returns the n_unit + 1 boundaries.
+std::vector<int64_t> unit_bounds(const int32_t* pos /*[n]*/, int64_t n);
+
+// Deposits into acc rows i * n_head + h (acc must have n_q * n_head rows of width head_dim) the
+// partial of every (query, unit) pair with a visible key. kv_pos: [n_kv] ascending.
+void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
+                  const std::function<std::unique_ptr<unit_loader>()>& make_loader, softmax_acc& acc);
+
+}  // namespace xctx::cpu
