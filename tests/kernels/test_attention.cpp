@@ -18,10 +18,13 @@
 //  f16 K/V adds nothing: both sides convert the same halves exactly.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <set>
 #include <sstream>
@@ -33,6 +36,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx {
 namespace {
@@ -450,6 +454,92 @@ TEST(MergePartials, ExtremeAndEmptyParts) {
     EXPECT_EQ(lse[4], 5.0f);
   }
 }
+
+// ---- the unit path (args.acc: exact per-unit deposits) ---------------------------------------
+
+attn_out run_units(const attn_inputs& in, int64_t j0 = 0, int64_t j1 = -1, softmax_acc* shared = nullptr) {
+  attn_out out(in.c);
+  softmax_acc own(in.c.n_q * in.c.n_head, in.c.hd);
+  softmax_acc& acc = shared != nullptr ? *shared : own;
+  attn_args a = in.args(nullptr, nullptr, j0, j1);
+  a.acc = &acc;
+  cpu::attention_partial(a);
+  acc.finish(out.o.data(), out.lse.data());
+  return out;
+}
+
+bool same_bits(const attn_out& a, const attn_out& b) {
+  return std::memcmp(a.o.data(), b.o.data(), a.o.size() * sizeof(float)) == 0 &&
+         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
+}
+
+std::vector<attn_case> unit_cases() {
+  std::vector<attn_case> v;
+  for (kv_dtype t : {kv_dtype::kv_f32, kv_dtype::kv_f16})
+    for (causal_mode m : {causal_mode::causal_end, causal_mode::causal_partial, causal_mode::causal_none})
+      for (int64_t n_q : {1, 5, 40}) {
+        attn_case c;
+        c.n_q = n_q, c.n_kv = 700, c.type = t, c.mode = m;
+        v.push_back(c);
+      }
+  return v;
+}
+
+class attention_units_test : public ::testing::TestWithParam<attn_case> {};
+
+// Same tolerance as the one-shot kernels: a unit is one decode-kernel call, and the exact sum of
+// the unit partials adds less than one float rounding (kernels/softmax_acc.h).
+TEST_P(attention_units_test, matches_ref) {
+  const attn_inputs in = make_inputs(GetParam(), seed_of(GetParam()));
+  attn_out want(in.c);
+  ref::attention_partial(in.args(want.o.data(), want.lse.data()));
+  EXPECT_TRUE(close_to_ref(in, run_units(in), want));
+}
+
+// Splitting the keys at unit boundaries (as shard plans do), the thread count, and which other
+// queries share the call change no bit of the result.
+TEST_P(attention_units_test, any_split_threads_and_batch_give_the_same_bits) {
+  const attn_inputs in = make_inputs(GetParam(), seed_of(GetParam()));
+  const attn_out whole = run_units(in);
+  std::vector<int64_t> starts;  // unit starts: where kv_pos / kAttnUnit changes
+  for (int64_t j = 1; j < in.c.n_kv; ++j)
+    if (in.kv_pos[j] / kAttnUnit != in.kv_pos[j - 1] / kAttnUnit) starts.push_back(j);
+  ASSERT_GE(starts.size(), 2u);
+  std::mt19937 rng(seed_of(GetParam()) + 1);
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<int64_t> cuts{0};
+    for (int64_t s : starts)
+      if (rng() % 2) cuts.push_back(s);
+    cuts.push_back(in.c.n_kv);
+    std::shuffle(cuts.begin() + 1, cuts.end() - 1, rng);  // shards visited in any order
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<std::pair<int64_t, int64_t>> shards;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) shards.push_back({cuts[i], cuts[i + 1]});
+    std::shuffle(shards.begin(), shards.end(), rng);
+    softmax_acc acc(in.c.n_q * in.c.n_head, in.c.hd);
+    attn_out split(in.c);
+    for (const auto& [a, b] : shards) split = run_units(in, a, b, &acc);
+    EXPECT_TRUE(same_bits(split, whole)) << shards.size() << " shards, trial " << trial;
+  }
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(threads == 1 ? 2 : 1);
+  const attn_out other_threads = run_units(in);
+  omp_set_num_threads(threads);
+  EXPECT_TRUE(same_bits(other_threads, whole)) << "thread count";
+  // Each query alone (the decode path of the driver) gives its rows of the batched call.
+  for (int64_t i = 0; i < in.c.n_q; i += std::max<int64_t>(1, in.c.n_q / 4)) {
+    attn_inputs one = in;
+    one.c.n_q = 1;
+    one.q.assign(in.q.begin() + i * in.c.n_head * in.c.hd, in.q.begin() + (i + 1) * in.c.n_head * in.c.hd);
+    one.q_pos = {in.q_pos[i]};
+    const attn_out alone = run_units(one);
+    EXPECT_EQ(std::memcmp(alone.o.data(), whole.o.data() + i * in.c.n_head * in.c.hd, alone.o.size() * sizeof(float)), 0)
+        << "query " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(cases, attention_units_test, ::testing::ValuesIn(unit_cases()),
+                         [](const auto& info) { return info.param.name(); });
 
 }  // namespace
 }  // namespace xctx
