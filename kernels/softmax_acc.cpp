@@ -13,62 +13,36 @@ namespace {
 
 constexpr int32_t kEmpty = std::numeric_limits<int32_t>::min();
 constexpr int W = kAccBinBits;
-constexpr uint64_t kMask = (uint64_t{1} << W) - 1;
 static_assert(W == 32, "bin_of() divides by an arithmetic shift of 5");
+constexpr double kTwoW = 4294967296.0;  // 2^W
+constexpr int kMaxWidth = 1024;
 
 // floor(bit / W) for any sign (arithmetic shift).
 inline int32_t bin_of(int32_t bit) { return bit >> 5; }
 
-// A finite double as sign * m * 2^ex with m < 2^53 an integer (m = 0 for zero).
-struct split_double {
-  uint64_t m;
-  int32_t ex;
-  bool neg;
-};
-inline split_double split(double v) {
-  const uint64_t bits = std::bit_cast<uint64_t>(v);
-  const int biased = (int)((bits >> 52) & 0x7ff);
-  const uint64_t frac = bits & ((uint64_t{1} << 52) - 1);
-  split_double s;
-  s.neg = (bits >> 63) != 0;
-  if (biased == 0) {
-    s.m = frac, s.ex = -1074;
-  } else {
-    s.m = frac | (uint64_t{1} << 52), s.ex = biased - 1075;
-  }
-  return s;
-}
-// Highest set bit of m·2^ex as an absolute bit position (m > 0).
-inline int32_t msb(const split_double& s) { return s.ex + 63 - std::countl_zero(s.m); }
-
-// Bits [W·b, W·b + W) of m·2^ex, as an integer < 2^W.
-inline uint64_t slice(const split_double& s, int32_t b) {
-  const int64_t shift = (int64_t)W * b - s.ex;  // bit of m that lands on the slice's bit 0
-  if (shift >= 64 || shift <= -W) return 0;
-  if (shift >= 0) return (s.m >> shift) & kMask;
-  const int up = (int)-shift;
-  return (s.m & (kMask >> up)) << up;
-}
+// Exponent of a finite nonzero double (ilogb), from its bits. Deposits are y·o with y in
+// [1, 2) and o a float, never subnormal in double, so the biased field is enough.
+inline int32_t exponent_of(double v) { return (int32_t)((std::bit_cast<uint64_t>(v) >> 52) & 0x7ff) - 1023; }
 
 }  // namespace
 
 struct softmax_acc::row_view {
   int32_t* top;
-  int64_t* bins;  // [kAccBins, stride]
+  double* bins;  // [kAccBins, stride]
   int stride;
   // Re-indexes the kept bins for a new (higher) top bin, dropping what falls below.
   void raise(int32_t new_top) {
     if (*top == kEmpty) {
-      std::fill(bins, bins + (size_t)kAccBins * stride, 0);
+      std::fill(bins, bins + (size_t)kAccBins * stride, 0.0);
       *top = new_top;
       return;
     }
     const int32_t k = new_top - *top;
     if (k <= 0) return;
     for (int i = kAccBins - 1; i >= 0; --i) {
-      int64_t* dst = bins + (size_t)i * stride;
+      double* dst = bins + (size_t)i * stride;
       if (i - k >= 0) {
-        const int64_t* src = bins + (size_t)(i - k) * stride;
+        const double* src = bins + (size_t)(i - k) * stride;
         std::copy(src, src + stride, dst);
       } else {
         std::fill(dst, dst + stride, 0);
@@ -82,7 +56,7 @@ void softmax_acc::reset(int64_t n_row, int width) {
   XCTX_CHECK(n_row >= 0 && width >= 0, "softmax_acc: bad shape ", n_row, " x ", width);
   n_row_ = n_row, width_ = width;
   top_.assign((size_t)n_row, kEmpty);
-  bins_.assign((size_t)n_row * kAccBins * (width + 1), 0);
+  bins_.assign((size_t)n_row * kAccBins * (width + 1), 0.0);
 }
 
 void softmax_acc::add_partial(int64_t row, float lse, const float* o) {
@@ -94,32 +68,31 @@ void softmax_acc::add_partial(int64_t row, float lse, const float* o) {
   const int32_t E = (int32_t)std::floor(t);
   const double y = std::exp2(t - E);
   const int stride = width_ + 1;
-  split_double parts[1 + 1024];
-  std::vector<split_double> big;
-  split_double* v = parts;
-  if (stride > 1 + 1024) {
-    big.resize((size_t)stride);
-    v = big.data();
+  XCTX_CHECK(width_ <= kMaxWidth, "softmax_acc: width ", width_, " above ", kMaxWidth);
+  double r[kMaxWidth + 1];  // the values, then what is left of them below each bin
+  r[0] = y;
+  int32_t e_max = exponent_of(y);
+  for (int j = 1; j < stride; ++j) {
+    r[j] = y * (double)o[j - 1];
+    XCTX_CHECK(std::isfinite(r[j]), "softmax_acc: non-finite attention output at value ", j - 1);
+    if (r[j] != 0.0) e_max = std::max(e_max, exponent_of(r[j]));
   }
-  int32_t hi = kEmpty;
-  for (int j = 0; j < stride; ++j) {
-    const double x = j == 0 ? y : y * (double)o[j - 1];
-    XCTX_CHECK(std::isfinite(x), "softmax_acc: non-finite attention output at value ", j - 1);
-    v[j] = split(x);
-    v[j].ex += E;
-    if (v[j].m != 0) hi = std::max(hi, bin_of(msb(v[j])));
-  }
-  row_view r{&top_[(size_t)row], bins_.data() + (size_t)row * kAccBins * stride, stride};
-  if (*r.top == kEmpty || hi > *r.top) r.raise(hi);
-  const int32_t top = *r.top;
+  const int32_t hi = bin_of(e_max + E);
+  row_view rv{&top_[(size_t)row], bins_.data() + (size_t)row * kAccBins * stride, stride};
+  if (*rv.top == kEmpty || hi > *rv.top) rv.raise(hi);
+  const int32_t top = *rv.top;
   if (hi < top - (kAccBins - 1)) return;  // entirely below the kept bins
+  // Scaled so the top bin's unit is 1: every value is then < 2^W in magnitude, and each bin's
+  // slice is the truncated integer part, the rest scaled up by 2^W for the next bin. Powers of
+  // two and integer parts are exact, so the slices are the value's binary digits in base 2^W.
+  const double scale = std::ldexp(1.0, E - W * top);
+  for (int j = 0; j < stride; ++j) r[j] *= scale;
   for (int i = 0; i < kAccBins; ++i) {
-    const int32_t b = top - i;
-    int64_t* dst = r.bins + (size_t)i * stride;
+    double* dst = rv.bins + (size_t)i * stride;
     for (int j = 0; j < stride; ++j) {
-      if (v[j].m == 0) continue;
-      const int64_t s = (int64_t)slice(v[j], b);
-      dst[j] += v[j].neg ? -s : s;
+      const double q = std::trunc(r[j]);
+      dst[j] += q;
+      r[j] = (r[j] - q) * kTwoW;
     }
   }
 }
@@ -129,7 +102,7 @@ void softmax_acc::merge(const softmax_acc& other) {
              other.width_, " into ", n_row_, " x ", width_);
   const int stride = width_ + 1;
   const size_t row_elems = (size_t)kAccBins * stride;
-  std::vector<int64_t> tmp(row_elems);
+  std::vector<double> tmp(row_elems);
   for (int64_t r = 0; r < n_row_; ++r) {
     const int32_t t_other = other.top_[(size_t)r];
     if (t_other == kEmpty) continue;
@@ -146,13 +119,13 @@ void softmax_acc::merge(const softmax_acc& other) {
 }
 
 size_t softmax_acc::serialized_bytes() const {
-  return (size_t)n_row_ * sizeof(int32_t) + bins_.size() * sizeof(int64_t);
+  return (size_t)n_row_ * sizeof(int32_t) + bins_.size() * sizeof(double);
 }
 
 void softmax_acc::serialize(void* dst) const {
   char* p = (char*)dst;
   std::memcpy(p, top_.data(), top_.size() * sizeof(int32_t));
-  std::memcpy(p + top_.size() * sizeof(int32_t), bins_.data(), bins_.size() * sizeof(int64_t));
+  std::memcpy(p + top_.size() * sizeof(int32_t), bins_.data(), bins_.size() * sizeof(double));
 }
 
 void softmax_acc::merge_serialized(const void* src, size_t bytes) {
@@ -161,7 +134,7 @@ void softmax_acc::merge_serialized(const void* src, size_t bytes) {
   softmax_acc other(n_row_, width_);
   const char* p = (const char*)src;
   std::memcpy(other.top_.data(), p, other.top_.size() * sizeof(int32_t));
-  std::memcpy(other.bins_.data(), p + other.top_.size() * sizeof(int32_t), other.bins_.size() * sizeof(int64_t));
+  std::memcpy(other.bins_.data(), p + other.top_.size() * sizeof(int32_t), other.bins_.size() * sizeof(double));
   merge(other);
 }
 
@@ -176,11 +149,11 @@ void softmax_acc::finish(float* o, float* lse) const {
       continue;
     }
     // Values relative to 2^(W·top), lowest bin first: a fixed order, so a fixed rounding.
-    const int64_t* b = bins_.data() + (size_t)r * kAccBins * stride;
+    const double* b = bins_.data() + (size_t)r * kAccBins * stride;
     std::fill(s.begin(), s.end(), 0.0);
     for (int i = kAccBins - 1; i >= 0; --i) {
       const double w = std::ldexp(1.0, -W * i);
-      for (int j = 0; j < stride; ++j) s[j] += (double)b[(size_t)i * stride + j] * w;
+      for (int j = 0; j < stride; ++j) s[j] += b[(size_t)i * stride + j] * w;
     }
     XCTX_ASSERT(s[0] > 0.0, "softmax_acc: row ", r, " has values but no softmax sum");
     const double inv = 1.0 / s[0];

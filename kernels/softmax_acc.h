@@ -5,8 +5,8 @@
 // so one process and four ranks -- or two thread splits -- disagree in the last bits, and a
 // 2-bit cache turns that into different codes and tokens. This accumulator makes the sum exact:
 // every deposit is cut into fixed-point slices of absolute binary weight (bins of kAccBinBits
-// bits, positions fixed independently of the data) and the slices are added as integers, which
-// is associative. Only the kAccBins highest bins a row has seen are kept; a slice below them is
+// bits, positions fixed independently of the data) and the slices are added as integers (held
+// in doubles, exact below 2^53), which is associative. Only the kAccBins highest bins a row has seen are kept; a slice below them is
 // dropped, and since the highest bin only rises, what is kept at the end is the same truncation
 // of every deposit whatever the order or grouping (the idea of binned reproducible summation,
 // Demmel & Nguyen 2013, specialised to this use). Precision: 2·kAccBinBits bits below the
@@ -28,7 +28,7 @@ namespace xctx {
 // positions, so shard boundaries must fall on multiples of it (cache_alignment).
 inline constexpr int kAttnUnit = 128;
 
-inline constexpr int kAccBinBits = 32;  // bits per bin; a slice is < 2^32, sums of < 2^31 slices fit int64
+inline constexpr int kAccBinBits = 32;  // bits per bin; a slice is < 2^32, sums of < 2^21 slices stay exact
 inline constexpr int kAccBins = 3;      // bins kept per value
 
 class softmax_acc {
@@ -61,7 +61,7 @@ class softmax_acc {
   int64_t n_row_ = 0;
   int width_ = 0;
   std::vector<int32_t> top_;   // [n_row] absolute index of the highest kept bin; kEmpty when unused
-  std::vector<int64_t> bins_;  // [n_row, kAccBins, width + 1] slice sums; value 0 is the softmax sum
+  std::vector<double> bins_;  // [n_row, kAccBins, width + 1] integer-valued slice sums; value 0 is the softmax sum
 };
 
 }  // namespace xctx

@@ -22,7 +22,7 @@ const char* prefill_mode_name(prefill_mode m) {
 }
 
 size_t partial_bytes_per_token_layer(const model_hparams& hp) {
-  return (size_t)hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(int64_t));
+  return (size_t)hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(double));
 }
 
 // ---- ring (exact prefill) ----------------------------------------------------------------

@@ -42,7 +42,7 @@ struct sequence_comm_stats {
 };
 
 // Bytes of the serialized exact partial (kernels/softmax_acc.h) one rank contributes per token
-// per layer: n_head rows of one int32 top bin and kAccBins·(head_dim + 1) int64 slice sums;
+// per layer: n_head rows of one int32 top bin and kAccBins·(head_dim + 1) slice sums (doubles);
 // every rank receives n_rank times that.
 size_t partial_bytes_per_token_layer(const model_hparams& hp);
 
