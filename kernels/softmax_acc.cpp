@@ -4,6 +4,9 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <limits>
 
 #include "common/error.h"
@@ -15,7 +18,6 @@ constexpr int32_t kEmpty = std::numeric_limits<int32_t>::min();
 constexpr int W = kAccBinBits;
 static_assert(W == 32, "bin_of() divides by an arithmetic shift of 5");
 constexpr double kTwoW = 4294967296.0;  // 2^W
-constexpr int kMaxWidth = 1024;
 
 // floor(bit / W) for any sign (arithmetic shift).
 inline int32_t bin_of(int32_t bit) { return bit >> 5; }
@@ -59,6 +61,50 @@ void softmax_acc::reset(int64_t n_row, int width) {
   bins_.assign((size_t)n_row * kAccBins * (width + 1), 0.0);
 }
 
+namespace {
+
+// The slices of r = y·o_j·scale (j < n) added to bins [kAccBins, stride] at columns 1 + j. The
+// same IEEE operations in the same order on every path (exact ones apart from y·o_j), so the
+// AVX2 and scalar versions give the same bins.
+void slice_values_scalar(const float* o, int n, double y, double scale, double* bins, int stride) {
+  for (int j = 0; j < n; ++j) {
+    double r = y * (double)o[j] * scale;
+    for (int i = 0; i < kAccBins; ++i) {
+      const double q = std::trunc(r);
+      bins[(size_t)i * stride + 1 + j] += q;
+      r = (r - q) * kTwoW;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void slice_values_avx2(const float* o, int n, double y, double scale, double* bins,
+                                                        int stride) {
+  const __m256d Y = _mm256_set1_pd(y), S = _mm256_set1_pd(scale), T = _mm256_set1_pd(kTwoW);
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256d r = _mm256_mul_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(o + j)), Y), S);
+    for (int i = 0; i < kAccBins; ++i) {
+      double* b = bins + (size_t)i * stride + 1 + j;
+      const __m256d q = _mm256_round_pd(r, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      _mm256_storeu_pd(b, _mm256_add_pd(_mm256_loadu_pd(b), q));
+      r = _mm256_mul_pd(_mm256_sub_pd(r, q), T);
+    }
+  }
+  slice_values_scalar(o + j, n - j, y, scale, bins + j, stride);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+void slice_values(const float* o, int n, double y, double scale, double* bins, int stride) {
+#if defined(__x86_64__)
+  if (kHasAvx2) return slice_values_avx2(o, n, y, scale, bins, stride);
+#endif
+  slice_values_scalar(o, n, y, scale, bins, stride);
+}
+
+}  // namespace
+
 void softmax_acc::add_partial(int64_t row, float lse, const float* o) {
   XCTX_ASSERT(row >= 0 && row < n_row_, "softmax_acc: row ", row, " outside ", n_row_);
   if (lse == -std::numeric_limits<float>::infinity()) return;
@@ -68,15 +114,13 @@ void softmax_acc::add_partial(int64_t row, float lse, const float* o) {
   const int32_t E = (int32_t)std::floor(t);
   const double y = std::exp2(t - E);
   const int stride = width_ + 1;
-  XCTX_CHECK(width_ <= kMaxWidth, "softmax_acc: width ", width_, " above ", kMaxWidth);
-  double r[kMaxWidth + 1];  // the values, then what is left of them below each bin
-  r[0] = y;
+  // The largest |value| decides the top bin: y·max|o| has the largest exponent of the y·|o_j|
+  // (rounding is monotonic), so no per-value exponent is needed. 0·o catches inf and NaN.
+  float o_max = 0.0f, o_zero = 0.0f;
+  for (int j = 0; j < width_; ++j) o_max = std::max(o_max, std::fabs(o[j])), o_zero += 0.0f * o[j];
+  XCTX_CHECK(o_zero == 0.0f, "softmax_acc: non-finite attention output in a partial");
   int32_t e_max = exponent_of(y);
-  for (int j = 1; j < stride; ++j) {
-    r[j] = y * (double)o[j - 1];
-    XCTX_CHECK(std::isfinite(r[j]), "softmax_acc: non-finite attention output at value ", j - 1);
-    if (r[j] != 0.0) e_max = std::max(e_max, exponent_of(r[j]));
-  }
+  if (o_max > 0.0f) e_max = std::max(e_max, exponent_of(y * (double)o_max));
   const int32_t hi = bin_of(e_max + E);
   row_view rv{&top_[(size_t)row], bins_.data() + (size_t)row * kAccBins * stride, stride};
   if (*rv.top == kEmpty || hi > *rv.top) rv.raise(hi);
@@ -86,15 +130,13 @@ void softmax_acc::add_partial(int64_t row, float lse, const float* o) {
   // slice is the truncated integer part, the rest scaled up by 2^W for the next bin. Powers of
   // two and integer parts are exact, so the slices are the value's binary digits in base 2^W.
   const double scale = std::ldexp(1.0, E - W * top);
-  for (int j = 0; j < stride; ++j) r[j] *= scale;
+  double r = y * scale;  // the softmax sum, value 0
   for (int i = 0; i < kAccBins; ++i) {
-    double* dst = rv.bins + (size_t)i * stride;
-    for (int j = 0; j < stride; ++j) {
-      const double q = std::trunc(r[j]);
-      dst[j] += q;
-      r[j] = (r[j] - q) * kTwoW;
-    }
+    const double q = std::trunc(r);
+    rv.bins[(size_t)i * stride] += q;
+    r = (r - q) * kTwoW;
   }
+  slice_values(o, width_, y, scale, rv.bins, stride);
 }
 
 void softmax_acc::merge(const softmax_acc& other) {

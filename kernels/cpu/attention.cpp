@@ -8,6 +8,7 @@
 // 9/3 heads, hd 64, n = 512 / 2048): pinned 52 / 84 GFLOP/s; OpenBLAS left at 2 threads inside
 // the region 11 / 20 (and as low as 4 when the machine was busy) — oversubscription.
 #include <cblas.h>
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -336,6 +337,17 @@ class plain_loader final : public unit_loader {
   unit_kv load(int64_t s0, int, float*, float*) override {
     const size_t off = (size_t)(s0 * ld_) * kv_elt_bytes(a_.kv_type);
     return unit_kv{(const char*)a_.k + off, (const char*)a_.v + off, a_.kv_type, ld_};
+  }
+  // The first decode tile of the next unit into L2, so the stream does not stall at unit seams.
+  void prefetch(int64_t s0, int n) override {
+    const size_t elt = kv_elt_bytes(a_.kv_type);
+    const size_t bytes = (size_t)std::min(n, kDecodeTile) * (size_t)ld_ * elt;
+    const char* k = (const char*)a_.k + (size_t)(s0 * ld_) * elt;
+    const char* v = (const char*)a_.v + (size_t)(s0 * ld_) * elt;
+    for (size_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(k + b, _MM_HINT_T1);
+      _mm_prefetch(v + b, _MM_HINT_T1);
+    }
   }
 
  private:

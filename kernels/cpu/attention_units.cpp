@@ -14,6 +14,9 @@ namespace {
 // Units loaded together on the many-query path (each thread then runs its queries over all of
 // them): enough to amortize the barrier, few enough to stay in L2 (8 x 128 x 192 x 2 x 4 B).
 constexpr int kUnitBatch = 8;
+// Queries per decode-kernel call on the many-query path: the unit's tiles stay in L1 across
+// their rows instead of streaming from L2 once per query.
+constexpr int kQueryBlock = 16;
 
 // The per-query work shared by both paths: the decode kernel over one unit, then the deposit.
 struct query_runner {
@@ -24,13 +27,57 @@ struct query_runner {
   std::vector<float> o, lse, scratch;     // [n_head, hd], [n_head], decode scratch
   std::vector<int64_t> row_end;           // [n_head]
 
+  std::vector<float> q_block;              // [kQueryBlock * n_head, hd] rows by kv head
+  std::vector<int64_t> row_of;             // [kQueryBlock * n_head] -> (query, head) row of acc
+
   query_runner(const unit_queries& q, const std::vector<float>& qsc, const std::vector<int64_t>& qe)
       : qs(q), q_scaled(qsc), q_end(qe), isa(impl::best_isa()) {
-    o.resize((size_t)qs.n_head * qs.head_dim);
-    lse.resize((size_t)qs.n_head);
-    scratch.resize((size_t)impl::decode_scratch_floats(qs.n_head, qs.head_dim));
-    row_end.resize((size_t)qs.n_head);
+    const size_t R = (size_t)kQueryBlock * qs.n_head;
+    o.resize(R * qs.head_dim);
+    lse.resize(R);
+    scratch.resize((size_t)impl::decode_scratch_floats((int)R, qs.head_dim));
+    row_end.resize(R);
+    q_block.resize(R * qs.head_dim);
+    row_of.resize(R);
   }
+  // Several queries in one decode-kernel call give each row the same arithmetic as a call of
+  // its own query alone only if the kernel's 3-row blocks never mix queries: the rows of one kv
+  // head are ordered by query, so that holds when a query has a multiple of 3 heads per kv head.
+  bool can_block() const { return (qs.n_head / qs.n_head_kv) % 3 == 0; }
+  // Rows of queries [i0, i0 + nqb) in the kernel's order r = (kvh * nqb + ii) * g + u.
+  void set_block(int64_t i0, int nqb) {
+    const int g = qs.n_head / qs.n_head_kv, hd = qs.head_dim;
+    for (int kvh = 0; kvh < qs.n_head_kv; ++kvh)
+      for (int ii = 0; ii < nqb; ++ii)
+        for (int u = 0; u < g; ++u) {
+          const int64_t r = ((int64_t)kvh * nqb + ii) * g + u;
+          row_of[(size_t)r] = (i0 + ii) * qs.n_head + (int64_t)kvh * g + u;
+          std::copy(q_scaled.begin() + row_of[(size_t)r] * hd, q_scaled.begin() + (row_of[(size_t)r] + 1) * hd,
+                    q_block.begin() + r * hd);
+        }
+    block_i0 = i0, block_n = nqb;
+  }
+  void run_block(const unit_kv& kv, int64_t s0, int n, softmax_acc& acc) {
+    const int g = qs.n_head / qs.n_head_kv;
+    const int R = block_n * qs.n_head;
+    bool any = false;
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = block_i0 + (r / g) % block_n;
+      row_end[(size_t)r] = std::clamp<int64_t>(q_end[i] - s0, 0, n);
+      any = any || row_end[(size_t)r] > 0;
+    }
+    if (!any) return;
+    impl::decode_job jb;
+    jb.q = q_block.data(), jb.row_end = row_end.data(), jb.R = R;
+    jb.n_kvh = qs.n_head_kv, jb.hd = qs.head_dim;
+    jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
+    jb.j0 = 0, jb.j1 = n;
+    jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+    impl::decode_block(isa, jb);
+    for (int r = 0; r < R; ++r) acc.add_partial(row_of[(size_t)r], lse[(size_t)r], o.data() + (size_t)r * qs.head_dim);
+  }
+  int64_t block_i0 = 0;
+  int block_n = 0;
   void run(int64_t i, const unit_kv& kv, int64_t s0, int n, softmax_acc& acc) {
     const int64_t vis = std::min<int64_t>(n, q_end[i] - s0);
     if (vis <= 0) return;
@@ -94,10 +141,12 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
       query_runner qr(qs, q_scaled, q_end);
       std::vector<float> kbuf((size_t)kAttnUnit * C), vbuf((size_t)kAttnUnit * C);
       softmax_acc mine(acc.rows(), acc.width());
-#pragma omp for schedule(dynamic, 4)
+      // Contiguous ranges: each thread streams one run of the cache front to back.
+#pragma omp for schedule(static)
       for (int64_t u = 0; u < n_unit; ++u) {
         const int64_t s0 = ub[u];
         const int n = (int)(ub[u + 1] - s0);
+        if (u + 1 < n_unit) ld->prefetch(ub[u + 1], (int)(ub[u + 2 > n_unit ? n_unit : u + 2] - ub[u + 1]));
         const unit_kv kv = ld->load(s0, n, kbuf.data(), vbuf.data());
         for (int64_t i = 0; i < qs.n_q; ++i) qr.run(i, kv, s0, n, mine);
       }
@@ -123,12 +172,24 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
         const size_t off = (size_t)b * kAttnUnit * C;
         kvs[b] = ld->load(s0, (int)(ub[u0 + b + 1] - s0), kbuf.data() + off, vbuf.data() + off);
       }
-#pragma omp for schedule(dynamic, 8)
-      for (int64_t i = 0; i < qs.n_q; ++i)
-        for (int b = 0; b < nb; ++b) {
-          const int64_t s0 = ub[u0 + b];
-          qr.run(i, kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+      if (qr.can_block()) {
+        const int64_t n_qb = (qs.n_q + kQueryBlock - 1) / kQueryBlock;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t qb = 0; qb < n_qb; ++qb) {
+          qr.set_block(qb * kQueryBlock, (int)std::min<int64_t>(kQueryBlock, qs.n_q - qb * kQueryBlock));
+          for (int b = 0; b < nb; ++b) {
+            const int64_t s0 = ub[u0 + b];
+            qr.run_block(kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+          }
         }
+      } else {
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t i = 0; i < qs.n_q; ++i)
+          for (int b = 0; b < nb; ++b) {
+            const int64_t s0 = ub[u0 + b];
+            qr.run(i, kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+          }
+      }
     }
   }
 }

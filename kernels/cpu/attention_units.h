@@ -34,6 +34,9 @@ class unit_loader {
  public:
   virtual ~unit_loader() = default;
   virtual unit_kv load(int64_t s0, int n, float* kbuf, float* vbuf) = 0;
+  // Called with the next unit before the current one runs: a loader reading a stream from
+  // memory can request its first rows early (the decode kernel prefetches only inside a unit).
+  virtual void prefetch(int64_t /*s0*/, int /*n*/) {}
 };
 
 struct unit_queries {

@@ -102,6 +102,11 @@ float sum_squares(const float* x /*[n]*/, int64_t n);
 void scale_mul(const float* x /*[n]*/, const float* w /*[n]*/, float s, int64_t n, float* y /*[n]*/);  // y = x*s*w
 // x[2i], x[2i+1] rotated by the angle whose cos is cos2[2i] (= cos2[2i+1]); sin2 = [-sin, +sin].
 void rope_rotate(float* x /*[n_rot]*/, const float* cos2 /*[n_rot]*/, const float* sin2 /*[n_rot]*/, int n_rot);
+// Rotates nt consecutive tokens [nt, n_kvh, hd] of a tile whose first token's angles are
+// (bc, bs) [n_rot / 2], token j by angle(base) + angle(j) from off_cos/off_sin [j, n_rot / 2]
+// (rope_tile.h). n_rot % 16 == 0, n_rot <= 1024.
+void rope_tile_tokens(float* k, int nt, int n_kvh, int hd, int n_rot, const float* bc, const float* bs,
+                      const float* off_cos, const float* off_sin);
 void swiglu(const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/);
 void decode_block(const decode_job& job);
 const row_ops& prefill_row_ops();

@@ -63,6 +63,32 @@ void rope_rotate(float* x /*[n_rot]*/, const float* cos2 /*[n_rot]*/, const floa
   }
 }
 
+void rope_tile_tokens(float* k, int nt, int n_kvh, int hd, int n_rot, const float* bc, const float* bs,
+                      const float* off_cos, const float* off_sin) {
+  const int np = n_rot / 2;
+  alignas(32) float cos2[1024], sin2[1024];
+  for (int j = 0; j < nt; ++j) {
+    const float* oc = off_cos + (size_t)j * np;
+    const float* os = off_sin + (size_t)j * np;
+    for (int i = 0; i < np; i += 8) {
+      const __m256 b_c = _mm256_loadu_ps(bc + i), b_s = _mm256_loadu_ps(bs + i);
+      const __m256 o_c = _mm256_loadu_ps(oc + i), o_s = _mm256_loadu_ps(os + i);
+      // angle(base + j) = angle(base) + angle(j): one complex product per pair
+      const __m256 c = _mm256_fmsub_ps(b_c, o_c, _mm256_mul_ps(b_s, o_s));
+      const __m256 sn = _mm256_fmadd_ps(b_s, o_c, _mm256_mul_ps(b_c, o_s));
+      const __m256 neg = _mm256_xor_ps(sn, _mm256_set1_ps(-0.0f));
+      // Pairs (2i, 2i+1) share an angle: duplicate into element order, sin2 = (-s, +s).
+      const __m256 c_lo = _mm256_unpacklo_ps(c, c), c_hi = _mm256_unpackhi_ps(c, c);
+      const __m256 s_lo = _mm256_unpacklo_ps(neg, sn), s_hi = _mm256_unpackhi_ps(neg, sn);
+      _mm256_store_ps(cos2 + 2 * i, _mm256_permute2f128_ps(c_lo, c_hi, 0x20));
+      _mm256_store_ps(cos2 + 2 * i + 8, _mm256_permute2f128_ps(c_lo, c_hi, 0x31));
+      _mm256_store_ps(sin2 + 2 * i, _mm256_permute2f128_ps(s_lo, s_hi, 0x20));
+      _mm256_store_ps(sin2 + 2 * i + 8, _mm256_permute2f128_ps(s_lo, s_hi, 0x31));
+    }
+    for (int h = 0; h < n_kvh; ++h) rope_rotate(k + ((size_t)j * n_kvh + h) * hd, cos2, sin2, n_rot);
+  }
+}
+
 void swiglu(const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_set1_ps(-0.0f);

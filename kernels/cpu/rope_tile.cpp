@@ -92,6 +92,10 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
   }
   float bc[kMaxRot / 2], bs[kMaxRot / 2];
   for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
+  if (v == isa::isa_avx2 && n_rot % 16 == 0) {
+    impl::avx2::rope_tile_tokens(kt, nt, n_kvh, hd, n_rot, bc, bs, tab.off_cos.data(), tab.off_sin.data());
+    return;
+  }
   for (int j = 0; j < nt; ++j) {
     const float* oc = tab.off_cos.data() + (size_t)j * np;
     const float* os = tab.off_sin.data() + (size_t)j * np;
