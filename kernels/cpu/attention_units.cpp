@@ -24,15 +24,29 @@ struct query_runner {
   const std::vector<float>& q_scaled;     // [n_q, n_head, head_dim]
   const std::vector<int64_t>& q_end;      // [n_q] visible slots are [0, q_end)
   impl::isa isa;
-  std::vector<float> o, lse, scratch;     // [n_head, hd], [n_head], decode scratch
-  std::vector<int64_t> row_end;           // [n_head]
+  // Per-thread scratch, kept between calls (a decode step calls this 30 times per token; fresh
+  // zeroed buffers per call cost more than the attention over a short cache).
+  struct scratch_space {
+    std::vector<float> o, lse, scratch, q_block;  // [R, hd], [R], decode scratch, [R, hd]
+    std::vector<int64_t> row_end, row_of;         // [R]
+  };
+  scratch_space& sp;
+  std::vector<float>& o;
+  std::vector<float>& lse;
+  std::vector<float>& scratch;
+  std::vector<int64_t>& row_end;
+  std::vector<float>& q_block;   // rows by kv head
+  std::vector<int64_t>& row_of;  // -> (query, head) row of acc
 
-  std::vector<float> q_block;              // [kQueryBlock * n_head, hd] rows by kv head
-  std::vector<int64_t> row_of;             // [kQueryBlock * n_head] -> (query, head) row of acc
-
-  query_runner(const unit_queries& q, const std::vector<float>& qsc, const std::vector<int64_t>& qe)
-      : qs(q), q_scaled(qsc), q_end(qe), isa(impl::best_isa()) {
-    const size_t R = (size_t)kQueryBlock * qs.n_head;
+  static scratch_space& thread_scratch() {
+    thread_local scratch_space s;
+    return s;
+  }
+  // max_queries: queries per decode-kernel call (1, or kQueryBlock on the blocked path).
+  query_runner(const unit_queries& q, const std::vector<float>& qsc, const std::vector<int64_t>& qe, int max_queries)
+      : qs(q), q_scaled(qsc), q_end(qe), isa(impl::best_isa()), sp(thread_scratch()), o(sp.o), lse(sp.lse),
+        scratch(sp.scratch), row_end(sp.row_end), q_block(sp.q_block), row_of(sp.row_of) {
+    const size_t R = (size_t)max_queries * qs.n_head;
     o.resize(R * qs.head_dim);
     lse.resize(R);
     scratch.resize((size_t)impl::decode_scratch_floats((int)R, qs.head_dim));
@@ -138,9 +152,11 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
 #pragma omp parallel if (n_unit > 1 && threads > 1)
     {
       std::unique_ptr<unit_loader> ld = make_loader();
-      query_runner qr(qs, q_scaled, q_end);
-      std::vector<float> kbuf((size_t)kAttnUnit * C), vbuf((size_t)kAttnUnit * C);
-      softmax_acc mine(acc.rows(), acc.width());
+      query_runner qr(qs, q_scaled, q_end, 1);
+      thread_local std::vector<float> kbuf, vbuf;  // [kAttnUnit, C] each, reused across calls
+      kbuf.resize((size_t)kAttnUnit * C), vbuf.resize((size_t)kAttnUnit * C);
+      thread_local softmax_acc mine;
+      mine.reset(acc.rows(), acc.width());
       // Contiguous ranges: each thread streams one run of the cache front to back.
 #pragma omp for schedule(static)
       for (int64_t u = 0; u < n_unit; ++u) {
@@ -163,7 +179,7 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
 #pragma omp parallel
   {
     std::unique_ptr<unit_loader> ld = make_loader();
-    query_runner qr(qs, q_scaled, q_end);
+    query_runner qr(qs, q_scaled, q_end, kQueryBlock);
     for (int64_t u0 = 0; u0 < n_unit; u0 += kUnitBatch) {
       const int nb = (int)std::min<int64_t>(kUnitBatch, n_unit - u0);
 #pragma omp for schedule(static)
