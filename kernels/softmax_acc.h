@@ -25,8 +25,10 @@
 namespace xctx {
 
 // Positions per deposited attention partial: units are [u·kAttnUnit, (u+1)·kAttnUnit) in absolute
-// positions, so shard boundaries must fall on multiples of it (cache_alignment).
-inline constexpr int kAttnUnit = 128;
+// positions, so shard boundaries must fall on multiples of it (cache_alignment). 256 measured
+// best on the 2-core dev machine: 128 spent ~15% of an 8K prefill on per-unit calls and
+// deposits; 512 gained nothing and spilled the quantized formats' decoded tiles from L2.
+inline constexpr int kAttnUnit = 256;
 
 inline constexpr int kAccBinBits = 32;  // bits per bin; a slice is < 2^32, sums of < 2^21 slices stay exact
 inline constexpr int kAccBins = 3;      // bins kept per value

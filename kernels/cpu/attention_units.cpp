@@ -12,8 +12,8 @@ namespace xctx::cpu {
 namespace {
 
 // Units loaded together on the many-query path (each thread then runs its queries over all of
-// them): enough to amortize the barrier, few enough to stay in L2 (8 x 128 x 192 x 2 x 4 B).
-constexpr int kUnitBatch = 8;
+// them): enough to amortize the barrier, few enough to stay near L2 (4 x 256 x 192 x 2 x 4 B).
+constexpr int kUnitBatch = 4;
 // Queries per decode-kernel call on the many-query path: the unit's tiles stay in L1 across
 // their rows instead of streaming from L2 once per query.
 constexpr int kQueryBlock = 16;

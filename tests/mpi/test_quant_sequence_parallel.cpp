@@ -2,7 +2,7 @@
 // (which passes compressed blocks) and merged decode give bitwise the logits -- and so the
 // greedy tokens -- of one process, on any number of ranks, and one process gives bitwise the
 // same logits for any prefill chunk size. What makes it exact:
-//  - attention deposits one partial per unit of 128 absolute positions into an exact
+//  - attention deposits one partial per unit of 256 absolute positions into an exact
 //    accumulator (kernels/softmax_acc.h), so neither the ring order nor the split shows;
 //  - prefill matmuls go through row-invariant GEMM calls, in batches never short enough for the
 //    decode kernels (batch_bounds, the shard plan's tail rule);
