@@ -1,6 +1,7 @@
 // Attention whose result does not depend on how the keys are split (across ranks, ring steps,
 // threads or prefill chunks): one partial per *unit* of kAttnUnit absolute positions, each
-// computed by the same decode kernel for one query at a time, deposited into an exact
+// computed by the same decode kernel with the same per-row arithmetic (one query per call, or
+// blocks of queries whose rows the kernel never mixes), deposited into an exact
 // softmax_acc (kernels/softmax_acc.h). A unit's partial depends only on the query and the
 // unit's visible keys, and the accumulator's sum only on the set of deposits, so any split of
 // the keys along unit boundaries gives bitwise the same o and lse.

@@ -10,6 +10,11 @@
 // Prefill (more queries): blocks of kBlock rows rebuilt explicitly (K and V, sgemm) and handed to
 // the BLAS-tiled attention core, merged by log-sum-exp; absorption would cost R·r per row and
 // query instead of kv·r per row, which loses once R = n_q·n_head exceeds ~kv·r/(r - head_dim).
+//
+// With an accumulator (args.acc, the path the caches take) the same two strategies run unit by
+// unit (kernels/cpu/attention_units.h) with row-invariant products (cpu::gemm_rows), chosen by
+// the caller's phase (args.absorb_v), so a token's result never depends on how the cache is
+// split or how many queries share the call.
 #include <cblas.h>
 #include <omp.h>
 
