@@ -9,17 +9,18 @@
 namespace xctx::cpu::impl::avx2 {
 namespace {
 
-template <int BITS>
+// kWide: the 4 bytes at p are readable (not the row's last group), so 3-bit groups are one
+// 4-byte load whose extra byte the mask drops; the last group assembles its 3 bytes from a 2-
+// and a 1-byte load (a 3-byte memcpy measured 10x slower) so no row is read past its end.
+template <int BITS, bool kWide = false>
 inline __m256i unpack8(const uint8_t* p) {
-  // 8 codes fill exactly BITS bytes; 3 is not a load width, so assemble it from a 2- and a 1-byte
-  // load (a 3-byte memcpy measured 10x slower here) and never read past the row.
   uint32_t w = 0;
-  if constexpr (BITS == 3) {
+  if constexpr (BITS == 3 && !kWide) {
     uint16_t lo;
     std::memcpy(&lo, p, 2);
     w = (uint32_t)lo | (uint32_t)p[2] << 16;
   } else {
-    std::memcpy(&w, p, BITS);
+    std::memcpy(&w, p, BITS == 3 ? 4 : BITS);
   }
   const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
   return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << BITS) - 1));
@@ -55,10 +56,13 @@ void keys_t(const kvq_layer_view& v, int64_t i0, int nt, const float* sc, const 
   for (int r = 0; r < nt; ++r) {
     const uint8_t* row = v.k_codes + (size_t)(i0 + r) * rb;
     float* o = out + (size_t)r * C;
-    for (int c = 0; c < C; c += 8) {
-      const __m256 x = level<BITS, LUT>(unpack8<BITS>(row + (size_t)c / 8 * BITS), L);
+    int c = 0;
+    for (; c + 8 < C; c += 8) {
+      const __m256 x = level<BITS, LUT>(unpack8<BITS, true>(row + (size_t)c / 8 * BITS), L);
       _mm256_storeu_ps(o + c, _mm256_fmadd_ps(x, _mm256_loadu_ps(sc + c), _mm256_loadu_ps(zc + c)));
     }
+    const __m256 x = level<BITS, LUT>(unpack8<BITS>(row + (size_t)c / 8 * BITS), L);
+    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(x, _mm256_loadu_ps(sc + c), _mm256_loadu_ps(zc + c)));
   }
 }
 
@@ -78,7 +82,8 @@ void values_t(const kvq_layer_view& v, int64_t i0, int nt, float* out) {
       const __m256 s = _mm256_set1_ps(fp16_to_fp32(p.scale)), z = _mm256_set1_ps(fp16_to_fp32(p.zero));
       const int c1 = g + 1 == n_g ? C : (g + 1) * group;
       for (int c = g * group; c < c1; c += 8) {  // groups are multiples of 8 (checked by the cache)
-        const __m256 x = level<BITS, LUT>(unpack8<BITS>(row + (size_t)c / 8 * BITS), L);
+        const uint8_t* p = row + (size_t)c / 8 * BITS;
+        const __m256 x = c + 8 < C ? level<BITS, LUT>(unpack8<BITS, true>(p), L) : level<BITS, LUT>(unpack8<BITS>(p), L);
         _mm256_storeu_ps(o + c, _mm256_fmadd_ps(x, s, z));
       }
     }
@@ -102,7 +107,27 @@ void values_bits(const kvq_layer_view& v, int64_t i0, int nt, float* out) {
   }
 }
 
+template <int BITS>
+void affine_row_t(const uint8_t* row, int C, const float* sc, const float* zc, float* out) {
+  int c = 0;
+  for (; c + 8 < C; c += 8) {
+    const __m256 x = _mm256_cvtepi32_ps(unpack8<BITS, true>(row + (size_t)c / 8 * BITS));
+    _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(x, _mm256_loadu_ps(sc + c)), _mm256_loadu_ps(zc + c)));
+  }
+  const __m256 x = _mm256_cvtepi32_ps(unpack8<BITS>(row + (size_t)c / 8 * BITS));
+  _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(x, _mm256_loadu_ps(sc + c)), _mm256_loadu_ps(zc + c)));
+}
+
 }  // namespace
+
+void affine_codes_row(const uint8_t* row, int C, int bits, const float* sc, const float* zc, float* out) {
+  switch (bits) {
+    case 1: return affine_row_t<1>(row, C, sc, zc, out);
+    case 2: return affine_row_t<2>(row, C, sc, zc, out);
+    case 3: return affine_row_t<3>(row, C, sc, zc, out);
+    default: return affine_row_t<4>(row, C, sc, zc, out);
+  }
+}
 
 void kvq_decode_keys(const kvq_layer_view& v, int64_t i0, int nt, const float* sc, const float* zc, float* out) {
   if (v.scheme == kvq_scheme::kvq_lut)

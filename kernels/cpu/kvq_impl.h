@@ -18,6 +18,9 @@ void kvq_decode_values_scalar(const kvq_layer_view& v, int64_t i0, int nt, float
 namespace avx2 {  // bits 2..4, C % 8 == 0
 void kvq_decode_keys(const kvq_layer_view& v, int64_t i0, int nt, const float* sc, const float* zc, float* out);
 void kvq_decode_values(const kvq_layer_view& v, int64_t i0, int nt, float* out);
+// One row of C uniform codes (bits 1..4): out[c] = (float)code * sc[c] + zc[c], a product then a
+// sum (no FMA), bitwise what the scalar X-cache decoder computes.
+void affine_codes_row(const uint8_t* row, int C, int bits, const float* sc, const float* zc, float* out);
 }  // namespace avx2
 
 }  // namespace xctx::cpu::impl

@@ -36,8 +36,37 @@ const rope_table& rope_table_for(const rope_config& cfg) {
       t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
       t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
     }
+  t->byte_cos.resize((size_t)kPosBytes * 256 * t->n_pair);
+  t->byte_sin.resize(t->byte_cos.size());
+  for (int l = 0; l < kPosBytes; ++l)
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < t->n_pair; ++i) {
+        const double a = (double)((int64_t)b << (8 * l)) * t->theta[i];
+        t->byte_cos[((size_t)l * 256 + b) * t->n_pair + i] = std::cos(a);
+        t->byte_sin[((size_t)l * 256 + b) * t->n_pair + i] = std::sin(a);
+      }
   tables.push_back(std::move(t));
   return *tables.back();
+}
+
+void rope_angles(const rope_table& tab, int64_t pos, double* c, double* s) {
+  const int np = tab.n_pair;
+  if (pos < 0 || pos >= ((int64_t)1 << (8 * kPosBytes))) {
+    for (int i = 0; i < np; ++i) c[i] = std::cos((double)pos * tab.theta[i]), s[i] = std::sin((double)pos * tab.theta[i]);
+    return;
+  }
+  for (int i = 0; i < np; ++i) c[i] = 1.0, s[i] = 0.0;
+  for (int l = 0; l < kPosBytes; ++l) {
+    const int b = (int)((pos >> (8 * l)) & 0xff);
+    if (b == 0) continue;
+    const double* bc = tab.byte_cos.data() + ((size_t)l * 256 + b) * np;
+    const double* bs = tab.byte_sin.data() + ((size_t)l * 256 + b) * np;
+    for (int i = 0; i < np; ++i) {
+      const double ci = c[i] * bc[i] - s[i] * bs[i];
+      s[i] = s[i] * bc[i] + c[i] * bs[i];
+      c[i] = ci;
+    }
+  }
 }
 
 namespace {
@@ -66,10 +95,11 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
   const int64_t p0 = pos[0];
   const bool consecutive = (int64_t)pos[nt - 1] - p0 == nt - 1;
   if (!consecutive) {
+    double dc[kMaxRot / 2], ds[kMaxRot / 2];
     for (int j = 0; j < nt; ++j) {
+      rope_angles(tab, pos[j], dc, ds);
       for (int i = 0; i < np; ++i) {
-        const double a = (double)pos[j] * tab.theta[i];
-        const float c = (float)std::cos(a), s = (float)std::sin(a);
+        const float c = (float)dc[i], s = (float)ds[i];
         cos2[2 * i] = cos2[2 * i + 1] = c;
         sin2[2 * i] = -s, sin2[2 * i + 1] = s;
       }
@@ -78,15 +108,12 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
     cur.valid = false;
     return;
   }
-  // The base angles are exact at p0 (double), a function of p0 alone: a key's rotation must not
+  // The base angles are a function of p0 alone (to double precision): a key's rotation must not
   // depend on where the caller's run of tiles started, or a split of the cache across ranks
   // would rotate it differently. The cursor only saves recomputing the same p0.
   if (!cur.valid || cur.next_pos != p0) {
     cur.c.resize(np), cur.s.resize(np);
-    for (int i = 0; i < np; ++i) {
-      const double a = (double)p0 * tab.theta[i];
-      cur.c[i] = std::cos(a), cur.s[i] = std::sin(a);
-    }
+    rope_angles(tab, p0, cur.c.data(), cur.s.data());
     cur.valid = true;
     cur.next_pos = p0;
   }

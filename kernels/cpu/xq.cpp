@@ -29,6 +29,7 @@
 #include "kernels/cpu/attention_units.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/kvq_impl.h"
 #include "kernels/cpu/rope_tile.h"
 #include "kernels/ref/ref_ops.h"
 #include "kernels/x_quant.h"
@@ -65,6 +66,7 @@ void decode_rows(const xq_stream& s, int64_t t0, int nt, float* out /*[nt, C]*/,
     return;
   }
   const size_t rb = kvq_row_bytes(C, s.bits);
+  const bool fast = impl::best_isa() == impl::isa::isa_avx2;
   sc.resize(C), zc.resize(C);
   int64_t cached_group = -1;
   for (int r = 0; r < nt; ++r) {
@@ -93,7 +95,10 @@ void decode_rows(const xq_stream& s, int64_t t0, int nt, float* out /*[nt, C]*/,
       }
     }
     const uint8_t* row = s.codes + (size_t)t * rb;
-    for (int c = 0; c < C; ++c) o[c] = (float)kvq_get_code(row, s.bits, c) * sc[c] + zc[c];
+    if (fast)
+      impl::avx2::affine_codes_row(row, C, s.bits, sc.data(), zc.data(), o);
+    else
+      for (int c = 0; c < C; ++c) o[c] = (float)kvq_get_code(row, s.bits, c) * sc[c] + zc[c];
     if (s.ch0 != nullptr) o[0] = fp16_to_fp32(s.ch0[t]);
   }
 }
