@@ -54,6 +54,10 @@ class kv_cache {
                                const float* q,        // [n_q, n_head, head_dim]
                                const int32_t* q_pos,  // [n_q]
                                int64_t n_q, attend_path path, softmax_acc& out) = 0;
+  // Drops working memory that only the exact ring prefill needs (xquant-cl in deltas mode: the
+  // f32 accumulators of foreign tokens, n_foreign * n_embd * 4 bytes). The sequence runner calls
+  // it once the ring prefill / scoring is over; clear() drops it too. No-op for other formats.
+  virtual void release_ring_state() {}
   // One call's partial as (o normalised, lse natural log), see attn_args: for tests and tools.
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o /*[n_q, n_head, head_dim]*/,
               float* lse /*[n_q, n_head]*/, attend_path path = attend_path::attend_prefill);

@@ -64,6 +64,21 @@ cache_format parse_cache_format(const std::string& name) {
   fail("unknown cache format '", name, "' (known: ", names.str(), ")");
 }
 
+cl_ring_mode parse_cl_ring_mode(const std::string& name) {
+  if (name == "deltas") return cl_ring_mode::cl_ring_deltas;
+  if (name == "latent") return cl_ring_mode::cl_ring_latent;
+  fail("unknown xquant-cl ring mode '", name, "' (deltas, latent)");
+}
+
+const char* cl_ring_mode_name(cl_ring_mode m) {
+  switch (m) {
+    case cl_ring_mode::cl_ring_deltas: return "deltas";
+    case cl_ring_mode::cl_ring_latent: return "latent";
+  }
+  XCTX_ASSERT(false, "bad cl_ring_mode ", (int)m);
+  return "?";
+}
+
 bool qnorm_enabled(cache_format f, const cache_options& o) {
   // KVQuant App. H: Q-Norm helps at 2 bits and not measurably at 3-4; the paper uses it at 2.
   return o.qnorm < 0 ? format_traits(f).bits_per_element == 2 : o.qnorm != 0;

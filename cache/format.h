@@ -68,6 +68,20 @@ std::vector<cache_format> formats_of(std::initializer_list<cache_family> familie
 // The X formats (xquant*, xquant-cl*, clkv): they need the model's rebuild factors.
 std::vector<cache_format> x_cache_formats();
 
+// xquant-cl under the exact ring prefill (docs/x_formats.md "Sequence parallelism"): what a
+// ring block of a layer >= the base layer carries, and what the own shard is attended from.
+enum class cl_ring_mode : uint8_t {
+  // The layer's stored codes (base X or quantized delta) + fp16 params. The receiver keeps an
+  // f32 accumulator per foreign token, n_foreign * n_embd * 4 bytes per rank while the prefill
+  // ring runs; every shard is attended from the f32 accumulator (the paper's rebuild).
+  cl_ring_deltas,
+  // The fp16 latent X̂_i·U_kv (GQA: the bytes of fp16 K|V), receiver memory O(block); the own
+  // shard is attended through the same fp16 latent so results do not depend on the rank count.
+  cl_ring_latent,
+};
+cl_ring_mode parse_cl_ring_mode(const std::string& name);  // deltas | latent; throws otherwise
+const char* cl_ring_mode_name(cl_ring_mode m);
+
 // How a quantized format is run (defaults follow the papers).
 struct cache_options {
   int group_size = 128;  // kivi: tokens per key group = channels per value group (XQuant §4)
@@ -79,6 +93,10 @@ struct cache_options {
   std::shared_ptr<const x_factors> factors;
   bool x_fp16_first_channel = false;  // xquant (GQA): first latent channel of X·U_k kept fp16 (App. B)
   int cl_hi_layers = 3;  // xquant-cl: leading layers cached as X at 4 bits (Table 4); the last is the base
+  // xquant-cl: ring blocks of layers >= the base. deltas (default): fewest bytes, the paper's
+  // f32 rebuild, O(n·n_embd) receiver memory during the prefill; latent: O(block) memory, the
+  // bytes of fp16 K|V (GQA). Both give the same tokens on any number of ranks.
+  cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;
   // clkv (ACL paper Table 9 / App. A, scaled to the model's depth; -1 = the paper's choice):
   int clkv_key_2bit_layers = -1;    // kq: key layers [0, kq) at 2 bits, the rest 1 bit; -1 = L - 2
   int clkv_value_2bit_layers = 2;   // vq: value layers [0, vq) at 2 bits

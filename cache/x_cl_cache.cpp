@@ -16,14 +16,26 @@
 // X̂_base (a new forward step starts over at layer 0). This is the paper's accumulator (Figure 4,
 // Figure A.1): working memory like the rebuilt K/V of other formats, not part of bytes_used().
 //
-// Under sequence parallelism the accumulator of a token stays on its rank. The ring's blocks
-// for layers < base carry the 4-bit X codes; for layers >= base the receiver cannot rebuild X̂
-// from one delta, so the block carries the fp16 latent X̂_i·U_i (GQA: 2·kv_dim channels, the
-// same bytes as fp16 K and V; MHA: X̂_i itself, half of fp16 K and V), which rebuilds K|V
-// exactly through Σ_kv B_kvᵀ. Attention reads that fp16 latent for the own shard too
-// (deviation from the paper, which rebuilds from the f32 X̂: one fp16 rounding of the latent),
-// so a token's keys and values are the same bits on every rank and the result does not depend
-// on the rank count.
+// Under sequence parallelism a token's accumulator lives on its rank. Ring blocks of layers
+// < base carry the 4-bit X codes; for layers >= base the mode (cache_options::cl_ring) decides:
+//  deltas (default): the block carries what the layer stores (base: its X codes; above: the
+//    quantized deltas + fp16 params), below fp16 K|V bytes (SmolLM2 at np 4: 0.17-0.28 of
+//    fp16's ring bytes, docs/x_formats.md). The receiver keeps an f32 accumulator for each
+//    foreign source block ([n, n_embd], identified by the block's positions, which a source
+//    rank repeats at every layer), started at the base layer and advanced by each layer's block
+//    with the owner's decode and row-invariant update, so X̂_i of a foreign token is the owner's
+//    bits; K|V = X̂_i·[W_k | W_v] + b for own and foreign tokens alike (the paper's rebuild).
+//    Cost: n_foreign·(n_embd + 1)·4 bytes per rank while the prefill ring runs (in
+//    bytes_allocated(), dropped by release_ring_state() and clear()): 23 GB per rank for SmolLM2
+//    at 10M tokens.
+//  latent: the block carries the fp16 latent X̂_i·U_i (GQA: 2·kv_dim channels, the same bytes as
+//    fp16 K and V; MHA: X̂_i itself, half of fp16 K and V), which rebuilds K|V exactly through
+//    Σ_kv B_kvᵀ, with O(block) receiver memory. Attention reads that fp16 latent for the own
+//    shard too (deviation from the paper, which rebuilds from the f32 X̂: one fp16 rounding of
+//    the latent), so a token's keys and values are the same bits on every rank.
+// In both modes the result does not depend on the rank count. Deltas is the default: it is what
+// a compressed ring is for (latent moves 0.96 of fp16's bytes) and it is the paper's arithmetic;
+// latent is for lengths where n·n_embd·4 bytes per rank defeat sharding (164 GB at n_embd = 4096).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -50,10 +62,23 @@ struct cl_layer {
   std::vector<kvq_affine> params;  // [capacity, n_g]
 };
 
+// Deltas ring mode: the accumulator of one foreign source block. The ring prefill passes each
+// source rank's tokens as one block per layer with the same positions at every layer, so the
+// positions identify it; `layer` is the layer x holds (a block's layers arrive in order).
+struct foreign_acc {
+  std::vector<int32_t> pos;  // [n] the block's positions
+  std::vector<float> x;      // [n, n_embd] X̂_layer of the block's tokens
+  int layer = -1;
+};
+
 class x_cl_cache final : public kv_cache {
  public:
   x_cl_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
-      : spec_(spec), geo_(g), traits_(format_traits(spec.format)), use_ref_(be.name() == "ref") {
+      : spec_(spec),
+        geo_(g),
+        traits_(format_traits(spec.format)),
+        use_ref_(be.name() == "ref"),
+        deltas_(spec.options.cl_ring == cl_ring_mode::cl_ring_deltas) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);
@@ -88,6 +113,7 @@ class x_cl_cache final : public kv_cache {
   size_t bytes_allocated() const override {
     size_t b = pos_.capacity() * 4 + acc_.capacity() * 4 + acc_layer_.capacity() * 2;
     for (const cl_layer& L : layers_) b += L.codes.capacity() + L.params.capacity() * sizeof(kvq_affine);
+    for (const foreign_acc& f : foreign_) b += f.pos.capacity() * 4 + f.x.capacity() * 4;
     return b;
   }
 
@@ -105,7 +131,10 @@ class x_cl_cache final : public kv_cache {
     for (cl_layer& L : layers_) L.n = 0;
     std::fill(acc_layer_.begin(), acc_layer_.end(), (int16_t)-1);
     n_pos_ = 0;
+    release_ring_state();
   }
+
+  void release_ring_state() override { std::vector<foreign_acc>().swap(foreign_); }
 
   void append(int layer, const layer_input& in) override {
     XCTX_ASSERT(layer >= 0 && layer < geo_.n_layer);
@@ -147,13 +176,20 @@ class x_cl_cache final : public kv_cache {
       run_w(layer, stream_view(layer), L.n, pos_.data(), q, q_pos, n_q, path, out);
       return;
     }
+    if (deltas_) {  // from the f32 accumulator, as foreign blocks (attend_exported)
+      advance(0, L.n, layer);
+      run_w(layer, dense_view(acc_.data()), L.n, pos_.data(), q, q_pos, n_q, path, out);
+      return;
+    }
     // The own shard is attended through the same fp16 latent a ring block carries, so a token's
     // keys and values are the same bits whichever rank attends it (rank-count invariance).
     const std::vector<uint16_t> y = latent_fp16(layer, L.n);
     run_latent(layer, y.data(), L.n, pos_.data(), q, q_pos, n_q, path, out);
   }
 
-  // Block: int64 n | pos | layers < base: X codes, params; layers >= base: fp16 [n, r] latent.
+  // Block: int64 n | pos [n] int32 | codes [n, rb], params [n, n_g] of the layer (layers < base,
+  // and every layer in deltas mode) or the fp16 latent [n, r] (layers >= base, latent mode);
+  // each part padded to 8 bytes.
   size_t exported_bytes(int layer) const override { return block_bytes(layer, layers_.at(layer).n); }
 
   void export_layer(int layer, void* dst) const override {
@@ -167,7 +203,7 @@ class x_cl_cache final : public kv_cache {
       at += pad8(bytes);
     };
     put(pos_.data(), n * 4);
-    if (layer < base_) {
+    if (layer < base_ || deltas_) {
       put(L.codes.data(), n * L.rb);
       put(L.params.data(), n * L.n_g * sizeof(kvq_affine));
     } else {
@@ -183,22 +219,35 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
     int64_t n = 0;
     std::memcpy(&n, in, 8);
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer, "cache block for layer ", layer, " of a ", geo_.n_layer,
+               "-layer cache");
     XCTX_CHECK(n >= 0 && n <= (int64_t)(bytes / 2) && block_bytes(layer, n) == bytes, "cache block for layer ", layer,
-               " claims ", n, " tokens but holds ", bytes, " bytes");
+               " claims ", n, " tokens (", n >= 0 && n <= (int64_t)(bytes / 2) ? block_bytes(layer, n) : 0,
+               " bytes) but holds ", bytes, " bytes");
     const auto* pos = reinterpret_cast<const int32_t*>(in + 8);
     for (int64_t i = 1; i < n; ++i)
-      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
+      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at index ", i,
+                 " (", pos[i - 1], " then ", pos[i], ")");
     const uint8_t* body = in + 8 + pad8(n * 4);
-    const cl_layer& L = layers_.at(layer);
+    if (layer >= base_ && !deltas_) {
+      run_latent(layer, reinterpret_cast<const uint16_t*>(body), n, pos, q, q_pos, n_q, path, out);
+      return;
+    }
+    const xq_stream s = block_stream(layer, body, n);
     if (layer < base_) {
-      xq_stream s = stream_view(layer);
-      s.nq = n;
-      s.codes = body;
-      s.params = reinterpret_cast<const kvq_affine*>(body + pad8(n * L.rb));
       run_w(layer, s, n, pos, q, q_pos, n_q, path, out);
       return;
     }
-    run_latent(layer, reinterpret_cast<const uint16_t*>(body), n, pos, q, q_pos, n_q, path, out);
+    if (n == 0) return;  // a source rank without tokens: nothing to accumulate or attend
+    foreign_acc& f = foreign_for(layer, pos, n);
+    if (layer == base_) {
+      decode(s, 0, n, f.x.data());
+    } else {
+      for (int64_t t = 0; t < n; t += kAccBlock)
+        add_delta(layer, s, t, std::min(kAccBlock, n - t), f.x.data() + (size_t)t * d_);
+    }
+    f.layer = layer;
+    run_w(layer, dense_view(f.x.data()), n, pos, q, q_pos, n_q, path, out);
   }
 
   // The accumulator of tokens [0, n) at `layer` in the [W_k | W_v] latent, rounded to fp16: what
@@ -229,6 +278,24 @@ class x_cl_cache final : public kv_cache {
     attention(a);
   }
 
+  // The stored stream of a layer as it sits in a ring block of n tokens (body: after positions).
+  xq_stream block_stream(int layer, const uint8_t* body, int64_t n) const {
+    xq_stream s = stream_view(layer);
+    s.nq = n;
+    s.codes = body;
+    s.params = reinterpret_cast<const kvq_affine*>(body + pad8(n * layers_[layer].rb));
+    return s;
+  }
+
+  // Accumulator rows ([n, n_embd] f32) as the attention kernel's stream. bits/group are unused
+  // with dense rows; they are set so the stream stays valid when x is null (no rows yet).
+  xq_stream dense_view(const float* x /*[n, n_embd]*/) const {
+    xq_stream s;
+    s.axis = xq_axis::xq_per_token, s.channels = d_, s.bits = 4, s.group = G_, s.nq = 0;
+    s.dense = x;
+    return s;
+  }
+
   xq_stream stream_view(int layer) const {
     const cl_layer& L = layers_.at(layer);
     xq_stream s;
@@ -249,7 +316,7 @@ class x_cl_cache final : public kv_cache {
   size_t block_bytes(int layer, int64_t n) const {
     const cl_layer& L = layers_[layer];
     size_t b = 8 + pad8(n * 4);
-    if (layer < base_) return b + pad8(n * L.rb) + pad8(n * L.n_g * sizeof(kvq_affine));
+    if (layer < base_ || deltas_) return b + pad8(n * L.rb) + pad8(n * L.n_g * sizeof(kvq_affine));
     return b + pad8((size_t)n * r_ * 2);
   }
 
@@ -280,6 +347,54 @@ class x_cl_cache final : public kv_cache {
       cpu::xq_decode_rows(s, t0, m, out);
   }
 
+  // acc[r, :] += δ̂_j(t0 + r)·U_jᵀ for r < m, from rows [t0, t0 + m) of layer j's delta stream s
+  // (acc [m, n_embd] holds X̂_{j-1} of those rows). The owner (advance) and a ring receiver
+  // (attend_exported) both come through here: same decode, same row-invariant product, so a
+  // token's X̂_j is the same bits on every rank.
+  void add_delta(int j, const xq_stream& s, int64_t t0, int64_t m, float* acc /*[m, n_embd]*/) const {
+    const auto& F = factors_->layers[j];
+    if (F.u_kv.empty()) {  // MHA: the delta is in X space
+      scratch_.resize((size_t)m * d_);
+      decode(s, t0, m, scratch_.data());
+      for (int64_t k = 0; k < m * d_; ++k) acc[k] += scratch_[k];
+      return;
+    }
+    scratch_.resize((size_t)m * r_);
+    decode(s, t0, m, scratch_.data());
+    if (use_ref_)
+      ref::xq_add_projected(scratch_.data(), F.u_kv.data(), m, r_, d_, acc);
+    else
+      cpu::xq_add_projected(scratch_.data(), F.u_kv.data(), m, r_, d_, acc);
+  }
+
+  // Deltas mode: the accumulator of the foreign block at positions pos [n] for `layer`. At the
+  // base layer it is (re)started, sized for the caller to decode into; above it must hold
+  // layer - 1 (every layer's block of a source passes in order, none skipped).
+  foreign_acc& foreign_for(int layer, const int32_t* pos, int64_t n) {
+    auto it = std::find_if(foreign_.begin(), foreign_.end(), [&](const foreign_acc& f) { return f.pos[0] == pos[0]; });
+    if (layer == base_) {
+      if (it == foreign_.end()) it = foreign_.insert(foreign_.end(), foreign_acc{});
+      it->pos.assign(pos, pos + n);
+      it->x.resize((size_t)n * d_);  // [n, n_embd]
+      it->layer = -1;
+      return *it;
+    }
+    XCTX_CHECK(it != foreign_.end(), "cache ", traits_.name, ": ring block for layer ", layer, " (positions ", pos[0],
+               "..", pos[n - 1], ", ", n, " tokens) has no foreign accumulator: its base layer ", base_,
+               " block was not attended");
+    XCTX_CHECK((int64_t)it->pos.size() == n, "cache ", traits_.name, ": ring block for layer ", layer,
+               " starts at position ", pos[0], " like the block accumulated since layer ", base_, " but holds ", n,
+               " tokens, not ", it->pos.size());
+    const auto diff = std::mismatch(pos, pos + n, it->pos.begin());
+    XCTX_CHECK(diff.first == pos + n, "cache ", traits_.name, ": ring block for layer ", layer, " starts at position ",
+               pos[0], " like the block accumulated since layer ", base_, " but has position ", *diff.first,
+               " at index ", diff.first - pos, " where that block has ", *diff.second);
+    XCTX_CHECK(it->layer == layer - 1, "cache ", traits_.name, ": ring block for layer ", layer, " (positions ",
+               pos[0], "..", pos[n - 1], "): its foreign accumulator holds layer ", it->layer, ", not ", layer - 1,
+               " (a block was skipped)");
+    return *it;
+  }
+
   // Brings accumulator rows [t0, t1) to layer `to` (>= base).
   void advance(int64_t t0, int64_t t1, int to) const {
     XCTX_ASSERT(to >= base_ && to < geo_.n_layer);
@@ -298,19 +413,7 @@ class x_cl_cache final : public kv_cache {
       for (int j = from + 1; j <= to; ++j) {
         XCTX_ASSERT(layers_[j].n >= e, "accumulator row ", e - 1, " asked for layer ", j, " which holds ",
                     layers_[j].n);
-        const auto& F = factors_->layers[j];
-        if (F.u_kv.empty()) {  // MHA: the delta is in X space
-          scratch_.resize((size_t)(e - t) * d_);
-          decode(stream_view(j), t, e - t, scratch_.data());
-          for (int64_t k = 0; k < (e - t) * d_; ++k) acc[k] += scratch_[k];
-          continue;
-        }
-        scratch_.resize((size_t)(e - t) * r_);
-        decode(stream_view(j), t, e - t, scratch_.data());
-        if (use_ref_)
-          ref::xq_add_projected(scratch_.data(), F.u_kv.data(), e - t, r_, d_, acc);
-        else
-          cpu::xq_add_projected(scratch_.data(), F.u_kv.data(), e - t, r_, d_, acc);
+        add_delta(j, stream_view(j), t, e - t, acc);
       }
       std::fill(acc_layer_.begin() + t, acc_layer_.begin() + e, (int16_t)to);
       t = e;
@@ -352,6 +455,7 @@ class x_cl_cache final : public kv_cache {
   cache_geometry geo_;
   cache_format_traits traits_;
   bool use_ref_ = false;
+  bool deltas_ = true;  // cl_ring_mode::cl_ring_deltas
   std::shared_ptr<const x_factors> factors_;
   int G_ = 0, d_ = 0, kv_ = 0, r_ = 0, base_ = 0;
   std::vector<int32_t> pos_;  // [capacity]
@@ -361,6 +465,7 @@ class x_cl_cache final : public kv_cache {
   mutable std::vector<int16_t> acc_layer_;  // [rows] layer each accumulator row holds (-1: none)
   mutable std::vector<float> scratch_;      // [block, r] decoded deltas
   std::vector<float> delta_, lat_;          // [n, n_embd], [n, r] rows being appended
+  std::vector<foreign_acc> foreign_;        // deltas mode: one per foreign source block (ring prefill)
 };
 
 }  // namespace

@@ -42,6 +42,7 @@ class recording_cache final : public kv_cache {
                        attend_path path, softmax_acc& out) override {
     inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
   }
+  void release_ring_state() override { inner_->release_ring_state(); }
   void clear() override {
     inner_->clear();
     for (auto* vv : {&k_, &v_, &q_})

@@ -172,6 +172,7 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
         } else {  // fewer context tokens than shards: still relay the other ranks' blocks
           for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
         }
+        cache_->release_ring_state();  // foreign tokens' working memory (xquant-cl deltas mode)
         break;
       }
       case prefill_mode::prefill_star: {
@@ -223,6 +224,7 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
   } else {  // more ranks than tokens: still relay the other ranks' blocks
     for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
   }
+  cache_->release_ring_state();
   double part[2] = {0.0, 0.0};
   for (size_t i = 0; i < pos.size(); ++i)
     if (targets[i] >= 0) part[0] += nll[i], part[1] += 1.0;

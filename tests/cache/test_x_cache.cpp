@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cmath>
 #include <random>
+#include <utility>
 
 #include "cache/x_test_util.h"
 #include "common/error.h"
@@ -39,8 +40,9 @@ std::string case_name(const x_case& c) {
   return s + (c.gqa ? "_gqa" : "_mha") + (c.ch0 ? "_ch0" : "");
 }
 
-cache_spec spec_for(const x_case& c, const model_weights& w) {
+cache_spec spec_for(const x_case& c, const model_weights& w, cl_ring_mode ring = cl_ring_mode::cl_ring_deltas) {
   cache_options o;
+  o.cl_ring = ring;
   o.group_size = kTestWindow;
   o.clkv_group = 8;
   o.x_fp16_first_channel = c.ch0;
@@ -60,10 +62,10 @@ struct filled {
 
 // Appends n tokens chunk by chunk, layers 0..L-1 per chunk (the engine's order).
 filled fill(backend& be, const x_case& c, const cache_geometry& g, int64_t n, int32_t step,
-            const std::vector<int64_t>& chunks, uint32_t seed) {
+            const std::vector<int64_t>& chunks, uint32_t seed, cl_ring_mode ring = cl_ring_mode::cl_ring_deltas) {
   filled f;
   f.model = make_x_model(g, seed, true);
-  f.spec = spec_for(c, f.model.w);
+  f.spec = spec_for(c, f.model.w, ring);
   f.cache = make_cache(f.spec, g, be);
   f.x = make_layer_inputs(g, n, seed + 1);
   f.k.resize(g.n_layer), f.v.resize(g.n_layer);
@@ -284,47 +286,55 @@ TEST_P(x_cache_test, fused_attention_equals_reference) {
 }
 
 // export_layer / attend_exported: the ring's compressed blocks give the cache's own answer
-// (xquant, clkv, and xquant-cl layers below the base: the same codes, bitwise; xquant-cl layers
-// from the base on travel as the fp16 latent X̂·U_kv: off by the fp16 rounding of the latent).
+// (xquant, clkv, and xquant-cl layers below the base: the same codes, bitwise; xquant-cl from
+// the base on, deltas mode: bitwise, the receiver accumulates the stored deltas like the owner;
+// latent mode: the fp16 latent X̂·U_kv, bounded by its fp16 rounding).
 TEST_P(x_cache_test, exported_block_attends_like_the_cache) {
   const x_case c = GetParam();
   auto be = make_backend(backend_kind::backend_cpu);
   const cache_geometry g = x_geometry(c.gqa, 300);
-  filled f = fill(*be, c, g, 2 * kTestWindow + 9, 1, {}, 8);
-  auto other = make_cache(f.spec, g, *be);
   const int qd = g.n_head * g.head_dim;
   const bool cl = format_traits(c.format).family == cache_family::family_xquant_cl;
-  size_t block_total = 0, fp16_total = 0;
-  for (int layer = 0; layer < g.n_layer; ++layer) {
-    std::vector<uint8_t> block(f.cache->exported_bytes(layer));
-    f.cache->export_layer(layer, block.data());
-    block_total += block.size();
-    fp16_total += (size_t)f.cache->n_tokens(layer) * (4 + 2 * 2 * g.n_head_kv * g.head_dim);
-    std::vector<float> q(2 * qd, 0.1f), o1(2 * qd), o2(2 * qd), l1(2 * g.n_head), l2(2 * g.n_head);
-    const std::vector<int32_t> q_pos = {20, 1000};
-    f.cache->attend(layer, q.data(), q_pos.data(), 2, o1.data(), l1.data());
-    other->attend_exported(layer, block.data(), block.size(), q.data(), q_pos.data(), 2, o2.data(), l2.data());
-    if (cl && layer >= f.spec.options.cl_hi_layers - 1) {
-      double max_v = 0;
-      for (float x : f.v[layer]) max_v = std::max(max_v, (double)std::fabs(x));
-      // fp16 latent: K and V off by <= 2^-11 relative per latent term, summed over <= n_embd terms.
-      const double dv = 4 * kFp16Rel * max_v * 4, dk = dv;
-      const double delta = 0.1 * g.head_dim * dk / std::sqrt((double)g.head_dim);
-      for (size_t i = 0; i < o1.size(); ++i) ASSERT_NEAR(o1[i], o2[i], 2 * delta * 2 * max_v + dv) << i;
-    } else {
-      EXPECT_EQ(o1, o2) << "layer " << layer;
-      EXPECT_EQ(l1, l2) << "layer " << layer;
+  std::vector<cl_ring_mode> rings = {cl_ring_mode::cl_ring_deltas};
+  if (cl) rings.push_back(cl_ring_mode::cl_ring_latent);
+  for (cl_ring_mode ring : rings) {
+    filled f = fill(*be, c, g, 2 * kTestWindow + 9, 1, {}, 8, ring);
+    kv_cache& src = *f.cache;
+    auto other = make_cache(f.spec, g, *be);
+    size_t block_total = 0, fp16_total = 0;
+    for (int layer = 0; layer < g.n_layer; ++layer) {
+      std::vector<uint8_t> block(src.exported_bytes(layer));
+      src.export_layer(layer, block.data());
+      block_total += block.size();
+      fp16_total += (size_t)src.n_tokens(layer) * (4 + 2 * 2 * g.n_head_kv * g.head_dim);
+      std::vector<float> q(2 * qd, 0.1f), o1(2 * qd), o2(2 * qd), l1(2 * g.n_head), l2(2 * g.n_head);
+      const std::vector<int32_t> q_pos = {20, 1000};
+      src.attend(layer, q.data(), q_pos.data(), 2, o1.data(), l1.data());
+      other->attend_exported(layer, block.data(), block.size(), q.data(), q_pos.data(), 2, o2.data(), l2.data());
+      if (cl && ring == cl_ring_mode::cl_ring_latent && layer >= f.spec.options.cl_hi_layers - 1) {
+        double max_v = 0;
+        for (float x : f.v[layer]) max_v = std::max(max_v, (double)std::fabs(x));
+        // fp16 latent: K and V off by <= 2^-11 relative per latent term, summed over <= n_embd terms.
+        const double dv = 4 * kFp16Rel * max_v * 4, dk = dv;
+        const double delta = 0.1 * g.head_dim * dk / std::sqrt((double)g.head_dim);
+        for (size_t i = 0; i < o1.size(); ++i) ASSERT_NEAR(o1[i], o2[i], 2 * delta * 2 * max_v + dv) << i;
+      } else {
+        EXPECT_EQ(o1, o2) << "layer " << layer << " ring " << cl_ring_mode_name(ring);
+        EXPECT_EQ(l1, l2) << "layer " << layer << " ring " << cl_ring_mode_name(ring);
+      }
+      EXPECT_THROW(other->attend_exported(layer, block.data(), block.size() - 8, q.data(), q_pos.data(), 2, o2.data(),
+                                          l2.data()),
+                   Error);
+      std::vector<uint8_t> bad = block;
+      bad[0] ^= 0x40;  // token count no longer matches the layout
+      EXPECT_THROW(
+          other->attend_exported(layer, bad.data(), bad.size(), q.data(), q_pos.data(), 2, o2.data(), l2.data()),
+          Error);
     }
-    EXPECT_THROW(other->attend_exported(layer, block.data(), block.size() - 8, q.data(), q_pos.data(), 2, o2.data(),
-                                        l2.data()),
-                 Error);
-    std::vector<uint8_t> bad = block;
-    bad[0] ^= 0x40;  // token count no longer matches the layout
-    EXPECT_THROW(other->attend_exported(layer, bad.data(), bad.size(), q.data(), q_pos.data(), 2, o2.data(), l2.data()),
-                 Error);
+    std::printf("[x-ring] %s%s%s: exported blocks %zu bytes vs fp16 K/V blocks %zu bytes (%.3f)\n",
+                case_name(c).c_str(), cl ? " ring " : "", cl ? cl_ring_mode_name(ring) : "", block_total, fp16_total,
+                (double)block_total / fp16_total);
   }
-  std::printf("[x-ring] %s: exported blocks %zu bytes vs fp16 K/V blocks %zu bytes (%.3f)\n", case_name(c).c_str(),
-              block_total, fp16_total, (double)block_total / fp16_total);
 }
 
 std::vector<x_case> all_cases() {
@@ -473,6 +483,159 @@ TEST(x_cache, clkv_shares_codes_and_keeps_layer_scales) {
   std::printf("[clkv] SmolLM2: %.4f code bits per K/V element, %.3f all-in\n", code_bits,
               cache_bytes_per_token(spec, s) * 8 / (2.0 * 30 * 192));
   EXPECT_LT(code_bits, 1.4);
+}
+
+// ---- xquant-cl exact ring, deltas mode ------------------------------------------------------------
+
+size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
+
+// Rows idx of x [n, width], in order.
+std::vector<float> gather_rows(const std::vector<float>& x, const std::vector<int64_t>& idx, int width) {
+  std::vector<float> out(idx.size() * width);
+  for (size_t i = 0; i < idx.size(); ++i) std::copy_n(x.begin() + idx[i] * width, width, out.begin() + i * width);
+  return out;
+}
+
+// Two ranks of a zigzag-like plan split on 256-position units (a: units 0 and 2 with the tail,
+// b: unit 1), fed layer by layer from layer 0 (the base first among the accumulated layers): each
+// rank attending its own shard and the other's exported block into one exact accumulator gives
+// bitwise the o/lse of one cache holding every token, because the receiver's foreign accumulator
+// is the owner's X̂ bit for bit. The blocks carry the stored codes, fewer bytes than fp16 K|V.
+TEST(x_cache, cl_deltas_ring_blocks_attend_like_one_cache) {
+  auto be = make_backend(backend_kind::backend_cpu);
+  for (cache_format fmt : formats_of({cache_family::family_xquant_cl}))
+    for (bool gqa : {true, false}) {
+      const x_case c{fmt, gqa, false};
+      SCOPED_TRACE(case_name(c) + " seeds 61/62/63");
+      const int64_t n = 2 * kAttnUnit + 57;
+      const cache_geometry g = x_geometry(gqa, n);
+      const test::x_model m = make_x_model(g, 61, true);
+      const cache_spec spec = spec_for(c, m.w);
+      ASSERT_EQ(spec.options.cl_ring, cl_ring_mode::cl_ring_deltas);  // the default
+      const auto x = make_layer_inputs(g, n, 62);
+      const int d = g.n_embd, kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+      struct shard {
+        std::unique_ptr<kv_cache> cache;
+        std::vector<int64_t> idx;
+        std::vector<int32_t> pos;  // [idx.size()]
+      };
+      shard w{make_cache(spec, g, *be), {}, {}}, a{make_cache(spec, g, *be), {}, {}},
+          b{make_cache(spec, g, *be), {}, {}}, fb{make_cache(cache_format::cache_fp16, g, *be), {}, {}};
+      for (int64_t t = 0; t < n; ++t) {
+        w.idx.push_back(t);
+        (t / kAttnUnit == 1 ? b : a).idx.push_back(t);
+      }
+      fb.idx = b.idx;
+      for (shard* s : {&w, &a, &b, &fb})
+        for (int64_t t : s->idx) s->pos.push_back((int32_t)t);
+      std::mt19937 rng(63);
+      std::normal_distribution<float> nd;
+      const int64_t n_q = 12;
+      std::vector<float> q(n_q * qd);
+      for (float& v : q) v = 0.3f * nd(rng);
+      std::vector<int32_t> q_pos(n_q);
+      for (int64_t i = 0; i < n_q; ++i) q_pos[i] = (int32_t)(i * (n + 20) / n_q + 7);
+      const int64_t nb = (int64_t)b.idx.size();
+      size_t block_total = 0, fp16_total = 0;
+      for (int l = 0; l < g.n_layer; ++l) {
+        std::vector<float> kl, vl;
+        test::project_kv(m, l, x[l], n, kl, vl);
+        for (shard* s : {&w, &a, &b, &fb}) {
+          const auto xs = gather_rows(x[l], s->idx, d), ks = gather_rows(kl, s->idx, kv),
+                     vs = gather_rows(vl, s->idx, kv);
+          s->cache->append(l, layer_input{xs.data(), ks.data(), vs.data(), s->pos.data(), (int64_t)s->idx.size()});
+        }
+        std::vector<float> o_w(n_q * qd), l_w(n_q * g.n_head);
+        w.cache->attend(l, q.data(), q_pos.data(), n_q, o_w.data(), l_w.data());
+        // What ring_attention does on each rank: own shard + the peer's block, one accumulator.
+        for (auto [own, peer] : {std::pair(&a, &b), std::pair(&b, &a)}) {
+          std::vector<uint8_t> block(peer->cache->exported_bytes(l));
+          peer->cache->export_layer(l, block.data());
+          softmax_acc acc(n_q * g.n_head, g.head_dim);
+          own->cache->attend(l, q.data(), q_pos.data(), n_q, attend_path::attend_prefill, acc);
+          own->cache->attend_exported(l, block.data(), block.size(), q.data(), q_pos.data(), n_q,
+                                      attend_path::attend_prefill, acc);
+          std::vector<float> o(n_q * qd), lse(n_q * g.n_head);
+          acc.finish(o.data(), lse.data());
+          EXPECT_EQ(o, o_w) << "layer " << l << (own == &a ? " rank a" : " rank b");
+          EXPECT_EQ(lse, l_w) << "layer " << l << (own == &a ? " rank a" : " rank b");
+        }
+        // b's block: int64 n, positions, the layer's codes and fp16 scale/zero per channel group.
+        const int C = xquant_cl_channels(g, spec.options, l), bits = xquant_cl_bits(fmt, spec.options, g.n_layer, l);
+        const int n_g = (C + kTestWindow - 1) / kTestWindow;
+        const size_t want = 8 + pad8(nb * 4) + pad8(nb * kvq_row_bytes(C, bits)) + pad8(nb * n_g * sizeof(kvq_affine));
+        EXPECT_EQ(b.cache->exported_bytes(l), want) << "layer " << l;
+        EXPECT_LT(b.cache->exported_bytes(l), fb.cache->exported_bytes(l)) << "layer " << l;
+        block_total += b.cache->exported_bytes(l), fp16_total += fb.cache->exported_bytes(l);
+      }
+      std::printf("[x-ring] %s deltas: %lld-token block, all layers %zu bytes vs fp16 K/V %zu (%.3f)\n",
+                  case_name(c).c_str(), (long long)nb, block_total, fp16_total, (double)block_total / fp16_total);
+      // The foreign accumulators are working memory: in bytes_allocated, not bytes_used, and gone
+      // after release_ring_state (the next block of that source then has nothing to continue).
+      const size_t used = a.cache->bytes_used(), alloc = a.cache->bytes_allocated();
+      EXPECT_EQ(used, cache_bytes_for(spec, g, (int64_t)a.idx.size(), 0, 0).total());
+      a.cache->release_ring_state();
+      EXPECT_EQ(a.cache->bytes_used(), used);
+      EXPECT_GE(alloc - a.cache->bytes_allocated(), (size_t)nb * (d + 1) * 4);
+      std::vector<uint8_t> last(b.cache->exported_bytes(g.n_layer - 1));
+      b.cache->export_layer(g.n_layer - 1, last.data());
+      std::vector<float> of(n_q * qd), lf(n_q * g.n_head);
+      EXPECT_THROW(a.cache->attend_exported(g.n_layer - 1, last.data(), last.size(), q.data(), q_pos.data(), n_q,
+                                            of.data(), lf.data()),
+                   Error);
+    }
+}
+
+// Deltas mode: a block with a bad size, positions out of order, positions that differ from the
+// source block accumulated so far, or a skipped layer is a clear error naming the layer and the
+// values; a rejected block leaves the accumulator where it was.
+TEST(x_cache, cl_deltas_ring_block_errors_are_clear) {
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = x_geometry(true, 64);
+  const x_case c{cache_format::cache_xquant_cl3, true, false};
+  const int64_t n = 40;
+  filled f = fill(*be, c, g, n, 1, {}, 71);
+  const int base = f.spec.options.cl_hi_layers - 1;  // 1
+  ASSERT_EQ(base, 1);
+  std::vector<std::vector<uint8_t>> blk(g.n_layer);
+  for (int l = 0; l < g.n_layer; ++l) {
+    blk[l].resize(f.cache->exported_bytes(l));
+    f.cache->export_layer(l, blk[l].data());
+  }
+  auto rx = make_cache(f.spec, g, *be);
+  const int qd = g.n_head * g.head_dim;
+  std::vector<float> q(qd, 0.1f), o(qd), lse(g.n_head);
+  const int32_t q_pos = 100;
+  const auto attend = [&](int l, const std::vector<uint8_t>& b) {
+    rx->attend_exported(l, b.data(), b.size(), q.data(), &q_pos, 1, o.data(), lse.data());
+  };
+  const auto expect_error = [&](int l, const std::vector<uint8_t>& b, std::initializer_list<const char*> parts) {
+    try {
+      attend(l, b);
+      ADD_FAILURE() << "layer " << l << ": no error";
+    } catch (const Error& e) {
+      for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    }
+  };
+  expect_error(2, blk[2], {"layer 2", "no foreign accumulator", "positions 0..39"});
+  attend(0, blk[0]);
+  attend(1, blk[1]);
+  expect_error(3, blk[3], {"layer 3", "holds layer 1, not 2", "skipped"});
+  std::vector<uint8_t> bad = blk[2];
+  bad.resize(bad.size() - 8);
+  expect_error(2, bad, {"layer 2", "claims 40 tokens"});
+  bad = blk[2];
+  auto* pos = reinterpret_cast<int32_t*>(bad.data() + 8);
+  std::swap(pos[3], pos[4]);
+  expect_error(2, bad, {"layer 2", "not increasing at index 4 (4 then 3)"});
+  bad = blk[2];
+  pos = reinterpret_cast<int32_t*>(bad.data() + 8);
+  pos[n - 1] = 1000;
+  expect_error(2, bad, {"layer 2", "has position 1000 at index 39 where that block has 39"});
+  attend(2, blk[2]);  // the rejected blocks changed nothing
+  attend(3, blk[3]);
+  rx->clear();  // drops the foreign accumulators too
+  expect_error(3, blk[3], {"layer 3", "no foreign accumulator"});
 }
 
 // ---- errors ------------------------------------------------------------------------------------

@@ -8,12 +8,17 @@
 //    decode kernels (batch_bounds, the shard plan's tail rule);
 //  - on-the-fly RoPE is a function of the position alone;
 //  - kivi groups and units stay position-aligned (shard plans and prefill chunks align to
-//    cache_alignment); nuq codes depend only on the token itself.
+//    cache_alignment); nuq codes depend only on the token itself;
+//  - xquant-cl (deltas ring, the default): a receiver rebuilds a foreign token's accumulator
+//    from the same codes with the owner's arithmetic; latent ring: every rank reads the same
+//    fp16 latent. xquant-cl2 runs in both modes.
+// fp16 runs too, as the baseline of the ring bytes rank 0 sends (printed per case).
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cache/calibration.h"
@@ -75,7 +80,19 @@ std::shared_ptr<const x_factors> factors_for(const model_weights& w, x_factor_ki
   return f;
 }
 
-class quant_sequence_parallel : public ::testing::TestWithParam<cache_format> {};
+struct sp_case {
+  cache_format format;
+  cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl only
+};
+
+std::string sp_case_name(const sp_case& c) {
+  std::string s = format_traits(c.format).name;
+  for (char& ch : s)
+    if (ch == '-' || ch == '%') ch = '_';
+  return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
+}
+
+class quant_sequence_parallel : public ::testing::TestWithParam<sp_case> {};
 
 TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   XCTX_REQUIRE_MODEL(path);
@@ -83,17 +100,19 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   const model_weights w = load_model(path);
   const auto ids = prompt_ids();
   ASSERT_EQ((int64_t)ids.size(), kPrompt);
+  const cache_format format = GetParam().format;
   cache_options co;
-  if (format_traits(GetParam()).needs_calibration) co.calib = shared_calibration(w, ids);
-  if (format_needs_x_factors(GetParam())) co.factors = factors_for(w, x_factor_kind_for(GetParam()));
-  const cache_spec spec(GetParam(), co);
+  co.cl_ring = GetParam().cl_ring;
+  if (format_traits(format).needs_calibration) co.calib = shared_calibration(w, ids);
+  if (format_needs_x_factors(format)) co.factors = factors_for(w, x_factor_kind_for(format));
+  const cache_spec spec(format, co);
   auto be = make_backend(backend_kind::backend_cpu);
 
   // Prefill of the prompt, then kGreedy greedy steps; the logits of every step.
   const auto run = [&](communicator& c, int n_batch, std::vector<std::vector<float>>& steps,
                        std::vector<int32_t>& greedy, uint64_t* ring_bytes) {
     run_params rp;
-    rp.cache = GetParam();
+    rp.cache = format;
     rp.n_batch = n_batch;
     llama_engine engine(w, *be, rp);
     sequence_options opt;
@@ -122,7 +141,7 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
                  " vs " + std::to_string(b[t][i]);
     return "";
   };
-  const char* name = format_traits(GetParam()).name;
+  const std::string name = sp_case_name(GetParam());
   // The one-process reference, run by rank 0 only and broadcast (every rank would compute the
   // same); the chunk-size check needs no other rank, so it runs in the one-rank invocation.
   std::vector<std::vector<float>> one, many;
@@ -148,20 +167,27 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   EXPECT_EQ(diff, "") << name << ": 1 vs " << comm.size() << " ranks, rank " << comm.rank();
   EXPECT_EQ(g_many, g_one) << name << " rank " << comm.rank() << " of " << comm.size();
   std::printf("[sp-quant] rank %d/%d %s: logits bitwise equal to one process %d, ring bytes sent %llu\n",
-              comm.rank(), comm.size(), name, (int)diff.empty(), (unsigned long long)ring_bytes);
+              comm.rank(), comm.size(), name.c_str(), (int)diff.empty(), (unsigned long long)ring_bytes);
+  // Rank 0's ring bytes against fp16's (the first case; same prompt and shard plan).
+  static std::map<std::string, uint64_t> rank0_bytes;
+  rank0_bytes[name] = ring_bytes;
+  if (comm.rank() == 0 && comm.size() > 1 && rank0_bytes.count("fp16"))
+    std::printf("[sp-ring] np %d, ring bytes sent by rank 0: %s %llu = %.3f of fp16 (%llu)\n", comm.size(),
+                name.c_str(), (unsigned long long)ring_bytes, (double)ring_bytes / rank0_bytes["fp16"],
+                (unsigned long long)rank0_bytes["fp16"]);
 }
 
-std::vector<cache_format> quantized() {
-  return formats_of({cache_family::family_kivi, cache_family::family_nuq, cache_family::family_xquant,
-                     cache_family::family_xquant_cl, cache_family::family_clkv});
+std::vector<sp_case> cases() {
+  std::vector<sp_case> out = {{cache_format::cache_fp16}};
+  for (cache_format f : formats_of({cache_family::family_kivi, cache_family::family_nuq, cache_family::family_xquant,
+                                    cache_family::family_xquant_cl, cache_family::family_clkv}))
+    out.push_back({f});
+  out.push_back({cache_format::cache_xquant_cl2, cl_ring_mode::cl_ring_latent});
+  return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(formats, quant_sequence_parallel, ::testing::ValuesIn(quantized()), [](const auto& info) {
-  std::string s = format_traits(info.param).name;
-  for (char& ch : s)
-    if (ch == '-' || ch == '%') ch = '_';
-  return s;
-});
+INSTANTIATE_TEST_SUITE_P(formats, quant_sequence_parallel, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return sp_case_name(info.param); });
 
 }  // namespace
 }  // namespace xctx
