@@ -10,19 +10,21 @@
 // backend. Every timed call starts from cold caches (a flush buffer larger than the LLC is read
 // first): in a real model the other layers evict a layer's cache between two decode steps.
 //
-// Besides the full attend, two parts of the fused kernel are timed with the kernel's own
-// building blocks (kvq_impl.h, elementwise_attention_impl.h) in its chunk/tile structure:
-//   decode  codes -> f32 tiles with sparse outliers patched (no RoPE, no attention): the cost
-//           of turning compressed bytes into something attention can use
+// Timed per format, round-robin:
+//   attend  the decode step (attend_path::attend_decode): the fused one-query kernel
+//           (kernels/cpu/kvq_fused_avx2.cpp) for the quantized formats
+//   tiled   the same query through the tiled kernel the prefill path uses (each unit decoded to
+//           f32, outliers patched, keys rotated, then the f32 attention core): the kernel decode
+//           steps ran before the fused one
+// and, as the tiled kernel's two halves, built from its own pieces (kvq_impl.h,
+// elementwise_attention_impl.h):
+//   decode  codes -> f32 tiles with sparse outliers patched (no RoPE, no attention)
 //   math    the attention core on f32 tiles already in cache (decode_block + tile merges),
-//           format-independent: what the quantized path pays per token however few bytes it read
-// attend - decode - math is RoPE on the fly, the partial merges and call overhead.
-//
+//           format-independent
 // The ceilings, measured in the same run per (length, threads): a memcpy of 512 MiB (reported
 // as GB/s read, i.e. bytes copied / time) and a read-only stream of the same buffer.
 //
 // Output: CSV on stdout (benchmarks/kvq_attention.py turns it into results/), progress on stderr.
-#include <immintrin.h>
 #include <omp.h>
 #include <sys/resource.h>
 
@@ -53,8 +55,8 @@ constexpr float kRopeBase = 1e5f;
 constexpr uint64_t kSeed = 20240604;
 constexpr int64_t kFillChunk = 8192;   // tokens generated and appended at a time
 constexpr int64_t kCalibTokens = 16384;  // calibration sample (a different seed than the shard)
-// The fused kernel's work split (kvq.cpp): tiles of 64 slots, chunks of at least 1024 slots,
-// ~4 chunks per thread. The decode/math variants mirror it so their times add up like its parts.
+// The decode/math variants: tiles of 64 slots (the tiled kernel's decode tiles), chunks of at
+// least 1024 slots, ~4 chunks per thread.
 constexpr int kTile = 64;
 constexpr int64_t kMinChunk = 1024;
 constexpr size_t kFlushBytes = size_t{128} << 20;    // 4x the 32 MiB LLC
@@ -156,7 +158,7 @@ chunk_plan plan_chunks(int64_t kv_len) {
   return p;
 }
 
-// Slots [s0, s0 + nt) decoded to f32 as the fused kernel's decode_tile does it, minus RoPE.
+// Slots [s0, s0 + nt) decoded to f32 as the tiled kernel's decode_tile does it, minus RoPE.
 void decode_tile_no_rope(bool avx2, const kvq_layer_view& L, int64_t s0, int nt, float* kt /*[nt, C]*/,
                          float* vt /*[nt, C]*/, std::vector<float>& sc, std::vector<float>& zc, int64_t& group) {
   const int C = L.channels();
@@ -228,7 +230,7 @@ double run_decode_only(const kvq_layer_view& L) {
   return sum;
 }
 
-// The attention core the fused kernel runs per tile, on an f32 tile already in cache, for as
+// The attention core the tiled kernel runs per tile, on an f32 tile already in cache, for as
 // many tiles as a layer of kv_len slots has (merging tile partials like the kernel does).
 double run_math_only(int64_t kv_len, const float* tile_k /*[kTile, C]*/, const float* tile_v /*[kTile, C]*/,
                      const float* qs /*[R, hd] scaled, kv-head order*/) {
@@ -296,35 +298,6 @@ void recon_error(const kvq_layer_view& L, const synth_layer& syn, int64_t n_chec
       ev += (vd[i] - v[i]) * (double)(vd[i] - v[i]), sv += v[i] * (double)v[i];
     }
   *k_err = std::sqrt(ek / sk), *v_err = std::sqrt(ev / sv);
-}
-
-// The AVX2 row decoders unpack 8 codes of `bits` bits with memcpy(&w, p, bits). For 2 and 4
-// bits that is one load; for 3 bits the compiler assembles the 3 bytes in a stack slot with a
-// 2-byte and a 1-byte store and reloads 4 bytes from it, a store-to-load forwarding stall per
-// 8 codes. This probe decodes a 3-bit layer's K and V codes into 64-row f32 tiles both ways
-// (the same loop otherwise, one thread): the difference is what that stall costs.
-template <bool kMemcpy>
-__attribute__((target("avx2,fma"))) double unpack3_probe(const uint8_t* codes /*[n_rows, C*3/8]*/, int64_t n_rows,
-                                                          float* tile /*[kTile, C]*/) {
-  const size_t rb = kvq_row_bytes(kChannels, 3);
-  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-  const __m256i mask = _mm256_set1_epi32(7);
-  const __m256 scale = _mm256_set1_ps(0.25f), zero = _mm256_set1_ps(-1.0f);
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const uint8_t* row = codes + (size_t)r * rb;
-    float* o = tile + (size_t)(r % kTile) * kChannels;
-    for (int c = 0; c < kChannels; c += 8) {
-      const uint8_t* p = row + (size_t)c / 8 * 3;
-      uint32_t w = 0;
-      if constexpr (kMemcpy)
-        std::memcpy(&w, p, 3);
-      else
-        w = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
-      const __m256i x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), mask);
-      _mm256_storeu_ps(o + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(x), scale, zero));
-    }
-  }
-  return tile[0] + tile[kChannels - 1];
 }
 
 // ---- memory ----------------------------------------------------------------------------------
@@ -456,8 +429,8 @@ void run(const options& opt) {
   std::printf("# isa=%s default_threads=%d flush_MiB=%zu ceiling_MiB=%zu seed=%llu\n",
               cpu::impl::isa_name(cpu::impl::best_isa()), default_threads(), kFlushBytes >> 20, kCeilingBytes >> 20,
               (unsigned long long)kSeed);
-  std::printf("format,tokens,threads,bytes_used,fp16_bytes,key_outliers,attend_ms,attend_min_ms,decode_ms,math_ms,"
-              "memcpy_read_GBps,read_GBps,k_rel_err,v_rel_err,rounds\n");
+  std::printf("format,tokens,threads,bytes_used,fp16_bytes,key_outliers,attend_ms,attend_min_ms,tiled_ms,decode_ms,"
+              "math_ms,memcpy_read_GBps,read_GBps,k_rel_err,v_rel_err,rounds\n");
   std::fflush(stdout);
 
   for (const int64_t n : opt.lengths) {
@@ -506,7 +479,7 @@ void run(const options& opt) {
       const double read_gbps = (double)kCeilingBytes / median(t_read) / 1e9;
 
       const size_t nf = caches.size();
-      std::vector<std::vector<double>> t_att(nf), t_dec(nf);
+      std::vector<std::vector<double>> t_att(nf), t_tile(nf), t_dec(nf);
       std::vector<double> t_math;
       const int rounds = opt.rounds > 0 ? opt.rounds : rounds_for(n);
       // Round-robin over formats so load changes on the shared machine hit every format alike;
@@ -515,8 +488,11 @@ void run(const options& opt) {
         for (size_t fi = 0; fi < nf; ++fi) {
           cache_entry& e = caches[fi];
           g_sink = flush_caches(flush_buf);
-          const double ta = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data()); });
+          const double ta = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data(), attend_path::attend_decode); });
           if (r > 0) t_att[fi].push_back(ta);
+          g_sink = flush_caches(flush_buf);
+          const double tt = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data(), attend_path::attend_prefill); });
+          if (r > 0) t_tile[fi].push_back(tt);
           if (e.quantized) {
             const kvq_layer_view view = quant_cache_view(*e.cache, 0);
             g_sink = flush_caches(flush_buf);
@@ -535,9 +511,9 @@ void run(const options& opt) {
       for (size_t fi = 0; fi < nf; ++fi) {
         const cache_entry& e = caches[fi];
         const int64_t key_out = e.quantized ? quant_cache_key_outliers(*e.cache) : 0;
-        std::printf("%s,%lld,%d,%zu,%zu,%lld,%.4f,%.4f,%s,%.4f,%.2f,%.2f,%.4f,%.4f,%d\n", e.name.c_str(), (long long)n, nt,
-                    e.cache->bytes_used(), fp16_bytes, (long long)key_out, 1e3 * median(t_att[fi]),
-                    1e3 * *std::min_element(t_att[fi].begin(), t_att[fi].end()),
+        std::printf("%s,%lld,%d,%zu,%zu,%lld,%.4f,%.4f,%.4f,%s,%.4f,%.2f,%.2f,%.4f,%.4f,%d\n", e.name.c_str(),
+                    (long long)n, nt, e.cache->bytes_used(), fp16_bytes, (long long)key_out, 1e3 * median(t_att[fi]),
+                    1e3 * *std::min_element(t_att[fi].begin(), t_att[fi].end()), 1e3 * median(t_tile[fi]),
                     e.quantized ? std::to_string(1e3 * median(t_dec[fi])).c_str() : "", math_ms, copy_gbps, read_gbps,
                     e.k_err, e.v_err, rounds);
       }
@@ -549,30 +525,6 @@ void run(const options& opt) {
       std::fflush(stdout);
       std::fprintf(stderr, "[%lld tokens, %d threads] %d rounds in %.1f s (memcpy %.1f GB/s read, read %.1f GB/s)\n",
                    (long long)n, nt, rounds, block_sw.seconds(), copy_gbps, read_gbps);
-    }
-    for (const cache_entry& e : caches) {
-      if (!e.quantized || format_traits(e.cache->format()).bits_per_element != 3) continue;
-      omp_set_num_threads(1);
-      const kvq_layer_view L = quant_cache_view(*e.cache, 0);
-      std::vector<float> tile((size_t)kTile * kChannels);
-      std::vector<double> t_mem, t_reg;
-      for (int r = 0; r <= 5; ++r) {
-        g_sink = flush_caches(flush_buf);
-        const double a = seconds([&] {
-          g_sink = unpack3_probe<true>(L.k_codes, L.n_quant(), tile.data()) +
-                   unpack3_probe<true>(L.v_codes, L.n_quant(), tile.data());
-        });
-        g_sink = flush_caches(flush_buf);
-        const double b = seconds([&] {
-          g_sink = unpack3_probe<false>(L.k_codes, L.n_quant(), tile.data()) +
-                   unpack3_probe<false>(L.v_codes, L.n_quant(), tile.data());
-        });
-        if (r > 0) t_mem.push_back(a), t_reg.push_back(b);
-      }
-      std::printf("# unpack3 format=%s tokens=%lld threads=1 memcpy3_ms=%.4f register_ms=%.4f\n", e.name.c_str(),
-                  (long long)n, 1e3 * median(t_mem), 1e3 * median(t_reg));
-      std::fflush(stdout);
-      break;
     }
   }
 }

@@ -4,9 +4,11 @@
     python3 benchmarks/kvq_attention.py [--quick] [--binary build/benchmarks/bench_kvq_attention]
 
 Runs bench_kvq_attention (one SmolLM2-geometry layer of synthetic keys/values per format and
-shard length, one decode query, CPU backend, all threads and 1 thread), derives bandwidths and
-ratios, and writes benchmarks/results/kvq_attention.{csv,md,png}. --quick measures 8K and 64K
-tokens only (the full run adds 512K). Everything compared is measured in the same run.
+shard length, one decode query, CPU backend, all threads and 1 thread): the decode step (the
+fused one-query kernel for the quantized formats), the same query through the tiled kernel,
+and the memory ceilings; derives bandwidths and ratios, and writes
+benchmarks/results/kvq_attention.{csv,md,png}. --quick measures 8K and 64K tokens only (the full
+run adds 512K). Everything compared is measured in the same run.
 """
 import argparse
 import csv
@@ -55,12 +57,8 @@ def derive(rows):
         r["frac_read_ceiling"] = r["GBps"] / r["read_GBps"]
         # What the call would take if it only had to stream its bytes at the read ceiling.
         r["read_floor_ms"] = r["bytes_used"] / (r["read_GBps"] * 1e9) * 1e3
-        if r["decode_ms"] is not None:
-            r["decode_GBps"] = r["bytes_used"] / (r["decode_ms"] / 1e3) / 1e9
-            r["rope_rest_ms"] = r["attend_ms"] - r["decode_ms"] - r["math_ms"]
-        else:
-            r["decode_GBps"] = None
-            r["rope_rest_ms"] = None
+        r["fused_speedup"] = r["tiled_ms"] / r["attend_ms"]
+        r["decode_GBps"] = None if r["decode_ms"] is None else r["bytes_used"] / (r["decode_ms"] / 1e3) / 1e9
     return rows
 
 
@@ -117,11 +115,15 @@ def write_markdown(path, rows, meta, info):
       "*vs fp16* = time / fp16 time (below 1 = faster). Ceilings, measured per block in the same run: "
       "*memcpy* = 512 MiB copied per thread-split memcpy, reported as bytes copied / time (GB/s read); "
       "*read* = a read-only stream of the same buffer. *% memcpy*, *% read* = GB/s / ceiling.\n")
-    w("**Where the time goes** (same chunk/tile structure as the fused kernel, built from its own "
-      "pieces): *decode* = codes to f32 tiles with sparse outliers patched, no RoPE, no attention, cold "
-      "caches; *math* = the attention core on f32 tiles already in cache (decode_block + tile merges), "
-      "format-independent; *RoPE+rest* = attend − decode − math (on-the-fly RoPE, merges, call overhead). "
-      "*read floor* = bytes / read ceiling, the time a purely bandwidth-bound kernel would need.\n")
+    w("**The two kernels.** *decode step* = `attend_path::attend_decode`, what a generated token pays: "
+      "for the quantized formats the fused one-query kernel (kernels/cpu/kvq_fused_avx2.cpp: codes unpacked, "
+      "looked up and scaled in registers, RoPE as one query rotation per 256-position unit plus a static "
+      "per-offset key rotation, value scales folded into the probabilities, outliers as dense-and-sparse "
+      "corrections). *tiled* = the same query through the tiled kernel the prefill path uses (each unit "
+      "decoded to f32 with outliers patched and keys rotated, then the f32 attention core). *decode* and "
+      "*math* are the tiled kernel's two halves timed alone: codes to f32 tiles (no RoPE) with cold caches, "
+      "and the attention core on f32 tiles already in cache (format-independent). *read floor* = bytes / "
+      "read ceiling, the time a purely bandwidth-bound kernel would need.\n")
     key = sorted({(r["threads"], r["tokens"]) for r in rows}, key=lambda t: (-t[0], t[1]))
     for threads, tokens in key:
         sel = [r for r in rows if r["threads"] == threads and r["tokens"] == tokens]
@@ -129,32 +131,18 @@ def write_markdown(path, rows, meta, info):
         w(f"\n## {token_label(tokens)} tokens, {threads} thread{'s' if threads > 1 else ''}\n")
         w(f"Ceilings: memcpy {c['memcpy_read_GBps']:.1f} GB/s read, read stream {c['read_GBps']:.1f} GB/s; "
           f"math (f32 tiles in cache) {c['math_ms']:.3f} ms.\n")
-        w("| format | B/token | MiB | attend ms | GB/s | % memcpy | % read | effective GB/s | vs fp16 | "
-          "read floor ms | decode ms | RoPE+rest ms | K err | V err |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        w("| format | B/token | MiB | decode step ms | GB/s | % memcpy | % read | effective GB/s | vs fp16 | "
+          "read floor ms | tiled ms | tiled / fused | decode ms | K err | V err |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sel:
             w(f"| {r['format']} | {r['bytes_per_token']:.1f} | {r['bytes_used'] / MiB:.2f} | {r['attend_ms']:.3f} | "
               f"{r['GBps']:.1f} | {100 * r['frac_memcpy_ceiling']:.0f}% | {100 * r['frac_read_ceiling']:.0f}% | "
               f"{r['effective_GBps']:.1f} | {r['time_vs_fp16']:.2f} | {r['read_floor_ms']:.3f} | "
-              f"{fmt(r['decode_ms'], '.3f')} | {fmt(r['rope_rest_ms'], '.3f')} | {r['k_rel_err']:.3f} | "
-              f"{r['v_rel_err']:.3f} |")
+              f"{r['tiled_ms']:.3f} | {r['fused_speedup']:.2f} | {fmt(r['decode_ms'], '.3f')} | "
+              f"{r['k_rel_err']:.3f} | {r['v_rel_err']:.3f} |")
     w("\n*K err, V err*: RMS reconstruction error of the decoded pre-RoPE keys / values of the first 8K "
       "tokens over their RMS deviation from the channel mean (a sanity check that data and calibration "
       "fit; synthetic data, not a quality result).\n")
-    probes = [m for m in meta if m.startswith("# unpack3")]
-    if probes:
-        w("\n## The 3-bit unpack\n")
-        w("kvq_avx2.cpp unpacks 8 codes with `memcpy(&w, p, BITS)`. For 2 and 4 bits that is one load; for "
-          "3 bits GCC builds the word in a stack slot from a 2-byte and a 1-byte store and reloads 4 bytes "
-          "(store-to-load forwarding fails). The probe decodes a 3-bit layer's K and V codes to f32 tiles "
-          "(1 thread, cold caches) with that unpack and with the 3 bytes combined in registers "
-          "(`p[0] | p[1] << 8 | p[2] << 16`), otherwise the same loop:\n")
-        w("| format | tokens | memcpy unpack ms | register unpack ms | ratio |")
-        w("|---|---|---|---|---|")
-        for m in probes:
-            kv = dict(x.split("=", 1) for x in m[1:].split() if "=" in x)
-            a, b = float(kv["memcpy3_ms"]), float(kv["register_ms"])
-            w(f"| {kv['format']} | {token_label(int(kv['tokens']))} | {a:.3f} | {b:.3f} | {a / b:.1f} |")
     w("\n![kvq attention](kvq_attention.png)\n")
     open(path, "w").write("\n".join(out) + "\n")
 
@@ -174,17 +162,12 @@ def plot(path, rows):
             sel = [r for r in rows if r["threads"] == th and r["tokens"] == n]
             names = [r["format"] for r in sel]
             x = range(len(sel))
-            dec = [r["decode_ms"] or 0.0 for r in sel]
-            math = [r["math_ms"] if r["decode_ms"] is not None else 0.0 for r in sel]
-            rest = [max(0.0, r["rope_rest_ms"]) if r["rope_rest_ms"] is not None else 0.0 for r in sel]
-            whole = [r["attend_ms"] if r["decode_ms"] is None else 0.0 for r in sel]
-            ax.bar(x, whole, color="tab:gray", label="fp16 attend")
-            ax.bar(x, dec, color="tab:orange", label="decode codes")
-            ax.bar(x, math, bottom=dec, color="tab:blue", label="attention math")
-            ax.bar(x, rest, bottom=[a + b for a, b in zip(dec, math)], color="tab:green", label="RoPE + rest")
-            ax.scatter(x, [r["attend_ms"] for r in sel], marker="_", s=300, color="black", zorder=3,
-                       label="attend (measured)")
-            ax.scatter(x, [r["read_floor_ms"] for r in sel], marker="v", color="red", zorder=3,
+            xs = list(x)
+            ax.bar([i - 0.2 for i in xs], [r["tiled_ms"] for r in sel], width=0.4, color="tab:orange",
+                   label="tiled kernel (decode to f32, then attend)")
+            ax.bar([i + 0.2 for i in xs], [r["attend_ms"] for r in sel], width=0.4, color="tab:blue",
+                   label="decode step (fused for quantized formats)")
+            ax.scatter(xs, [r["read_floor_ms"] for r in sel], marker="v", color="red", zorder=3,
                        label="read floor (bytes / read ceiling)")
             ax.axhline(sel[0]["attend_ms"], color="tab:gray", ls="--", lw=1)
             ax.set_xticks(list(x))
@@ -193,7 +176,7 @@ def plot(path, rows):
             ax.set_ylabel("ms per decode attend (one layer)")
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
-    fig.suptitle("Decode attention per format: time split vs fp16 (dashed) and the read-bandwidth floor")
+    fig.suptitle("Decode attention per format: fused vs tiled kernel, fp16 (dashed) and the read-bandwidth floor")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -242,7 +225,7 @@ def main():
     cols = ["format", "tokens", "threads", "bytes_used", "bytes_per_token", "fp16_bytes", "compression_vs_fp16",
             "key_outliers", "attend_ms", "attend_min_ms", "GBps", "effective_GBps", "time_vs_fp16",
             "memcpy_read_GBps", "read_GBps", "frac_memcpy_ceiling", "frac_read_ceiling", "read_floor_ms",
-            "decode_ms", "decode_GBps", "math_ms", "rope_rest_ms", "k_rel_err", "v_rel_err", "rounds"]
+            "tiled_ms", "fused_speedup", "decode_ms", "decode_GBps", "math_ms", "k_rel_err", "v_rel_err", "rounds"]
     with open(args.out + ".csv", "w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(cols)

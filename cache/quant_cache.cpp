@@ -392,6 +392,7 @@ class quant_cache final : public kv_cache {
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
     a.acc = &out;
+    a.decode_step = path == attend_path::attend_decode;
     be_.attention_kvq(a);
   }
 

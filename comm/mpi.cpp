@@ -41,7 +41,7 @@ class mpi_communicator final : public communicator {
     // XCTX_MPI_MAX_MESSAGE lowers the piece size (tests use it to exercise the splitting).
     if (const char* env = std::getenv("XCTX_MPI_MAX_MESSAGE")) {
       const long long m = std::atoll(env);
-      XCTX_CHECK(m > 0 && m <= max_piece_, "XCTX_MPI_MAX_MESSAGE must be in [1, ", max_piece_, "], got '", env, "'");
+      XCTX_CHECK(m > 0 && (size_t)m <= max_piece_, "XCTX_MPI_MAX_MESSAGE must be in [1, ", max_piece_, "], got '", env, "'");
       max_piece_ = (size_t)m;
     }
     if (const char* env = std::getenv("XCTX_COMM_TIMEOUT")) {

@@ -208,6 +208,11 @@ struct kvq_attn_args {
   float* o = nullptr;    // [n_q, n_head, head_dim]
   float* lse = nullptr;  // [n_q, n_head]
   softmax_acc* acc = nullptr;  // when set: exact per-unit deposits instead of o/lse (see attn_args)
+  // The caller is a decode step (attend_path::attend_decode). With one query and an
+  // accumulator the CPU backend then takes its fused one-query kernel, whose rounding differs
+  // from the tiled kernel's: choosing by the phase, never by n_q, keeps a token's result
+  // independent of how many queries share its call.
+  bool decode_step = false;
 };
 
 }  // namespace xctx

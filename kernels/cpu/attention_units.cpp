@@ -111,6 +111,18 @@ struct query_runner {
   }
 };
 
+// Shared checks of both entries; returns false when there is nothing to attend.
+bool check_units_args(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv, const softmax_acc& acc) {
+  XCTX_CHECK(qs.n_head > 0 && qs.n_head_kv > 0 && qs.n_head % qs.n_head_kv == 0 && qs.head_dim > 0,
+             "attention: bad heads n_head=", qs.n_head, " n_head_kv=", qs.n_head_kv, " head_dim=", qs.head_dim);
+  XCTX_CHECK(acc.rows() == qs.n_q * qs.n_head && acc.width() == qs.head_dim, "attention: accumulator of ",
+             acc.rows(), " x ", acc.width(), " for ", qs.n_q, " queries x ", qs.n_head, " heads x ", qs.head_dim);
+  for (int64_t j = 1; j < n_kv; ++j)
+    XCTX_CHECK(kv_pos[j - 1] <= kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
+               "]=", kv_pos[j - 1], " > kv_pos[", j, "]=", kv_pos[j]);
+  return qs.n_q > 0 && n_kv > 0;
+}
+
 }  // namespace
 
 std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
@@ -123,14 +135,7 @@ std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
 
 void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
                   const std::function<std::unique_ptr<unit_loader>()>& make_loader, softmax_acc& acc) {
-  XCTX_CHECK(qs.n_head > 0 && qs.n_head_kv > 0 && qs.n_head % qs.n_head_kv == 0 && qs.head_dim > 0,
-             "attention: bad heads n_head=", qs.n_head, " n_head_kv=", qs.n_head_kv, " head_dim=", qs.head_dim);
-  XCTX_CHECK(acc.rows() == qs.n_q * qs.n_head && acc.width() == qs.head_dim, "attention: accumulator of ",
-             acc.rows(), " x ", acc.width(), " for ", qs.n_q, " queries x ", qs.n_head, " heads x ", qs.head_dim);
-  for (int64_t j = 1; j < n_kv; ++j)
-    XCTX_CHECK(kv_pos[j - 1] <= kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
-               "]=", kv_pos[j - 1], " > kv_pos[", j, "]=", kv_pos[j]);
-  if (qs.n_q == 0 || n_kv == 0) return;
+  if (!check_units_args(qs, kv_pos, n_kv, acc)) return;
   const int hd = qs.head_dim;
   const int C = qs.n_head_kv * hd;
   std::vector<int64_t> q_end((size_t)qs.n_q);
@@ -207,6 +212,35 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
           }
       }
     }
+  }
+}
+
+void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
+                            const std::function<std::unique_ptr<unit_kernel>()>& make_kernel, softmax_acc& acc) {
+  XCTX_CHECK(qs.n_q <= 1, "attention: the one-query path got ", qs.n_q, " queries");
+  if (!check_units_args(qs, kv_pos, n_kv, acc)) return;
+  const int64_t kv_len = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[0]) - kv_pos;
+  if (kv_len == 0) return;
+  const int hd = qs.head_dim;
+  std::vector<float> q_scaled((size_t)qs.n_head * hd);
+  for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = qs.q[e] * qs.scale;
+  const std::vector<int64_t> ub = unit_bounds(kv_pos, kv_len);
+  const int64_t n_unit = (int64_t)ub.size() - 1;
+  const int threads = omp_get_max_threads();
+#pragma omp parallel if (n_unit > 1 && threads > 1)
+  {
+    std::unique_ptr<unit_kernel> kernel = make_kernel();
+    thread_local std::vector<float> o, lse;
+    o.resize((size_t)qs.n_head * hd), lse.resize((size_t)qs.n_head);
+    thread_local softmax_acc mine;
+    mine.reset(acc.rows(), acc.width());
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n_unit; ++u) {
+      kernel->attend(q_scaled.data(), ub[u], (int)(ub[u + 1] - ub[u]), o.data(), lse.data());
+      for (int h = 0; h < qs.n_head; ++h) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
+    }
+#pragma omp critical(xctx_attend_units_merge)
+    acc.merge(mine);
   }
 }
 

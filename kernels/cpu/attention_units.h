@@ -52,9 +52,25 @@ struct unit_queries {
 // wherever pos / kAttnUnit changes. Returns the n_unit + 1 boundaries.
 std::vector<int64_t> unit_bounds(const int32_t* pos /*[n]*/, int64_t n);
 
+// Computes one query's partial over a unit straight from a cache's storage (no f32 unit buffer):
+// the fused decode-step kernels. One per thread, so it may keep scratch.
+class unit_kernel {
+ public:
+  virtual ~unit_kernel() = default;
+  // Partial of q ([n_head, head_dim], multiplied by the softmax scale) over slots [s0, s0 + n),
+  // all visible: o [n_head, head_dim] normalised, lse [n_head] natural log.
+  virtual void attend(const float* q, int64_t s0, int n, float* o, float* lse) = 0;
+};
+
 // Deposits into acc rows i * n_head + h (acc must have n_q * n_head rows of width head_dim) the
 // partial of every (query, unit) pair with a visible key. kv_pos: [n_kv] ascending.
 void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
                   const std::function<std::unique_ptr<unit_loader>()>& make_loader, softmax_acc& acc);
+
+// The same deposits for one query (qs.n_q == 1) from a unit_kernel: threads split the units in
+// contiguous ranges. The kernel's rounding is its own, so callers choose it by phase (a decode
+// step), never by the number of queries in a call.
+void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
+                            const std::function<std::unique_ptr<unit_kernel>()>& make_kernel, softmax_acc& acc);
 
 }  // namespace xctx::cpu

@@ -377,6 +377,34 @@ class kvq_loader final : public unit_loader {
   impl::rope_cursor cur_;
 };
 
+// One query's partial over a unit, decode fused into the attention (kvq_fused_avx2.cpp).
+class kvq_fused_kernel final : public unit_kernel {
+ public:
+  kvq_fused_kernel(const kvq_attn_args& a, const impl::rope_table& tab) : a_(a), tab_(tab) {
+    scratch_.resize(impl::kvq_fused_scratch_floats(a.n_head, a.kv.head_dim, a.kv.channels()));
+    angles_.resize((size_t)a.kv.head_dim);
+  }
+  void attend(const float* q, int64_t s0, int n, float* o, float* lse) override {
+    impl::kvq_fused_args f;
+    f.kv = &a_.kv, f.q = q, f.n_head = a_.n_head, f.n_rot = a_.rope.n_rot;
+    f.s0 = s0, f.n = n;
+    f.off_cos2 = tab_.unit_cos2.data(), f.off_sin2 = tab_.unit_sin2.data();
+    f.angles = angles_of, f.angle_table = &tab_;
+    f.scratch = scratch_.data(), f.angle_scratch = angles_.data();
+    f.o = o, f.lse = lse;
+    impl::avx2::kvq_attend_fused(f);
+  }
+
+ private:
+  static void angles_of(const void* table, int64_t pos, double* c, double* s) {
+    impl::rope_angles(*static_cast<const impl::rope_table*>(table), pos, c, s);
+  }
+  const kvq_attn_args& a_;
+  const impl::rope_table& tab_;
+  std::vector<float> scratch_;
+  std::vector<double> angles_;
+};
+
 }  // namespace
 
 void attention_kvq(const kvq_attn_args& a) {
@@ -385,6 +413,11 @@ void attention_kvq(const kvq_attn_args& a) {
   if (a.acc != nullptr) {
     const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale};
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
+    if (a.decode_step && a.n_q == 1 && impl::best_isa() == isa::isa_avx2 &&
+        impl::kvq_fused_supported(L, a.n_head, a.rope.n_rot)) {
+      attend_units_one_query(qs, L.pos, L.n, [&] { return std::make_unique<kvq_fused_kernel>(a, tab); }, *a.acc);
+      return;
+    }
     attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
     return;
   }

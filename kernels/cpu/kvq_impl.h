@@ -15,12 +15,54 @@ void kvq_decode_keys_scalar(const kvq_layer_view& v, int64_t i0, int nt, const f
                             const float* zc /*[C]*/, float* out /*[nt, C]*/);
 void kvq_decode_values_scalar(const kvq_layer_view& v, int64_t i0, int nt, float* out /*[nt, C]*/);
 
+// ---- the fused one-query kernel (kvq_fused_avx2.cpp) ----------------------------------------
+inline constexpr int kFusedTile = 32;              // slots per softmax tile
+inline constexpr int kFusedMaxHeadsPerBlock = 4;   // query heads of a kv head sharing each decoded vector
+inline constexpr int kFusedMaxKvHeads = 64;
+inline constexpr int kScaleSlots = 8;              // uniform key groups' scales kept converted
+inline constexpr int kFusedWorkFloats = 2 * kFusedMaxHeadsPerBlock * (kFusedTile + 8) + 2 * kFusedTile;
+
+struct kvq_fused_args {
+  const kvq_layer_view* kv = nullptr;
+  const float* q = nullptr;  // [n_head, head_dim] RoPE applied, multiplied by the softmax scale
+  int n_head = 0;
+  int n_rot = 0;                 // rotated dims (RoPE config; the kernel needs n_rot = head_dim)
+  int64_t s0 = 0, n = 0;         // slots [s0, s0 + n) of one attention unit, all visible to the query
+  // Rotation by an offset j < kAttnUnit from the unit's first position (rope_table::unit_cos2).
+  const float* off_cos2 = nullptr;  // [kAttnUnit, head_dim]
+  const float* off_sin2 = nullptr;
+  // cos/sin of pos·θ_i for every pair, a function of pos alone (rope_angles) and its table.
+  void (*angles)(const void* table, int64_t pos, double* c /*[n_rot/2]*/, double* s /*[n_rot/2]*/) = nullptr;
+  const void* angle_table = nullptr;
+  float* scratch = nullptr;         // [kvq_fused_scratch_floats(...)]
+  double* angle_scratch = nullptr;  // [head_dim]
+  float* o = nullptr;    // [n_head, head_dim] normalised partial
+  float* lse = nullptr;  // [n_head] natural log; -inf (and o = 0) when n == 0
+};
+inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
+  return (size_t)n_head * head_dim + 2 * (size_t)head_dim +
+         2 * (size_t)kScaleSlots * channels + 2 * (size_t)n_head + 2 * kFusedTile + kFusedWorkFloats +
+         4 * (size_t)kFusedTile * channels +  // the tile's key and value outliers by kv head
+         (size_t)kFusedTile * channels / 4;   // uniform value parameters (groups of >= 8 channels)
+}
+// The shapes the fused kernel takes (else the caller uses the tile path): whole-head rotary
+// (n_rot = head_dim) and head_dim 16, 32, 64 or 128 (its channel vectors unroll at compile time).
+inline bool kvq_fused_supported(const kvq_layer_view& v, int n_head, int n_rot) {
+  const bool hd_ok = v.head_dim == 16 || v.head_dim == 32 || v.head_dim == 64 || v.head_dim == 128;
+  return v.bits >= 2 && v.bits <= 4 && hd_ok && n_rot == v.head_dim && v.n_head_kv > 0 &&
+         v.n_head_kv <= kFusedMaxKvHeads && n_head % v.n_head_kv == 0 &&
+         (v.scheme == kvq_scheme::kvq_lut || (v.group > 0 && v.group % 8 == 0));
+}
+
 namespace avx2 {  // bits 2..4, C % 8 == 0
 void kvq_decode_keys(const kvq_layer_view& v, int64_t i0, int nt, const float* sc, const float* zc, float* out);
 void kvq_decode_values(const kvq_layer_view& v, int64_t i0, int nt, float* out);
 // One row of C uniform codes (bits 1..4): out[c] = (float)code * sc[c] + zc[c], a product then a
 // sum (no FMA), bitwise what the scalar X-cache decoder computes.
 void affine_codes_row(const uint8_t* row, int C, int bits, const float* sc, const float* zc, float* out);
+// One query over a quantized layer's slots, decode fused into the attention (kvq_fused_avx2.cpp).
+// Only for kvq_fused_supported shapes.
+void kvq_attend_fused(const kvq_fused_args& a);
 }  // namespace avx2
 
 }  // namespace xctx::cpu::impl

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common/error.h"
+#include "kernels/softmax_acc.h"
 #include "kernels/ref/ref_ops.h"
 
 namespace xctx::cpu::impl {
@@ -35,6 +36,16 @@ const rope_table& rope_table_for(const rope_config& cfg) {
     for (int i = 0; i < t->n_pair; ++i) {
       t->off_cos[(size_t)j * t->n_pair + i] = (float)std::cos(j * t->theta[i]);
       t->off_sin[(size_t)j * t->n_pair + i] = (float)std::sin(j * t->theta[i]);
+    }
+  t->unit_cos2.resize((size_t)kAttnUnit * cfg.n_rot);
+  t->unit_sin2.resize(t->unit_cos2.size());
+  for (int j = 0; j < kAttnUnit; ++j)
+    for (int i = 0; i < t->n_pair; ++i) {
+      const float c = (float)std::cos(j * t->theta[i]), s = (float)std::sin(j * t->theta[i]);
+      float* c2 = t->unit_cos2.data() + (size_t)j * cfg.n_rot + 2 * i;
+      float* s2 = t->unit_sin2.data() + (size_t)j * cfg.n_rot + 2 * i;
+      c2[0] = c2[1] = c;
+      s2[0] = -s, s2[1] = s;
     }
   t->byte_cos.resize((size_t)kPosBytes * 256 * t->n_pair);
   t->byte_sin.resize(t->byte_cos.size());

@@ -26,6 +26,9 @@ struct rope_table {
   int n_pair = 0;
   std::vector<double> theta;               // [n_pair] angle per unit of position
   std::vector<float> off_cos, off_sin;     // [kRopeTile, n_pair] cos/sin(j * theta_i)
+  // Offsets inside an attention unit in the element order a rotation wants: [kAttnUnit, n_rot],
+  // cos2[2i] = cos2[2i+1] = cos(j theta_i), sin2 = (-sin, +sin) (the fused decode kernel).
+  std::vector<float> unit_cos2, unit_sin2;
   // [kPosBytes, 256, n_pair] cos/sin(b << (8 l) * theta_i), exactly rounded doubles.
   std::vector<double> byte_cos, byte_sin;
 };

@@ -227,12 +227,16 @@ TEST_P(quant_cache_test, fused_attention_equals_reference) {
       a.kv = v, a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = n_q, a.n_head = g.n_head;
       a.scale = 1.0f / std::sqrt((float)g.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
       ref::attention_kvq(a);
+      // A decode step (one query) takes the fused kernel on AVX2 machines, the tiled one otherwise.
+      for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
       for (bool scalar : {false, true}) {
         SCOPED_TRACE(::testing::Message() << format_traits(f).name << " step " << step << " n_q " << n_q
-                                          << (scalar ? " scalar" : " avx2") << " seed 17/23");
+                                          << (scalar ? " scalar" : " avx2")
+                                          << (path == attend_path::attend_decode ? " decode" : " prefill")
+                                          << " seed 17/23");
         cpu::set_force_scalar(scalar);
         std::vector<float> o(n_q * qd), l(n_q * g.n_head);
-        fc.cache->attend(1, q.data(), q_pos.data(), n_q, o.data(), l.data());
+        fc.cache->attend(1, q.data(), q_pos.data(), n_q, o.data(), l.data(), path);
         cpu::set_force_scalar(false);
         // Score error: the rotated key is off by a few ulps relative (float cos/sin from a tile
         // base times an offset table, vs double in the reference), the dot product by ~hd/2

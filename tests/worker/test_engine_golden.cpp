@@ -117,9 +117,13 @@ TEST_P(engine_golden, logits_and_greedy_continuations) {
       const int32_t top = argmax(row, n_vocab);
       const int32_t exact_top = g.exact_top_ids[i][0];
       const bool exact_clear = g.exact_top_logits[i][0] - g.exact_top_logits[i][1] > 2 * tol;
-      if (exact_clear) ASSERT_EQ(top, exact_top) << "position " << i;
+      if (exact_clear) {
+        ASSERT_EQ(top, exact_top) << "position " << i;
+      }
       if (g.top_ids[i][0] == exact_top) {
-        if (exact_clear) ASSERT_EQ(top, g.top_ids[i][0]) << "position " << i << " (llama.cpp agrees with exact)";
+        if (exact_clear) {
+          ASSERT_EQ(top, g.top_ids[i][0]) << "position " << i << " (llama.cpp agrees with exact)";
+        }
       } else {
         ++llama_wrong;
       }
@@ -189,8 +193,9 @@ TEST_P(engine_golden, decode_path_teacher_forced) {
           }
           const int32_t top = argmax(last.data(), n_vocab);
           top1_diff += top != ref_ids[t][0];
-          if (exact && ref_logits[t][0] - ref_logits[t][1] > 2 * tol)
+          if (exact && ref_logits[t][0] - ref_logits[t][1] > 2 * tol) {
             EXPECT_EQ(top, ref_ids[t][0]) << g.name << " step " << t;
+          }
         }
       }
       EXPECT_LE(worst, tol) << g.name << (exact ? " vs exact" : " vs llama.cpp");

@@ -1,0 +1,189 @@
+// The decode step over a quantized cache (attend_path::attend_decode with one query): on AVX2
+// machines the fused kernel (kernels/cpu/kvq_fused_avx2.cpp) -- codes decoded in registers,
+// RoPE split into a per-unit query rotation and per-key offsets, outliers as dense-and-sparse
+// corrections. Checked against the reference attention over the decoded cache for the shapes
+// it unrolls (head_dim 16..128, 1..8 query heads per kv head, uniform and non-uniform codes,
+// outliers, sink, residual window, position gaps), and for the property the sequence-parallel
+// runner relies on: bitwise the same partial whatever the unit-aligned split of the cache
+// and the thread count.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cfloat>
+#include <cmath>
+#include <random>
+
+#include "cache/quant_test_util.h"
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
+
+namespace xctx {
+namespace {
+
+using test::make_synthetic_calibration;
+using test::make_synthetic_kv;
+
+// A kivi group that divides the attention unit (shard boundaries are unit-aligned, so a split
+// never cuts a group) and the fused kernel's 32-slot tiles (two key groups per tile): 16 tokens
+// per key group, 16-channel value groups (heads of 32+ channels span several).
+constexpr int kGroup = 16;
+
+struct decode_case {
+  const char* name;  // the shape
+  cache_format format;
+  int head_dim, n_head_kv, n_head;
+};
+
+cache_geometry geometry_of(const decode_case& c, int64_t capacity) {
+  cache_geometry g;
+  g.n_layer = 1, g.n_head = c.n_head, g.n_head_kv = c.n_head_kv, g.head_dim = c.head_dim;
+  g.n_embd = c.n_head * c.head_dim;
+  g.rope.head_dim = c.head_dim, g.rope.n_rot = c.head_dim, g.rope.freq_base = 10000.0f;
+  g.capacity = capacity;
+  return g;
+}
+
+cache_spec spec_of(const decode_case& c, const cache_geometry& g) {
+  cache_options o;
+  o.group_size = kGroup;
+  if (format_traits(c.format).needs_calibration) o.calib = make_synthetic_calibration(g, 7);
+  return cache_spec(c.format, o);
+}
+
+// Appends tokens [from, to) of the draw at positions pos.
+void append(kv_cache& c, const test::synthetic_kv& d, int C, const std::vector<int32_t>& pos, int64_t from,
+            int64_t to) {
+  c.append(0, layer_input{nullptr, d.k.data() + from * C, d.v.data() + from * C, pos.data() + from, to - from});
+}
+
+class quant_decode_test : public ::testing::TestWithParam<decode_case> {};
+
+// Against the reference (decode everything, RoPE in double, attention_partial). Positions run
+// with gaps in the middle (offsets inside a unit are not the slot index) and the cache ends in
+// a residual window (kivi) after a sink (nuq).
+TEST_P(quant_decode_test, fused_step_matches_the_reference) {
+  const decode_case& c = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t n = 700;
+  const cache_geometry g = geometry_of(c, n);
+  const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
+  const test::synthetic_kv d = make_synthetic_kv(n, C, 41);
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(i < 300 || i >= 400 ? i + (i >= 400 ? 150 : 0) : 300 + 2 * (i - 300));
+  auto cache = make_cache(spec_of(c, g), g, *be);
+  append(*cache, d, C, pos, 0, n);
+  const kvq_layer_view v = quant_cache_view(*cache, 0);
+  std::vector<float> k((size_t)n * C), val(k.size());
+  ref::kvq_decode_layer(v, k.data(), val.data());
+  float max_v = 0.0f;
+  double max_k = 0.0;  // largest L2 norm of one head's key (RoPE keeps it)
+  for (float x : val) max_v = std::max(max_v, std::fabs(x));
+  for (size_t h = 0; h < k.size(); h += c.head_dim) {
+    double s2 = 0;
+    for (int e = 0; e < c.head_dim; ++e) s2 += (double)k[h + e] * k[h + e];
+    max_k = std::max(max_k, std::sqrt(s2));
+  }
+  std::mt19937 rng(43);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(qd);
+  for (float& x : q) x = 0.3f * nd(rng);
+  double max_q = 0.0;
+  for (size_t h = 0; h < q.size(); h += c.head_dim) {
+    double s2 = 0;
+    for (int e = 0; e < c.head_dim; ++e) s2 += (double)q[h + e] * q[h + e];
+    max_q = std::max(max_q, std::sqrt(s2));
+  }
+  // Query positions: past everything (a decode step), and inside the gap run (a cut unit).
+  for (const int32_t q_pos : {pos[n - 1] + 1, pos[350]}) {
+ SCOPED_TRACE(::testing::Message() << format_traits(c.format).name << " " << c.name << " q_pos " << q_pos << " seeds 41/43");
+    std::vector<float> o_ref(qd), l_ref(c.n_head), o(qd), l(c.n_head);
+    kvq_attn_args a;
+    a.kv = v, a.q = q.data(), a.q_pos = &q_pos, a.n_q = 1, a.n_head = c.n_head;
+    a.scale = 1.0f / std::sqrt((float)c.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
+    ref::attention_kvq(a);
+    cache->attend(0, q.data(), &q_pos, 1, o.data(), l.data(), attend_path::attend_decode);
+    // Score error: the query rotated by the unit start and each key by its offset (float tables
+    // of double angles: a few ulps of |q||k|), ~head_dim/2 roundings of the dot product, the
+    // outlier corrections' own roundings (same order): delta <= kScoreRel |q| |k| scale.
+    // Probabilities move by <= delta relative, the output by <= 2 delta max|v|, lse by delta.
+    constexpr double kScoreRel = 32.0 * FLT_EPSILON;
+    const double delta = kScoreRel * max_q * max_k * a.scale;
+    for (int i = 0; i < qd; ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
+    for (int h = 0; h < c.n_head; ++h) ASSERT_NEAR(l[h], l_ref[h], delta + 1e-5 * std::fabs(l_ref[h])) << h;
+  }
+}
+
+// What np 1 vs np P relies on: the decode step's deposits depend only on the units, so one cache,
+// the same tokens split along unit boundaries over two caches (one attended through an exported
+// block, as a ring or a merged decode sees it), and any thread count give the same bits.
+TEST_P(quant_decode_test, fused_step_is_bitwise_the_same_for_any_split_and_threads) {
+  const decode_case& c = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t n = 3 * kAttnUnit + 77;
+  const cache_geometry g = geometry_of(c, n);
+  const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
+  const test::synthetic_kv d = make_synthetic_kv(n, C, 51);
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  auto whole = make_cache(spec_of(c, g), g, *be), a = make_cache(spec_of(c, g), g, *be),
+       b = make_cache(spec_of(c, g), g, *be);
+  append(*whole, d, C, pos, 0, n);
+  append(*a, d, C, pos, 0, kAttnUnit), append(*a, d, C, pos, 2 * kAttnUnit, n);  // zigzag-like
+  append(*b, d, C, pos, kAttnUnit, 2 * kAttnUnit);
+  std::vector<uint8_t> block(b->exported_bytes(0));
+  b->export_layer(0, block.data());
+  std::mt19937 rng(53);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(qd);
+  for (float& x : q) x = 0.3f * nd(rng);
+  const int32_t q_pos = (int32_t)n;
+  const auto run = [&](bool split, int threads) {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    softmax_acc acc(c.n_head, c.head_dim);
+    if (split) {
+      a->attend(0, q.data(), &q_pos, 1, attend_path::attend_decode, acc);
+      a->attend_exported(0, block.data(), block.size(), q.data(), &q_pos, 1, attend_path::attend_decode, acc);
+    } else {
+      whole->attend(0, q.data(), &q_pos, 1, attend_path::attend_decode, acc);
+    }
+    omp_set_num_threads(before);
+    std::vector<float> o(qd), l(c.n_head);
+    acc.finish(o.data(), l.data());
+    o.insert(o.end(), l.begin(), l.end());
+    return o;
+  };
+  const std::vector<float> ref = run(false, 1);
+  EXPECT_EQ(run(false, 2), ref) << "2 threads";
+  EXPECT_EQ(run(true, 1), ref) << "split over two caches";
+  EXPECT_EQ(run(true, 2), ref) << "split, 2 threads";
+}
+
+std::vector<decode_case> decode_cases() {
+  std::vector<decode_case> out;
+  const decode_case shapes[] = {
+      {"hd64_g3", cache_format::cache_fp16, 64, 3, 9},    // SmolLM2: 3 query heads per kv head
+      {"hd128_g4", cache_format::cache_fp16, 128, 2, 8},  // Llama-3-style GQA
+      {"hd32_g1", cache_format::cache_fp16, 32, 4, 4},    // MHA
+      {"hd16_g8", cache_format::cache_fp16, 16, 2, 16},   // two blocks of 4 query heads per kv head
+  };
+  for (const decode_case& s : shapes)
+    for (cache_format f : test::quantized_formats()) out.push_back({s.name, f, s.head_dim, s.n_head_kv, s.n_head});
+  return out;
+}
+
+// Names are built at registration, not during static initialisation (the format table may not
+// be initialised yet then).
+std::string case_name(const ::testing::TestParamInfo<decode_case>& info) {
+  std::string n = std::string(format_traits(info.param.format).name) + "_" + info.param.name;
+  for (char& ch : n)
+    if (ch == '-' || ch == '%') ch = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(shapes, quant_decode_test, ::testing::ValuesIn(decode_cases()), case_name);
+
+}  // namespace
+}  // namespace xctx
