@@ -117,18 +117,26 @@ bool check_units_args(const unit_queries& qs, const int32_t* kv_pos, int64_t n_k
              "attention: bad heads n_head=", qs.n_head, " n_head_kv=", qs.n_head_kv, " head_dim=", qs.head_dim);
   XCTX_CHECK(acc.rows() == qs.n_q * qs.n_head && acc.width() == qs.head_dim, "attention: accumulator of ",
              acc.rows(), " x ", acc.width(), " for ", qs.n_q, " queries x ", qs.n_head, " heads x ", qs.head_dim);
-  for (int64_t j = 1; j < n_kv; ++j)
-    XCTX_CHECK(kv_pos[j - 1] <= kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
-               "]=", kv_pos[j - 1], " > kv_pos[", j, "]=", kv_pos[j]);
+  if (!std::is_sorted(kv_pos, kv_pos + n_kv)) {  // the cheap scan first: this runs every decode step
+    const int64_t j = std::is_sorted_until(kv_pos, kv_pos + n_kv) - kv_pos;
+    fail("attention: kv_pos must be non-decreasing, kv_pos[", j - 1, "]=", kv_pos[j - 1], " > kv_pos[", j, "]=",
+         kv_pos[j]);
+  }
   return qs.n_q > 0 && n_kv > 0;
 }
 
 }  // namespace
 
 std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
+  // Positions ascend: each unit ends where the first position of a later unit is, found by
+  // binary search (O(units · log n), not a pass over every slot of every decode step).
+  const auto unit_of = [](int32_t p) { return p >= 0 ? p / kAttnUnit : -((-(int64_t)p + kAttnUnit - 1) / kAttnUnit); };
   std::vector<int64_t> b;
-  for (int64_t s = 0; s < n; ++s)
-    if (s == 0 || pos[s] / kAttnUnit != pos[s - 1] / kAttnUnit) b.push_back(s);
+  for (int64_t s = 0; s < n;) {
+    b.push_back(s);
+    const int64_t u = unit_of(pos[s]);
+    s = std::partition_point(pos + s, pos + n, [&](int32_t p) { return unit_of(p) == u; }) - pos;
+  }
   b.push_back(n);
   return b;
 }

@@ -380,9 +380,13 @@ class kvq_loader final : public unit_loader {
 // One query's partial over a unit, decode fused into the attention (kvq_fused_avx2.cpp).
 class kvq_fused_kernel final : public unit_kernel {
  public:
-  kvq_fused_kernel(const kvq_attn_args& a, const impl::rope_table& tab) : a_(a), tab_(tab) {
-    scratch_.resize(impl::kvq_fused_scratch_floats(a.n_head, a.kv.head_dim, a.kv.channels()));
-    angles_.resize((size_t)a.kv.head_dim);
+  // Scratch is per thread and kept between calls: a decode step calls this once per layer, and
+  // zeroing ~120 KB each time cost more than the attention over a short cache.
+  kvq_fused_kernel(const kvq_attn_args& a, const impl::rope_table& tab)
+      : a_(a), tab_(tab), scratch_(thread_scratch()), angles_(thread_angles()) {
+    const size_t need = impl::kvq_fused_scratch_floats(a.n_head, a.kv.head_dim, a.kv.channels());
+    if (scratch_.size() < need) scratch_.resize(need);
+    if (angles_.size() < (size_t)a.kv.head_dim) angles_.resize((size_t)a.kv.head_dim);
   }
   void attend(const float* q, int64_t s0, int n, float* o, float* lse) override {
     impl::kvq_fused_args f;
@@ -399,10 +403,18 @@ class kvq_fused_kernel final : public unit_kernel {
   static void angles_of(const void* table, int64_t pos, double* c, double* s) {
     impl::rope_angles(*static_cast<const impl::rope_table*>(table), pos, c, s);
   }
+  static std::vector<float>& thread_scratch() {
+    thread_local std::vector<float> v;
+    return v;
+  }
+  static std::vector<double>& thread_angles() {
+    thread_local std::vector<double> v;
+    return v;
+  }
   const kvq_attn_args& a_;
   const impl::rope_table& tab_;
-  std::vector<float> scratch_;
-  std::vector<double> angles_;
+  std::vector<float>& scratch_;
+  std::vector<double>& angles_;
 };
 
 }  // namespace
