@@ -251,9 +251,9 @@ int main(int argc, char** argv) {
       const int32_t qp = (int32_t)n;
       std::vector<double> t;
       for (int r = 0; r < reps + 1; ++r) {
-        c->attend(layer - 1, q.data(), &qp, 1, o_.data(), lse.data());  // cl: accumulator at layer - 1
+        c->attend(layer - 1, q.data(), &qp, 1, o_.data(), lse.data(), attend_path::attend_decode);  // cl: accumulator at layer - 1
         const double t0 = now();
-        c->attend(layer, q.data(), &qp, 1, o_.data(), lse.data());
+        c->attend(layer, q.data(), &qp, 1, o_.data(), lse.data(), attend_path::attend_decode);
         if (r > 0) t.push_back(now() - t0);  // first call warms tables and buffers
       }
       const cost k = per_token_cost(f);

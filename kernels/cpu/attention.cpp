@@ -67,6 +67,10 @@ const row_ops kScalarRowOps = {f16_to_f32_scalar, max_scalar, exp_sub_sum_scalar
 
 void decode_block_scalar(const decode_job& jb) {
   const int hd = jb.hd, R = jb.R, T = kDecodeTile;
+  const int vw = jb.v_width > 0 ? jb.v_width : hd;
+  const int64_t vld = jb.v_ld > 0 ? jb.v_ld : jb.ld, vstride = jb.v_head_stride >= 0 ? jb.v_head_stride : hd;
+  XCTX_ASSERT((vw == hd && vld == jb.ld && vstride == hd) || jb.type == kv_dtype::kv_f32,
+              "decode: a value layout unlike the keys' needs f32 values");
   float* kt = jb.scratch;
   float* vt = kt + (int64_t)T * hd;
   float* s = vt + (int64_t)T * hd;
@@ -75,7 +79,7 @@ void decode_block_scalar(const decode_job& jb) {
   int64_t j_end = jb.j0;
   for (int r = 0; r < R; ++r) {
     m[r] = kNegInf, l[r] = 0.0f;
-    std::fill(jb.o + (int64_t)r * hd, jb.o + (int64_t)(r + 1) * hd, 0.0f);
+    std::fill(jb.o + (int64_t)r * vw, jb.o + (int64_t)(r + 1) * vw, 0.0f);
     j_end = std::max(j_end, std::min(jb.row_end[r], jb.j1));
   }
   const size_t elt = kv_elt_bytes(jb.type);
@@ -84,9 +88,9 @@ void decode_block_scalar(const decode_job& jb) {
     const int nt = (int)std::min<int64_t>(T, j_end - t0);
     for (int h = 0; h < jb.n_kvh; ++h) {
       const char* kb = (const char*)jb.k + (t0 * jb.ld + (int64_t)h * hd) * elt;
-      const char* vb = (const char*)jb.v + (t0 * jb.ld + (int64_t)h * hd) * elt;
+      const char* vb = (const char*)jb.v + (t0 * vld + (int64_t)h * vstride) * elt;
       const float *kp = (const float*)kb, *vp = (const float*)vb;
-      int64_t ldk = jb.ld;
+      int64_t ldk = jb.ld, ldv = vld;
       switch (jb.type) {
         case kv_dtype::kv_f32: break;
         case kv_dtype::kv_f16:
@@ -94,7 +98,7 @@ void decode_block_scalar(const decode_job& jb) {
             f16_to_f32_scalar((const uint16_t*)kb + j * jb.ld, hd, kt + (int64_t)j * hd);
             f16_to_f32_scalar((const uint16_t*)vb + j * jb.ld, hd, vt + (int64_t)j * hd);
           }
-          kp = kt, vp = vt, ldk = hd;
+          kp = kt, vp = vt, ldk = hd, ldv = hd;
           break;
       }
       for (int r = h * rows_per_head; r < (h + 1) * rows_per_head; ++r) {
@@ -110,10 +114,10 @@ void decode_block_scalar(const decode_job& jb) {
         const float alpha = std::exp(m[r] - m_new);
         l[r] = l[r] * alpha + exp_sub_sum_scalar(s, n, m_new);
         m[r] = m_new;
-        float* o = jb.o + (int64_t)r * hd;
-        for (int d = 0; d < hd; ++d) o[d] *= alpha;
+        float* o = jb.o + (int64_t)r * vw;
+        for (int d = 0; d < vw; ++d) o[d] *= alpha;
         for (int j = 0; j < n; ++j)
-          for (int d = 0; d < hd; ++d) o[d] += s[j] * vp[j * ldk + d];
+          for (int d = 0; d < vw; ++d) o[d] += s[j] * vp[j * ldv + d];
       }
     }
   }
@@ -122,7 +126,7 @@ void decode_block_scalar(const decode_job& jb) {
       jb.lse[r] = kNegInf;
       continue;
     }
-    scale_scalar(jb.o + (int64_t)r * hd, hd, 1.0f / l[r]);
+    scale_scalar(jb.o + (int64_t)r * vw, vw, 1.0f / l[r]);
     jb.lse[r] = m[r] + std::log(l[r]);
   }
 }
@@ -324,7 +328,7 @@ void attention_prefill(isa v, const attn_args& a, const std::vector<int64_t>& q_
 }  // namespace
 
 void decode_block(isa v, const decode_job& jb) {
-  if (v == isa::isa_avx2 && jb.hd % 8 == 0)
+  if (v == isa::isa_avx2 && jb.hd % 8 == 0 && (jb.v_width <= 0 || jb.v_width % 8 == 0))
     avx2::decode_block(jb);
   else
     decode_block_scalar(jb);

@@ -76,9 +76,10 @@ void scores_block(const float* q /*[RB, hd]*/, const T* kp, int64_t ld, int n, i
 }
 
 // o_r[d0, d0 + 8 NV) = alpha_r o_r + sum_j p_r[j] v_j[d0, d0 + 8 NV) for r < RB: each V vector
-// is loaded (converted) once for all RB rows, the accumulators stay in registers.
+// is loaded (converted) once for all RB rows, the accumulators stay in registers. o rows are vw
+// wide (the value width), value rows ld apart.
 template <typename T, int RB, int NV>
-void pv_block(float* o /*[RB, hd]*/, int hd, const float* p /*[RB, kSS]*/, const float* alpha /*[RB]*/, const T* vp,
+void pv_block(float* o /*[RB, vw]*/, int hd, const float* p /*[RB, kSS]*/, const float* alpha /*[RB]*/, const T* vp,
               int64_t ld, int n, int d0) {
   __m256 acc[RB][NV];
   for (int r = 0; r < RB; ++r) {
@@ -103,7 +104,7 @@ constexpr int kSliceVecs = RB == 1 ? 8 : RB == 2 ? 4 : 3;
 
 // pv_block over the slice's nv (<= NV) vectors, NV fixed at compile time.
 template <typename T, int RB, int NV>
-void pv_slice(float* o /*[RB, hd]*/, int hd, const float* p /*[RB, kSS]*/, const float* alpha /*[RB]*/, const T* vp,
+void pv_slice(float* o /*[RB, vw]*/, int hd, const float* p /*[RB, kSS]*/, const float* alpha /*[RB]*/, const T* vp,
               int64_t ld, int n, int d0, int nv) {
   if constexpr (NV > 1) {
     if (nv < NV) return pv_slice<T, RB, NV - 1>(o, hd, p, alpha, vp, ld, n, d0, nv);
@@ -157,8 +158,8 @@ void f16_to_f32(const uint16_t* src /*[n]*/, int64_t n, float* dst /*[n]*/) {
 // the online-softmax update of (m, l), and the rescaled P.V accumulation into o.
 template <typename T, int RB>
 void decode_rows(const float* q /*[RB, hd]*/, const int64_t* row_end /*[RB]*/, const T* kp, const T* vp, int64_t ld,
-                 int64_t t0, int nt, int hd, float* m /*[RB]*/, float* l /*[RB]*/, float* o /*[RB, hd]*/,
-                 float* s /*[RB, kSS]*/) {
+                 int64_t vld, int vw, int64_t t0, int nt, int hd, float* m /*[RB]*/, float* l /*[RB]*/,
+                 float* o /*[RB, vw]*/, float* s /*[RB, kSS]*/) {
   int n_r[RB];
   int n_max = 0;
   for (int r = 0; r < RB; ++r) {
@@ -182,20 +183,20 @@ void decode_rows(const float* q /*[RB, hd]*/, const int64_t* row_end /*[RB]*/, c
     for (int j = n_r[r]; j < n_max; ++j) sr[j] = 0.0f;  // masked for this row, visible to another
   }
   constexpr int NV = kSliceVecs<RB>;
-  for (int d0 = 0; d0 < hd; d0 += 8 * NV) {
-    const int nv = (hd - d0) / 8 < NV ? (hd - d0) / 8 : NV;
-    pv_slice<T, RB, NV>(o, hd, s, alpha, vp, ld, n_max, d0, nv);
+  for (int d0 = 0; d0 < vw; d0 += 8 * NV) {
+    const int nv = (vw - d0) / 8 < NV ? (vw - d0) / 8 : NV;
+    pv_slice<T, RB, NV>(o, vw, s, alpha, vp, vld, n_max, d0, nv);
   }
 }
 
 template <typename T>
 void decode_rows_any(int rb, const float* q /*[rb, hd]*/, const int64_t* row_end /*[rb]*/, const T* kp, const T* vp,
-                     int64_t ld, int64_t t0, int nt, int hd, float* m /*[rb]*/, float* l /*[rb]*/,
-                     float* o /*[rb, hd]*/, float* s /*[rb, kSS]*/) {
+                     int64_t ld, int64_t vld, int vw, int64_t t0, int nt, int hd, float* m /*[rb]*/, float* l /*[rb]*/,
+                     float* o /*[rb, vw]*/, float* s /*[rb, kSS]*/) {
   switch (rb) {
-    case 1: decode_rows<T, 1>(q, row_end, kp, vp, ld, t0, nt, hd, m, l, o, s); break;
-    case 2: decode_rows<T, 2>(q, row_end, kp, vp, ld, t0, nt, hd, m, l, o, s); break;
-    case 3: decode_rows<T, 3>(q, row_end, kp, vp, ld, t0, nt, hd, m, l, o, s); break;
+    case 1: decode_rows<T, 1>(q, row_end, kp, vp, ld, vld, vw, t0, nt, hd, m, l, o, s); break;
+    case 2: decode_rows<T, 2>(q, row_end, kp, vp, ld, vld, vw, t0, nt, hd, m, l, o, s); break;
+    case 3: decode_rows<T, 3>(q, row_end, kp, vp, ld, vld, vw, t0, nt, hd, m, l, o, s); break;
   }
 }
 
@@ -207,7 +208,11 @@ const row_ops& prefill_row_ops() { return kRowOps; }
 
 void decode_block(const decode_job& jb) {
   const int hd = jb.hd, R = jb.R;
-  XCTX_ASSERT(hd % 8 == 0, "avx2 decode needs head_dim % 8 == 0, got ", hd);
+  const int vw = jb.v_width > 0 ? jb.v_width : hd;
+  const int64_t vld = jb.v_ld > 0 ? jb.v_ld : jb.ld, vstride = jb.v_head_stride >= 0 ? jb.v_head_stride : hd;
+  XCTX_ASSERT(hd % 8 == 0 && vw % 8 == 0, "avx2 decode needs head_dim and value width % 8 == 0, got ", hd, ", ", vw);
+  XCTX_ASSERT((vw == hd && vld == jb.ld && vstride == hd) || jb.type == kv_dtype::kv_f32,
+              "avx2 decode: a value layout unlike the keys' needs f32 values");
   float* s = jb.scratch;          // [kRowBlock, kSS] scores, then probabilities
   float* m = s + kRowBlock * kSS;  // [R] running max
   float* l = m + R;                // [R] running sum
@@ -215,7 +220,7 @@ void decode_block(const decode_job& jb) {
   for (int r = 0; r < R; ++r) {
     m[r] = -__builtin_inff();
     l[r] = 0.0f;
-    for (int d = 0; d < hd; ++d) jb.o[r * hd + d] = 0.0f;
+    for (int d = 0; d < vw; ++d) jb.o[(int64_t)r * vw + d] = 0.0f;
     const int64_t e = jb.row_end[r] < jb.j1 ? jb.row_end[r] : jb.j1;
     j_end = e > j_end ? e : j_end;
   }
@@ -227,23 +232,22 @@ void decode_block(const decode_job& jb) {
     const int n_next = (int)(j_end - t0 - nt < kT ? j_end - t0 - nt : kT);
     for (int h = 0; h < jb.n_kvh; ++h) {
       const char* kb = (const char*)jb.k + (t0 * jb.ld + (int64_t)h * hd) * elt;
-      const char* vb = (const char*)jb.v + (t0 * jb.ld + (int64_t)h * hd) * elt;
+      const char* vb = (const char*)jb.v + (t0 * vld + (int64_t)h * vstride) * elt;
       // The next tile of this head is requested now, so it is in cache when its turn comes.
-      for (int j = 0; j < n_next; ++j)
-        for (size_t b = 0; b < (size_t)hd * elt; b += 64) {
-          _mm_prefetch(kb + (size_t)(nt + j) * jb.ld * elt + b, _MM_HINT_T0);
-          _mm_prefetch(vb + (size_t)(nt + j) * jb.ld * elt + b, _MM_HINT_T0);
-        }
+      for (int j = 0; j < n_next; ++j) {
+        for (size_t b = 0; b < (size_t)hd * elt; b += 64) _mm_prefetch(kb + (size_t)(nt + j) * jb.ld * elt + b, _MM_HINT_T0);
+        for (size_t b = 0; b < (size_t)vw * elt; b += 64) _mm_prefetch(vb + (size_t)(nt + j) * vld * elt + b, _MM_HINT_T0);
+      }
       for (int r0 = h * rows_per_head; r0 < (h + 1) * rows_per_head; r0 += kRowBlock) {
         const int rb = (h + 1) * rows_per_head - r0 < kRowBlock ? (h + 1) * rows_per_head - r0 : kRowBlock;
         switch (jb.type) {
           case kv_dtype::kv_f32:
-            decode_rows_any<float>(rb, jb.q + r0 * hd, jb.row_end + r0, (const float*)kb, (const float*)vb, jb.ld, t0,
-                                   nt, hd, m + r0, l + r0, jb.o + r0 * hd, s);
+            decode_rows_any<float>(rb, jb.q + r0 * hd, jb.row_end + r0, (const float*)kb, (const float*)vb, jb.ld, vld,
+                                   vw, t0, nt, hd, m + r0, l + r0, jb.o + (int64_t)r0 * vw, s);
             break;
           case kv_dtype::kv_f16:
             decode_rows_any<uint16_t>(rb, jb.q + r0 * hd, jb.row_end + r0, (const uint16_t*)kb, (const uint16_t*)vb,
-                                      jb.ld, t0, nt, hd, m + r0, l + r0, jb.o + r0 * hd, s);
+                                      jb.ld, vld, vw, t0, nt, hd, m + r0, l + r0, jb.o + (int64_t)r0 * vw, s);
             break;
         }
       }
@@ -254,7 +258,7 @@ void decode_block(const decode_job& jb) {
       jb.lse[r] = -__builtin_inff();
       continue;  // o row is already 0
     }
-    scale(jb.o + r * hd, hd, 1.0f / l[r]);
+    scale(jb.o + (int64_t)r * vw, vw, 1.0f / l[r]);
     jb.lse[r] = m[r] + std::log(l[r]);
   }
 }

@@ -52,11 +52,17 @@ struct decode_job {
   int n_kvh = 1;
   int hd = 0;
   const void* k = nullptr;  // token 0, kv head 0 of this item; token j, head h at (j * ld + h * hd) elements
-  const void* v = nullptr;  // same layout as k
+  const void* v = nullptr;  // same layout as k, unless the v_* fields below say otherwise
   kv_dtype type = kv_dtype::kv_f32;
   int64_t ld = 0;  // elements between consecutive tokens (n_head_kv * head_dim)
   int64_t j0 = 0, j1 = 0;
-  float* o = nullptr;    // [R, hd]
+  // Values laid out unlike the keys (f32 only): xquant's absorbed V, where every query head
+  // accumulates a token's whole latent row. Token j, kv head h's value row at
+  // v + j * v_ld + h * v_head_stride, v_width elements.
+  int v_width = 0;             // 0: hd
+  int64_t v_ld = 0;            // 0: ld
+  int64_t v_head_stride = -1;  // -1: hd; 0: all heads read the same row
+  float* o = nullptr;    // [R, v_width]
   float* lse = nullptr;  // [R]
   float* scratch = nullptr;  // [decode_scratch_floats(R, hd)]
 };
@@ -66,7 +72,7 @@ inline int64_t decode_scratch_floats(int R, int hd) {
   return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R;
 }
 
-// Runs one decode work item (AVX2 when v says so and hd % 8 == 0, else scalar).
+// Runs one decode work item (AVX2 when v says so and hd and v_width are multiples of 8, else scalar).
 void decode_block(isa v, const decode_job& job);
 // Up to this many queries the attention kernels take the decode path.
 inline constexpr int64_t kDecodeMaxQueries = 8;

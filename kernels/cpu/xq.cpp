@@ -387,11 +387,14 @@ class xq_unit_loader final : public unit_loader {
   unit_rebuilder rb_;
 };
 
-// Decode steps: per unit, K rebuilt and rotated; V absorbed: u = Σ_t p_t z_v,t in the latent
-// space, o = u·M_v[:, head] / Σ p_t + b_v. Each (query, head, unit) is computed by the same
-// loops wherever the unit lives, and deposited exactly.
+// Decode steps: per unit, K rebuilt and rotated; V absorbed: each query head accumulates the
+// normalised latent u = Σ_t p_t z_v,t / Σ_t p_t with the shared decode kernel (AVX2: the heads of
+// a kv head share every key and latent load; impl::decode_job's value layout), then
+// o = u·M_v[:, head] + b_v for all heads in one row-invariant product. Each (query, unit) is
+// computed by the same code wherever the unit lives, and deposited exactly.
 void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv, kv = a.n_head_kv * hd, cv = a.zv.channels;
+  const int vw = a.m_v != nullptr ? cv : hd;  // values each query row accumulates
   std::vector<int64_t> q_end((size_t)a.n_q);
   int64_t kv_len = 0;
   for (int64_t i = 0; i < a.n_q; ++i) {
@@ -402,12 +405,23 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   const std::vector<int64_t> ub = unit_bounds(a.pos, kv_len);
   const int64_t n_unit = (int64_t)ub.size() - 1;
   const impl::rope_table& tab = impl::rope_table_for(a.rope);
+  std::vector<float> q_scaled((size_t)a.n_q * a.n_head * hd);  // [n_q, n_head, hd]
+  for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = a.q[e] * a.scale;
+  std::vector<float> mv;  // [cv, kv] M_v's first kv columns, contiguous
+  if (a.m_v != nullptr) {
+    mv.resize((size_t)cv * kv);
+    for (int c = 0; c < cv; ++c) std::copy(a.m_v + c * a.ld_mv, a.m_v + c * a.ld_mv + kv, mv.begin() + (size_t)c * kv);
+  }
+  const impl::isa isa = impl::best_isa();
   const int blas_threads = openblas_get_num_threads();
   openblas_set_num_threads(1);
 #pragma omp parallel if (n_unit > 1)
   {
     unit_rebuilder rb(a, tab);
-    std::vector<float> kt((size_t)kAttnUnit * kv), zvt((size_t)kAttnUnit * cv), s(kAttnUnit), u((size_t)cv), o(hd);
+    std::vector<float> kt((size_t)kAttnUnit * kv), zvt((size_t)kAttnUnit * cv);  // [unit, kv], [unit, cv]
+    std::vector<float> ol((size_t)a.n_head * vw), lse((size_t)a.n_head), proj((size_t)a.n_head * kv), o(hd);
+    std::vector<float> scratch((size_t)impl::decode_scratch_floats(a.n_head, hd));
+    std::vector<int64_t> row_end((size_t)a.n_head);
     softmax_acc mine(acc.rows(), acc.width());
 #pragma omp for schedule(dynamic, 2)
     for (int64_t un = 0; un < n_unit; ++un) {
@@ -417,36 +431,21 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
       for (int64_t i = 0; i < a.n_q; ++i) {
         const int vis = (int)std::min<int64_t>(n, q_end[i] - s0);
         if (vis <= 0) continue;
+        std::fill(row_end.begin(), row_end.end(), (int64_t)vis);
+        impl::decode_job jb;
+        jb.q = q_scaled.data() + (size_t)i * a.n_head * hd, jb.row_end = row_end.data();
+        jb.R = a.n_head, jb.n_kvh = a.n_head_kv, jb.hd = hd;
+        jb.k = kt.data(), jb.v = zvt.data(), jb.type = kv_dtype::kv_f32, jb.ld = kv;
+        if (a.m_v != nullptr) jb.v_width = cv, jb.v_ld = cv, jb.v_head_stride = 0;  // every head reads the latent
+        jb.j0 = 0, jb.j1 = vis;
+        jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+        impl::decode_block(isa, jb);
+        if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
         for (int h = 0; h < a.n_head; ++h) {
-          const int kvh = h / g;
-          const float* q = a.q + (i * a.n_head + h) * hd;
-          float m = kNegInf;
-          for (int t = 0; t < vis; ++t) {
-            const float* k = kt.data() + (size_t)t * kv + kvh * hd;
-            float dot = 0.0f;
-            for (int e = 0; e < hd; ++e) dot += (q[e] * a.scale) * k[e];
-            s[t] = dot;
-            m = std::max(m, dot);
-          }
-          float l = 0.0f;
-          std::fill(u.begin(), u.end(), 0.0f);
-          for (int t = 0; t < vis; ++t) {
-            const float p = std::exp(s[t] - m);
-            l += p;
-            const float* z = zvt.data() + (size_t)t * cv;
-            for (int c = 0; c < cv; ++c) u[c] += p * z[c];
-          }
-          const float inv = 1.0f / l;
-          for (int e = 0; e < hd; ++e) {
-            const int col = kvh * hd + e;
-            float acc_e = 0.0f;
-            if (a.m_v != nullptr)
-              for (int c = 0; c < cv; ++c) acc_e += u[c] * a.m_v[c * a.ld_mv + col];
-            else
-              acc_e = u[col];
-            o[e] = acc_e * inv + (a.b_v ? a.b_v[col] : 0.0f);
-          }
-          mine.add_partial(i * a.n_head + h, m + std::log(l), o.data());
+          const int col0 = (h / g) * hd;
+          const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
+          for (int e = 0; e < hd; ++e) o[e] = src[e] + (a.b_v ? a.b_v[col0 + e] : 0.0f);
+          mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
         }
       }
     }
