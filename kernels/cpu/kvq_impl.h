@@ -20,7 +20,7 @@ inline constexpr int kFusedTile = 32;              // slots per softmax tile
 inline constexpr int kFusedMaxHeadsPerBlock = 4;   // query heads of a kv head sharing each decoded vector
 inline constexpr int kFusedMaxKvHeads = 64;
 inline constexpr int kScaleSlots = 8;              // uniform key groups' scales kept converted
-inline constexpr int kFusedWorkFloats = 2 * kFusedMaxHeadsPerBlock * (kFusedTile + 8) + 2 * kFusedTile;
+inline constexpr int kFusedWorkFloats = 2 * kFusedMaxHeadsPerBlock * (kFusedTile + 16) + 2 * kFusedTile;
 
 struct kvq_fused_args {
   const kvq_layer_view* kv = nullptr;
