@@ -92,7 +92,7 @@ def write_markdown(path, rows, meta, info):
     w("# Decode attention over quantized KV caches (CPU)\n")
     w(f"Command: `{info['command']}`  ")
     w(f"Date: {info['date']}; commit {info['commit']}; {info['cpu']}, {info['cores']} cores; "
-      f"isa {info['isa']}.  ")
+      f"isa {info['isa']}, fused decode kernel {info['fused_isa']}.  ")
     w(f"Load before: `{info['uptime_before']}`  ")
     w(f"Load after: `{info['uptime_after']}`  ")
     w(f"Run time: {info['seconds']:.0f} s. Involuntary context switches per (length, threads) block "
@@ -116,7 +116,8 @@ def write_markdown(path, rows, meta, info):
       "*memcpy* = 512 MiB copied per thread-split memcpy, reported as bytes copied / time (GB/s read); "
       "*read* = a read-only stream of the same buffer. *% memcpy*, *% read* = GB/s / ceiling.\n")
     w("**The two kernels.** *decode step* = `attend_path::attend_decode`, what a generated token pays: "
-      "for the quantized formats the fused one-query kernel (kernels/cpu/kvq_fused_avx2.cpp: codes unpacked, "
+      "for the quantized formats the fused one-query kernel (kernels/cpu/kvq_fused_avx2.cpp, or its 16-lane "
+      "variant kvq_fused_avx512.cpp on CPUs with AVX-512 VBMI, as named above: codes unpacked, "
       "looked up and scaled in registers, RoPE as one query rotation per 256-position unit plus a static "
       "per-offset key rotation, value scales folded into the probabilities, outliers as dense-and-sparse "
       "corrections). *tiled* = the same query through the tiled kernel the prefill path uses (each unit "
@@ -188,7 +189,12 @@ def main():
     ap.add_argument("--threads", help="comma list passed to the binary (default: all, then 1)")
     ap.add_argument("--rounds", type=int, help="timed rounds per block (default: by length)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kvq_attention"), help="path prefix")
+    ap.add_argument("--no-avx512", action="store_true",
+                    help="keep the fused kernel on AVX2 (XCTX_NO_AVX512=1) on a CPU that has AVX-512")
     args = ap.parse_args()
+    env = dict(os.environ)
+    if args.no_avx512:
+        env["XCTX_NO_AVX512"] = "1"
 
     cmd = [args.binary] + (["--quick"] if args.quick else [])
     if args.threads:
@@ -197,7 +203,7 @@ def main():
         cmd += ["--rounds", str(args.rounds)]
     before = uptime()
     t0 = datetime.datetime.now()
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     sys.stderr.write(res.stderr)
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed with exit code {res.returncode}")
@@ -217,7 +223,8 @@ def main():
     info = {
         "command": "python3 benchmarks/kvq_attention.py" + "".join(f" {a}" for a in sys.argv[1:]),
         "date": t0.strftime("%Y-%m-%d %H:%M"), "commit": commit or "?", "cpu": cpu_model(),
-        "cores": os.cpu_count(), "isa": head.get("isa", "?"), "uptime_before": before, "uptime_after": after,
+        "cores": os.cpu_count(), "isa": head.get("isa", "?"), "fused_isa": head.get("fused_isa", "?"),
+        "uptime_before": before, "uptime_after": after,
         "seconds": seconds, "switches": switches,
     }
 

@@ -396,7 +396,10 @@ class kvq_fused_kernel final : public unit_kernel {
     f.angles = angles_of, f.angle_table = &tab_;
     f.scratch = scratch_.data(), f.angle_scratch = angles_.data();
     f.o = o, f.lse = lse;
-    impl::avx2::kvq_attend_fused(f);
+    if (has_avx512() && impl::kvq_fused_avx512_supported(a_.kv))
+      impl::avx512::kvq_attend_fused(f);
+    else
+      impl::avx2::kvq_attend_fused(f);
   }
 
  private:

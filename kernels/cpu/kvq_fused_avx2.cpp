@@ -178,20 +178,14 @@ void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, flo
   for (int d = da; d < db; ++d) pv_slice<NV, RB, 1>(vals, ja, jb, d, w, o);
 }
 
-// Rows u0 .. u0 + RB of kv head h over the tile: scores, outlier corrections, softmax update,
-// values. m, l [RB]; o [RB, hd] running (unnormalised by l); work: [kFusedWorkFloats].
+// Scores of query rows u0 .. u0 + RB of kv head h over the tile's rows into s ([RB, kSS]).
 template <int BITS, bool LUT, int NV, int RB>
-void head_block(const tile_ctx& t, int h, int u0, float* m, float* l, float* o, float* work) {
+void head_scores(const tile_ctx& t, int h, int u0, float* s) {
   constexpr int hd = 8 * NV;
   const kvq_layer_view& L = *t.L;
   const size_t rb = kvq_row_bytes(t.C, BITS);
   const float* q = t.qr + (size_t)(h * t.g + u0) * hd;
-  float* s = work;           // [RB, kSS] scores, then probabilities
-  float* w = s + RB * kSS;   // [RB, kSS] probabilities times the row's value scale
-  float* sj = w + RB * kSS;  // [kT]
-  float* zj = sj + kT;       // [kT]
-  const lut_regs lk = load_lut16(t.lut_k), lv = load_lut16(t.lut_v);
-
+  const lut_regs lk = load_lut16(t.lut_k);
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (R.quant) {
@@ -203,7 +197,17 @@ void head_block(const tile_ctx& t, int h, int u0, float* m, float* l, float* o, 
       score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
     }
   }
-  key_outlier_corrections<RB>(t, h, q, s);
+}
+
+// Rows u0 .. u0 + RB of kv head h: the softmax update over their tile scores s (which become
+// probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m, l [RB]; o [RB, hd]
+// running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
+template <int BITS, bool LUT, int NV, int RB>
+void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* s, float* w, float* sj, float* zj) {
+  constexpr int hd = 8 * NV;
+  const kvq_layer_view& L = *t.L;
+  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const lut_regs lv = load_lut16(t.lut_v);
   softmax_update<RB>(s, t.nt, m, l, o, hd);
   for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
     float zsum[RB];
@@ -220,23 +224,42 @@ void head_block(const tile_ctx& t, int h, int u0, float* m, float* l, float* o, 
     }
     add_zero_sums<RB>(zsum, da, db, o, hd);
   });
-  value_outlier_corrections<RB>(t, h, s, o);
 }
 
+// The tile: every query row's scores, the key outliers' corrections, per kv head and block of
+// up to kMaxRB of its query heads the softmax and values, the value outliers' corrections.
 template <int BITS, bool LUT, int NV>
 void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
-  for (int h = 0; h < t.L->n_head_kv; ++h)
-    for (int u0 = 0; u0 < t.g; u0 += kMaxRB) {
-      const int rb = t.g - u0 < kMaxRB ? t.g - u0 : kMaxRB;
-      const int row = h * t.g + u0;
-      float* oh = o + (size_t)row * t.hd;
-      switch (rb) {
-        case 1: head_block<BITS, LUT, NV, 1>(t, h, u0, m + row, l + row, oh, work); break;
-        case 2: head_block<BITS, LUT, NV, 2>(t, h, u0, m + row, l + row, oh, work); break;
-        case 3: head_block<BITS, LUT, NV, 3>(t, h, u0, m + row, l + row, oh, work); break;
-        default: head_block<BITS, LUT, NV, 4>(t, h, u0, m + row, l + row, oh, work); break;
-      }
+  const int n_head = t.L->n_head_kv * t.g;
+  float* s_all = work;                   // [n_head, kSS]
+  float* w = s_all + (size_t)n_head * kSS;  // [kMaxRB, kSS]
+  float* sj = w + (size_t)kMaxRB * kSS;  // [kT]
+  float* zj = sj + kT;                   // [kT]
+  const auto blocks = [&](auto&& f) {
+    for (int h = 0; h < t.L->n_head_kv; ++h)
+      for (int u0 = 0; u0 < t.g; u0 += kMaxRB) f(h, u0, t.g - u0 < kMaxRB ? t.g - u0 : kMaxRB, h * t.g + u0);
+  };
+  blocks([&](int h, int u0, int rb, int row) {
+    float* s = s_all + (size_t)row * kSS;
+    switch (rb) {
+      case 1: head_scores<BITS, LUT, NV, 1>(t, h, u0, s); break;
+      case 2: head_scores<BITS, LUT, NV, 2>(t, h, u0, s); break;
+      case 3: head_scores<BITS, LUT, NV, 3>(t, h, u0, s); break;
+      default: head_scores<BITS, LUT, NV, 4>(t, h, u0, s); break;
     }
+  });
+  if (t.outliers) add_key_outliers(t, s_all);
+  blocks([&](int h, int, int rb, int row) {
+    float* s = s_all + (size_t)row * kSS;
+    float* oh = o + (size_t)row * t.hd;
+    switch (rb) {
+      case 1: head_values<BITS, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 2: head_values<BITS, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 3: head_values<BITS, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      default: head_values<BITS, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+    }
+  });
+  if (t.outliers) add_value_outliers(t, s_all, o);
 }
 
 template <int NV>

@@ -1,8 +1,7 @@
 // Internal to the fused one-query attention kernels (kvq_fused_avx2.cpp, kvq_fused_avx512.cpp):
 // the instruction-set-independent parts -- a tile's runs of storage kinds, the value parameters
-// in f32, the sparse outliers sorted per head with their corrections, the per-head steps that
-// work on memory (outlier corrections, the softmax update, the value-scale fold) and the driver
-// over a unit's tiles. Each including file instantiates them with its own compile flags (the
+// in f32, the sparse outlier corrections, the per-head steps that work on memory (the softmax
+// update, the value-scale fold) and the driver over a unit's tiles. Each including file instantiates them with its own compile flags (the
 // anonymous namespace keeps the copies apart); it supplies the per-head vector code.
 // Include only from *_avx2.cpp / *_avx512.cpp files.
 #pragma once
@@ -21,7 +20,7 @@ namespace xctx::cpu::impl::fused {
 namespace {
 
 constexpr int kT = kFusedTile;
-constexpr int kSS = kT + 16;  // score row stride: a block of keys stores whole 4- or 8-lane groups
+constexpr int kSS = kFusedScoreStride;  // score row stride: a block of keys stores whole 4- or 8-lane groups
 constexpr int kMaxRB = kFusedMaxHeadsPerBlock;
 constexpr int kMaxRuns = 2 + kFusedTile / 8 + 1;  // sink, key groups (>= 8 rows each), window
 
@@ -53,15 +52,8 @@ struct tile_ctx {
   float* v_zero = nullptr;   // [kT]
   float* vg = nullptr;       // [kT, n_vg, 2]
   int n_vg = 0;
-  // The tile's sparse outliers by kv head h: entries [h·cap, h·cap + count[h]) of (tile row j,
-  // channel c in the head) packed as j << 16 | c, and δ = stored value − dense decode.
-  int cap = 0;
-  int32_t* k_jc = nullptr;
-  float* k_delta = nullptr;
-  int k_count[kFusedMaxKvHeads] = {};
-  int32_t* v_jc = nullptr;
-  float* v_delta = nullptr;
-  int v_count[kFusedMaxKvHeads] = {};
+  bool outliers = false;  // the layer keeps sparse outliers (nuq -1%)
+  int32_t* entry_row = nullptr;  // [kT·C] scratch of add_key_outliers
 };
 
 // fp16 values [n] to f32, 8 at a time.
@@ -109,51 +101,95 @@ void value_params(tile_ctx& t) {
   }
 }
 
-// Sorts the tile's outliers into per-head lists with their corrections δ, once for all heads.
-// Everything the loops touch is copied to locals first: the list stores could alias the view.
+// ---- sparse outliers: corrections of the dense result, straight from the layer's lists ------
+// (KVQuant's dense-and-sparse split: δ = stored value − dense decode of the same element.)
+// Everything the loops read is copied to locals first: the stores could alias the view.
+
+// Key outliers, all query rows r = h·g + u of the tile: δ at channel c of row j adds
+// δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C] scratch.
+// A run's entries are contiguous in the compressed columns, so they are walked as one flat range
+// with each entry's row found beforehand without branches (rows hold 0-5 entries: a loop per row
+// mispredicts its exit almost every row).
 template <int BITS>
-__attribute__((noinline)) void collect_outliers(tile_ctx& t) {
+__attribute__((noinline)) void add_key_outliers(const tile_ctx& t, float* s_all, int32_t* tok) {
   const kvq_layer_view& L = *t.L;
-  const int shift = __builtin_ctz((unsigned)t.hd), hmask = t.hd - 1;  // head_dim is a power of 2
+  const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;  // head_dim: a power of 2
   const size_t rb = kvq_row_bytes(t.C, BITS);
-  const int n_kvh = L.n_head_kv, cap = t.cap, v_per = L.v_out_per_tok;
-  const uint32_t* k_off = L.k_out_off;
-  const uint16_t *k_idx = L.k_out_idx, *k_val = L.k_out_val, *v_idx = L.v_out_idx, *v_val = L.v_out_val;
-  const uint8_t *k_codes = L.k_codes, *v_codes = L.v_codes;
-  const float *lut_k = L.lut_k, *lut_v = L.lut_v, *vs = t.v_scale, *vz = t.v_zero;
-  int32_t* k_jc = t.k_jc;
-  int32_t* v_jc = t.v_jc;
-  float* k_delta = t.k_delta;
-  float* v_delta = t.v_delta;
-  int kc[kFusedMaxKvHeads], vc[kFusedMaxKvHeads];
-  for (int h = 0; h < n_kvh; ++h) kc[h] = vc[h] = 0;
-  const auto code = [rb](const uint8_t* row, int ch) { return avx2::code_at<BITS>(row, rb, ch); };
+  const uint32_t* off = L.k_out_off;
+  const uint16_t *idx = L.k_out_idx, *val = L.k_out_val;
+  const uint8_t* codes = L.k_codes;
+  const float *lut = L.lut_k, *qr = t.qr, *cos2 = t.cos2, *sin2 = t.sin2;
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (!R.quant) continue;
     const float *sc = R.sc, *zc = R.zc;
+    const uint32_t e0 = off[R.first], n_e = off[R.first + (R.jb - R.ja)] - e0;
+    // tok[e] = the tile row of entry e0 + e: each row marks its first entry (a row without
+    // entries is overwritten by the next), then a running maximum fills the rest.
+    for (uint32_t e = 0; e < n_e; ++e) tok[e] = 0;
     for (int j = R.ja; j < R.jb; ++j) {
+      const uint32_t at = off[R.first + (j - R.ja)] - e0;
+      if (at < n_e) tok[at] = j;  // at == n_e only for trailing rows without entries
+    }
+    int32_t cur = R.ja;
+    for (uint32_t e = 0; e < n_e; ++e) cur = tok[e] > cur ? tok[e] : cur, tok[e] = cur;
+    for (uint32_t e = 0; e < n_e; ++e) {
+      const int j = tok[e];
       const int64_t i = R.first + (j - R.ja);
-      if (k_off != nullptr) {
-        const uint8_t* row = k_codes + (size_t)i * rb;
-        for (uint32_t e = k_off[i]; e < k_off[i + 1]; ++e) {
-          const int ch = k_idx[e], h = ch >> shift;
-          const int at = h * cap + kc[h]++;
-          k_jc[at] = j << 16 | (ch & hmask);
-          k_delta[at] = _cvtsh_ss(k_val[e]) - (lut_k[code(row, ch)] * sc[ch] + zc[ch]);
-        }
-      }
-      const uint8_t* row = v_codes + (size_t)i * rb;
-      for (int e = 0; e < v_per; ++e) {
-        const size_t src = (size_t)i * v_per + e;
-        const int ch = v_idx[src], h = ch >> shift;
-        const int at = h * cap + vc[h]++;
-        v_jc[at] = j << 16 | (ch & hmask);
-        v_delta[at] = _cvtsh_ss(v_val[src]) - (lut_v[code(row, ch)] * vs[j] + vz[j]);
+      const int ch = idx[e0 + e], c = ch & hmask, r0 = (ch >> shift) * g;
+      const float dense = lut[avx2::code_at<BITS>(codes + (size_t)i * rb, rb, ch)] * sc[ch] + zc[ch];
+      const float delta = _cvtsh_ss(val[e0 + e]) - dense;
+      const float a = delta * cos2[t.rot[j] + c], b = delta * sin2[t.rot[j] + (c ^ 1)];
+      for (int u = 0; u < g; ++u) {
+        const float* q = qr + (size_t)(r0 + u) * hd;
+        s_all[(size_t)(r0 + u) * kSS + j] += q[c] * a + q[c ^ 1] * b;
       }
     }
   }
-  for (int h = 0; h < n_kvh; ++h) t.k_count[h] = kc[h], t.v_count[h] = vc[h];
+}
+
+// Value outliers, after the dense values: o_r[c] += p_r[j]·δ for the rows r of the outlier's kv
+// head. p_all: [n_head, kSS] probabilities; o: [n_head, hd].
+template <int BITS>
+__attribute__((noinline)) void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
+  const kvq_layer_view& L = *t.L;
+  const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;
+  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const int per = L.v_out_per_tok;
+  const uint16_t *idx = L.v_out_idx, *val = L.v_out_val;
+  const uint8_t* codes = L.v_codes;
+  const float *lut = L.lut_v, *vs = t.v_scale, *vz = t.v_zero;
+  for (int r = 0; r < t.n_runs; ++r) {
+    const run& R = t.runs[r];
+    if (!R.quant) continue;
+    for (int j = R.ja; j < R.jb; ++j) {
+      const int64_t i = R.first + (j - R.ja);
+      const uint8_t* row = codes + (size_t)i * rb;
+      for (int e = 0; e < per; ++e) {
+        const size_t at = (size_t)i * per + e;
+        const int ch = idx[at], c = ch & hmask, r0 = (ch >> shift) * g;
+        const float delta = _cvtsh_ss(val[at]) - (lut[avx2::code_at<BITS>(row, rb, ch)] * vs[j] + vz[j]);
+        for (int u = 0; u < g; ++u) o[(size_t)(r0 + u) * hd + c] += p_all[(size_t)(r0 + u) * kSS + j] * delta;
+      }
+    }
+  }
+}
+
+inline void add_key_outliers(const tile_ctx& t, float* s_all) {
+  if (t.L->k_out_off == nullptr) return;
+  switch (t.L->bits) {
+    case 2: return add_key_outliers<2>(t, s_all, t.entry_row);
+    case 3: return add_key_outliers<3>(t, s_all, t.entry_row);
+    default: return add_key_outliers<4>(t, s_all, t.entry_row);
+  }
+}
+inline void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
+  if (t.L->v_out_per_tok == 0) return;
+  switch (t.L->bits) {
+    case 2: return add_value_outliers<2>(t, p_all, o);
+    case 3: return add_value_outliers<3>(t, p_all, o);
+    default: return add_value_outliers<4>(t, p_all, o);
+  }
 }
 
 // The 16-entry level table of load_lut (entries repeat with period 2^bits; lut = null: the
@@ -169,27 +205,6 @@ inline __m256 rotate8(__m256 x, const float* cos2, const float* sin2) {
 }
 
 // ---- per-head steps on memory (s: [RB, kSS] scores, then probabilities; o: [RB, hd]) ----------
-
-// Key outliers: δ at channel c of row j adds δ·(q'·R(o_j)e_c) to the score.
-template <int RB>
-inline void key_outlier_corrections(const tile_ctx& t, int h, const float* q /*[RB, hd]*/, float* s) {
-  const int hd = t.hd;
-  for (int e = h * t.cap; e < h * t.cap + t.k_count[h]; ++e) {
-    const int j = t.k_jc[e] >> 16, c = t.k_jc[e] & 0xffff;
-    const float* c2 = t.cos2 + t.rot[j];
-    const float* s2 = t.sin2 + t.rot[j];
-    for (int u = 0; u < RB; ++u) s[u * kSS + j] += t.k_delta[e] * (q[u * hd + c] * c2[c] + q[u * hd + (c ^ 1)] * s2[c ^ 1]);
-  }
-}
-
-// Value outliers: o += p·δ at their channel (after the dense values).
-template <int RB>
-inline void value_outlier_corrections(const tile_ctx& t, int h, const float* s, float* o) {
-  for (int e = h * t.cap; e < h * t.cap + t.v_count[h]; ++e) {
-    const int j = t.v_jc[e] >> 16, c = t.v_jc[e] & 0xffff;
-    for (int u = 0; u < RB; ++u) o[u * t.hd + c] += s[u * kSS + j] * t.v_delta[e];
-  }
-}
 
 // Online softmax over the tile's nt scores of RB rows: s becomes the probabilities, m and l are
 // updated, o (hd wide) rescaled.
@@ -276,7 +291,9 @@ inline void for_value_segments(const tile_ctx& t, int h, float* sj, float* zj, F
 
 // ---- the driver ----------------------------------------------------------------------------
 
-// One tile's heads: kv head h, query rows u0 .. u0 + rb of it, for every (h, block).
+// One tile's heads: scores of every query row into s_all, the key outliers' corrections, per
+// kv head the softmax update and values, the value outliers' corrections. m, l: [n_head];
+// o: [n_head, hd]; work: [kvq_fused_work_floats(n_head)], s_all = its first n_head·kSS.
 using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* work);
 
 // The unit's tiles: runs, value parameters, outliers, then the instruction set's heads.
@@ -294,9 +311,9 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   float* m = zc + (size_t)kScaleSlots * C;    // [n_head]
   float* l = m + n_head;                      // [n_head]
   float* vsz = l + n_head;                    // [2, kT] nuq value scales, zeros
-  float* work = vsz + 2 * kT;                 // [kFusedWorkFloats]
-  float* outl = work + kFusedWorkFloats;      // [4, kT, C] outlier lists (collect_outliers)
-  float* vg = outl + 4 * (size_t)kT * C;      // [kT, C / 4] uniform value (scale, zero) per group
+  float* work = vsz + 2 * kT;                 // [kvq_fused_work_floats(n_head)]
+  float* vg = work + kvq_fused_work_floats(n_head);  // [kT, C / 4] uniform value (scale, zero) per group
+  int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT, C]
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
@@ -331,12 +348,8 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   fill_lut(lut ? L.lut_v : nullptr, L.bits, t.lut_v);
   t.v_scale = vsz, t.v_zero = vsz + kT;
   t.vg = vg, t.n_vg = lut ? 0 : (C + L.group - 1) / L.group;
-  const bool outliers = L.k_out_off != nullptr || L.v_out_per_tok > 0;
-  t.cap = kT * hd;  // a head holds at most hd outliers per row
-  t.k_jc = reinterpret_cast<int32_t*>(outl);
-  t.k_delta = outl + (size_t)kT * C;
-  t.v_jc = reinterpret_cast<int32_t*>(outl + 2 * (size_t)kT * C);
-  t.v_delta = outl + 3 * (size_t)kT * C;
+  t.outliers = L.k_out_off != nullptr || L.v_out_per_tok > 0;
+  t.entry_row = entry_row;
   for (int64_t t0 = a.s0; t0 < a.s0 + a.n; t0 += kT) {
     const int nt = (int)(a.s0 + a.n - t0 < kT ? a.s0 + a.n - t0 : kT);
     t.nt = nt;
@@ -383,13 +396,6 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
       j = R.jb;
     }
     value_params(t);
-    if (outliers) {
-      switch (L.bits) {
-        case 2: collect_outliers<2>(t); break;
-        case 3: collect_outliers<3>(t); break;
-        default: collect_outliers<4>(t); break;
-      }
-    }
     run_heads(t, m, l, a.o, work);
   }
   for (int r = 0; r < n_head; ++r) {

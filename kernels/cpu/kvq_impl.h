@@ -20,7 +20,11 @@ inline constexpr int kFusedTile = 32;              // slots per softmax tile
 inline constexpr int kFusedMaxHeadsPerBlock = 4;   // query heads of a kv head sharing each decoded vector
 inline constexpr int kFusedMaxKvHeads = 64;
 inline constexpr int kScaleSlots = 8;              // uniform key groups' scales kept converted
-inline constexpr int kFusedWorkFloats = 2 * kFusedMaxHeadsPerBlock * (kFusedTile + 16) + 2 * kFusedTile;
+inline constexpr int kFusedScoreStride = kFusedTile + 16;  // a score row, with room for whole vector stores
+// The head loop's work area: every query row's scores, one block's folded weights, value params.
+inline size_t kvq_fused_work_floats(int n_head) {
+  return (size_t)(n_head + kFusedMaxHeadsPerBlock) * kFusedScoreStride + 2 * kFusedTile;
+}
 
 struct kvq_fused_args {
   const kvq_layer_view* kv = nullptr;
@@ -41,9 +45,9 @@ struct kvq_fused_args {
 };
 inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
   return (size_t)n_head * head_dim + 2 * (size_t)head_dim +
-         2 * (size_t)kScaleSlots * channels + 2 * (size_t)n_head + 2 * kFusedTile + kFusedWorkFloats +
-         4 * (size_t)kFusedTile * channels +  // the tile's key and value outliers by kv head
-         (size_t)kFusedTile * channels / 4;   // uniform value parameters (groups of >= 8 channels)
+         2 * (size_t)kScaleSlots * channels + 2 * (size_t)n_head + 2 * kFusedTile + kvq_fused_work_floats(n_head) +
+         (size_t)kFusedTile * channels / 4 +  // uniform value parameters (groups of >= 8 channels)
+         (size_t)kFusedTile * channels;       // the row of each key outlier of a tile (int32)
 }
 // The shapes the fused kernel takes (else the caller uses the tile path): whole-head rotary
 // (n_rot = head_dim) and head_dim 16, 32, 64 or 128 (its channel vectors unroll at compile time).
@@ -52,6 +56,11 @@ inline bool kvq_fused_supported(const kvq_layer_view& v, int n_head, int n_rot) 
   return v.bits >= 2 && v.bits <= 4 && hd_ok && n_rot == v.head_dim && v.n_head_kv > 0 &&
          v.n_head_kv <= kFusedMaxKvHeads && n_head % v.n_head_kv == 0 &&
          (v.scheme == kvq_scheme::kvq_lut || (v.group > 0 && v.group % 8 == 0));
+}
+
+// The AVX-512 kernel also needs every head inside one uniform value group.
+inline bool kvq_fused_avx512_supported(const kvq_layer_view& v) {
+  return v.scheme == kvq_scheme::kvq_lut || v.group % v.head_dim == 0;
 }
 
 namespace avx2 {  // bits 2..4, C % 8 == 0
@@ -64,5 +73,9 @@ void affine_codes_row(const uint8_t* row, int C, int bits, const float* sc, cons
 // Only for kvq_fused_supported shapes.
 void kvq_attend_fused(const kvq_fused_args& a);
 }  // namespace avx2
+
+namespace avx512 {  // cpu::has_avx512() only
+void kvq_attend_fused(const kvq_fused_args& a);  // kvq_fused_supported and kvq_fused_avx512_supported
+}  // namespace avx512
 
 }  // namespace xctx::cpu::impl

@@ -1,11 +1,12 @@
 // The decode step over a quantized cache (attend_path::attend_decode with one query): on AVX2
-// machines the fused kernel (kernels/cpu/kvq_fused_avx2.cpp) -- codes decoded in registers,
-// RoPE split into a per-unit query rotation and per-key offsets, outliers as dense-and-sparse
-// corrections. Checked against the reference attention over the decoded cache for the shapes
-// it unrolls (head_dim 16..128, 1..8 query heads per kv head, uniform and non-uniform codes,
-// outliers, sink, residual window, position gaps), and for the property the sequence-parallel
-// runner relies on: bitwise the same partial whatever the unit-aligned split of the cache
-// and the thread count.
+// machines the fused kernel (kernels/cpu/kvq_fused_avx2.cpp; kvq_fused_avx512.cpp where the CPU
+// has AVX-512, both run here when it does) -- codes decoded in registers, RoPE split into a
+// per-unit query rotation and per-key offsets, outliers as dense-and-sparse corrections.
+// Checked against the reference attention over the decoded cache for the shapes it unrolls
+// (head_dim 16..128, 1..8 query heads per kv head, uniform and non-uniform codes, outliers,
+// sink, residual window, position gaps), and for the property the sequence-parallel runner
+// relies on: bitwise the same partial whatever the unit-aligned split of the cache and the
+// thread count.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -25,15 +26,15 @@ namespace {
 using test::make_synthetic_calibration;
 using test::make_synthetic_kv;
 
-// A kivi group that divides the attention unit (shard boundaries are unit-aligned, so a split
-// never cuts a group) and the fused kernel's 32-slot tiles (two key groups per tile): 16 tokens
-// per key group, 16-channel value groups (heads of 32+ channels span several).
-constexpr int kGroup = 16;
-
+// kivi groups divide the attention unit (shard boundaries are unit-aligned, so a split never
+// cuts a group). Per shape either 16 (two key groups per 32-slot tile of the fused kernel; value
+// groups narrower than a head of 32+ channels, which only the AVX2 kernel takes) or a multiple
+// of head_dim (value groups hold whole heads: the AVX-512 kernel runs too).
 struct decode_case {
   const char* name;  // the shape
   cache_format format;
   int head_dim, n_head_kv, n_head;
+  int group;
 };
 
 cache_geometry geometry_of(const decode_case& c, int64_t capacity) {
@@ -47,7 +48,7 @@ cache_geometry geometry_of(const decode_case& c, int64_t capacity) {
 
 cache_spec spec_of(const decode_case& c, const cache_geometry& g) {
   cache_options o;
-  o.group_size = kGroup;
+  o.group_size = c.group;
   if (format_traits(c.format).needs_calibration) o.calib = make_synthetic_calibration(g, 7);
   return cache_spec(c.format, o);
 }
@@ -59,6 +60,17 @@ void append(kv_cache& c, const test::synthetic_kv& d, int C, const std::vector<i
 }
 
 class quant_decode_test : public ::testing::TestWithParam<decode_case> {};
+
+// The instruction sets the fused kernel can run on this machine: AVX-512 (when present), AVX2.
+std::vector<bool> avx2_forced_settings() {
+  return cpu::has_avx512() ? std::vector<bool>{false, true} : std::vector<bool>{true};
+}
+
+// Keeps the kernels on AVX2 for its scope (or not), restoring AVX-512 afterwards.
+struct isa_scope {
+  explicit isa_scope(bool force_avx2) { cpu::set_force_avx2(force_avx2); }
+  ~isa_scope() { cpu::set_force_avx2(false); }
+};
 
 // Against the reference (decode everything, RoPE in double, attention_partial). Positions run
 // with gaps in the middle (offsets inside a unit are not the slot index) and the cache ends in
@@ -155,22 +167,34 @@ TEST_P(quant_decode_test, fused_step_is_bitwise_the_same_for_any_split_and_threa
     o.insert(o.end(), l.begin(), l.end());
     return o;
   };
-  const std::vector<float> ref = run(false, 1);
-  EXPECT_EQ(run(false, 2), ref) << "2 threads";
-  EXPECT_EQ(run(true, 1), ref) << "split over two caches";
-  EXPECT_EQ(run(true, 2), ref) << "split, 2 threads";
+  for (const bool force_avx2 : avx2_forced_settings()) {
+    const isa_scope isa(force_avx2);
+    SCOPED_TRACE(force_avx2 ? "avx2" : "avx512");
+    const std::vector<float> ref = run(false, 1);
+    EXPECT_EQ(run(false, 2), ref) << "2 threads";
+    EXPECT_EQ(run(true, 1), ref) << "split over two caches";
+    EXPECT_EQ(run(true, 2), ref) << "split, 2 threads";
+  }
 }
 
 std::vector<decode_case> decode_cases() {
   std::vector<decode_case> out;
   const decode_case shapes[] = {
-      {"hd64_g3", cache_format::cache_fp16, 64, 3, 9},    // SmolLM2: 3 query heads per kv head
-      {"hd128_g4", cache_format::cache_fp16, 128, 2, 8},  // Llama-3-style GQA
-      {"hd32_g1", cache_format::cache_fp16, 32, 4, 4},    // MHA
-      {"hd16_g8", cache_format::cache_fp16, 16, 2, 16},   // two blocks of 4 query heads per kv head
+      {"hd64_g3", cache_format::cache_fp16, 64, 3, 9, 128},    // SmolLM2: 3 query heads per kv head
+      {"hd64_g3_grp16", cache_format::cache_fp16, 64, 3, 9, 16},
+      {"hd128_g4", cache_format::cache_fp16, 128, 2, 8, 128},  // Llama-3-style GQA
+      {"hd32_g1", cache_format::cache_fp16, 32, 4, 4, 32},     // MHA
+      {"hd32_g1_grp16", cache_format::cache_fp16, 32, 4, 4, 16},
+      {"hd16_g8", cache_format::cache_fp16, 16, 2, 16, 16},    // two blocks of 4 query heads per kv head
   };
-  for (const decode_case& s : shapes)
-    for (cache_format f : test::quantized_formats()) out.push_back({s.name, f, s.head_dim, s.n_head_kv, s.n_head});
+  // (formats_of, not format_traits: this runs during static initialisation.)
+  for (const decode_case& s : shapes) {
+    for (cache_format f : formats_of({cache_family::family_kivi}))
+      out.push_back({s.name, f, s.head_dim, s.n_head_kv, s.n_head, s.group});
+    if (std::string(s.name).find("grp") == std::string::npos)  // the group only matters to kivi
+      for (cache_format f : formats_of({cache_family::family_nuq}))
+        out.push_back({s.name, f, s.head_dim, s.n_head_kv, s.n_head, s.group});
+  }
   return out;
 }
 
