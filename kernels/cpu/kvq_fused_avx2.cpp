@@ -178,111 +178,29 @@ void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, flo
   for (int d = da; d < db; ++d) pv_slice<NV, RB, 1>(vals, ja, jb, d, w, o);
 }
 
-// Scores of query rows u0 .. u0 + RB of kv head h over the tile's rows into s ([RB, kSS]).
-template <int BITS, bool LUT, int NV, int RB>
-void head_scores(const tile_ctx& t, int h, int u0, float* s) {
-  constexpr int hd = 8 * NV;
-  const kvq_layer_view& L = *t.L;
-  const size_t rb = kvq_row_bytes(t.C, BITS);
-  const float* q = t.qr + (size_t)(h * t.g + u0) * hd;
-  const lut_regs lk = load_lut16(t.lut_k);
-  for (int r = 0; r < t.n_runs; ++r) {
-    const run& R = t.runs[r];
-    if (R.quant) {
-      const quant_keys<BITS, LUT, NV> k{L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb,
-                                        R.sc + h * hd, R.zc + h * hd, lk};
-      score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
-    } else {
-      const f16_keys k{R.k16 + (size_t)R.first * t.C + h * hd, t.C};
-      score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
-    }
+// This instruction set's half of the kernel (kvq_fused_impl.h, heads).
+struct ops {
+  static constexpr int kLanes = 8;
+  using table = lut_regs;
+  static table load_table(const float* t16) { return load_lut16(t16); }
+  template <int BITS, bool LUT, int NV>
+  using quant_keys = avx2::quant_keys<BITS, LUT, NV>;
+  template <int BITS, bool LUT, int NV>
+  using quant_values = avx2::quant_values<BITS, LUT, NV>;
+  using f16_rows = f16_keys;
+  template <int NV, int RB, class K>
+  static void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
+                        const int32_t* rot, float* s) {
+    avx2::score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s);
   }
-}
-
-// Rows u0 .. u0 + RB of kv head h: the softmax update over their tile scores s (which become
-// probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m, l [RB]; o [RB, hd]
-// running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
-template <int BITS, bool LUT, int NV, int RB>
-void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* s, float* w, float* sj, float* zj) {
-  constexpr int hd = 8 * NV;
-  const kvq_layer_view& L = *t.L;
-  const size_t rb = kvq_row_bytes(t.C, BITS);
-  const lut_regs lv = load_lut16(t.lut_v);
-  softmax_update<RB>(s, t.nt, m, l, o, hd);
-  for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
-    float zsum[RB];
-    fold_value_scales<RB>(s, ps, pz, t.nt, w, zsum);
-    for (int r = 0; r < t.n_runs; ++r) {
-      const run& R = t.runs[r];
-      if (R.quant) {
-        const quant_values<BITS, LUT, NV> v{L.v_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb, lv};
-        pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
-      } else {
-        const f16_values v{R.v16 + (size_t)R.first * t.C + h * hd, t.C};
-        pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
-      }
-    }
-    add_zero_sums<RB>(zsum, da, db, o, hd);
-  });
-}
-
-// The tile: every query row's scores, the key outliers' corrections, per kv head and block of
-// up to kMaxRB of its query heads the softmax and values, the value outliers' corrections.
-template <int BITS, bool LUT, int NV>
-void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
-  const int n_head = t.L->n_head_kv * t.g;
-  float* s_all = work;                   // [n_head, kSS]
-  float* w = s_all + (size_t)n_head * kSS;  // [kMaxRB, kSS]
-  float* sj = w + (size_t)kMaxRB * kSS;  // [kT]
-  float* zj = sj + kT;                   // [kT]
-  const auto blocks = [&](auto&& f) {
-    for (int h = 0; h < t.L->n_head_kv; ++h)
-      for (int u0 = 0; u0 < t.g; u0 += kMaxRB) f(h, u0, t.g - u0 < kMaxRB ? t.g - u0 : kMaxRB, h * t.g + u0);
-  };
-  blocks([&](int h, int u0, int rb, int row) {
-    float* s = s_all + (size_t)row * kSS;
-    switch (rb) {
-      case 1: head_scores<BITS, LUT, NV, 1>(t, h, u0, s); break;
-      case 2: head_scores<BITS, LUT, NV, 2>(t, h, u0, s); break;
-      case 3: head_scores<BITS, LUT, NV, 3>(t, h, u0, s); break;
-      default: head_scores<BITS, LUT, NV, 4>(t, h, u0, s); break;
-    }
-  });
-  if (t.outliers) add_key_outliers(t, s_all);
-  blocks([&](int h, int, int rb, int row) {
-    float* s = s_all + (size_t)row * kSS;
-    float* oh = o + (size_t)row * t.hd;
-    switch (rb) {
-      case 1: head_values<BITS, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 2: head_values<BITS, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 3: head_values<BITS, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      default: head_values<BITS, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-    }
-  });
-  if (t.outliers) add_value_outliers(t, s_all, o);
-}
-
-template <int NV>
-heads_fn pick_bits(bool lut, int bits) {
-  switch (bits) {
-    case 2: return lut ? heads<2, true, NV> : heads<2, false, NV>;
-    case 3: return lut ? heads<3, true, NV> : heads<3, false, NV>;
-    default: return lut ? heads<4, true, NV> : heads<4, false, NV>;
+  template <int NV, int RB, class V>
+  static void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {
+    avx2::pv_range<NV, RB>(vals, ja, jb, da, db, w, o);
   }
-}
-
-heads_fn pick(const kvq_layer_view& L) {
-  const bool lut = L.scheme == kvq_scheme::kvq_lut;
-  switch (L.head_dim) {
-    case 16: return pick_bits<2>(lut, L.bits);
-    case 32: return pick_bits<4>(lut, L.bits);
-    case 64: return pick_bits<8>(lut, L.bits);
-    default: return pick_bits<16>(lut, L.bits);  // 128 (kvq_fused_supported)
-  }
-}
+};
 
 }  // namespace
 
-void kvq_attend_fused(const kvq_fused_args& a) { attend_unit(a, pick(*a.kv)); }
+void kvq_attend_fused(const kvq_fused_args& a) { attend_unit(a, pick_heads<ops>(*a.kv)); }
 
 }  // namespace xctx::cpu::impl::avx2

@@ -296,6 +296,126 @@ inline void for_value_segments(const tile_ctx& t, int h, float* sj, float* zj, F
 // o: [n_head, hd]; work: [kvq_fused_work_floats(n_head)], s_all = its first n_head·kSS.
 using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* work);
 
+// ---- the tile's heads, for an instruction set's half of the kernel ------------------------------
+// ISA provides, with NV = head_dim / kLanes vectors per head row:
+//   kLanes                        floats per vector
+//   table, load_table(t16)        a level table in registers (fill_lut's 16 floats)
+//   quant_keys<BITS, LUT, NV>     {head row codes, row bytes, sc, zc, table}: key vectors d of row r
+//   quant_values<BITS, LUT, NV>   {head row codes, row bytes, table}: value levels
+//   f16_rows                      {first row, elements between rows}: fp16 sink / window rows
+//   score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s)   RB query rows' scores of tile rows [ja, jb)
+//   pv_range<NV, RB>(vals, ja, jb, da, db, w, o)             o += Σ w·level over vectors [da, db)
+// (8-lane vector indices for da, db).
+
+// Scores of query rows u0 .. u0 + RB of kv head h over the tile's rows into s ([RB, kSS]).
+template <class ISA, int BITS, bool LUT, int NV, int RB>
+void head_scores(const tile_ctx& t, int h, int u0, float* s) {
+  constexpr int hd = ISA::kLanes * NV;
+  const kvq_layer_view& L = *t.L;
+  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const float* q = t.qr + (size_t)(h * t.g + u0) * hd;
+  const typename ISA::table lk = ISA::load_table(t.lut_k);
+  for (int r = 0; r < t.n_runs; ++r) {
+    const run& R = t.runs[r];
+    if (R.quant) {
+      const typename ISA::template quant_keys<BITS, LUT, NV> k{
+          L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb, R.sc + h * hd, R.zc + h * hd, lk};
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
+    } else {
+      const typename ISA::f16_rows k{R.k16 + (size_t)R.first * t.C + h * hd, t.C};
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
+    }
+  }
+}
+
+// Rows u0 .. u0 + RB of kv head h: the softmax update over their tile scores s (which become
+// probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m, l [RB]; o [RB, hd]
+// running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
+template <class ISA, int BITS, bool LUT, int NV, int RB>
+void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* s, float* w, float* sj, float* zj) {
+  constexpr int hd = ISA::kLanes * NV;
+  const kvq_layer_view& L = *t.L;
+  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const typename ISA::table lv = ISA::load_table(t.lut_v);
+  softmax_update<RB>(s, t.nt, m, l, o, hd);
+  for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
+    float zsum[RB];
+    fold_value_scales<RB>(s, ps, pz, t.nt, w, zsum);
+    for (int r = 0; r < t.n_runs; ++r) {
+      const run& R = t.runs[r];
+      if (R.quant) {
+        const typename ISA::template quant_values<BITS, LUT, NV> v{
+            L.v_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb, lv};
+        ISA::template pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
+      } else {
+        const typename ISA::f16_rows v{R.v16 + (size_t)R.first * t.C + h * hd, t.C};
+        ISA::template pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
+      }
+    }
+    add_zero_sums<RB>(zsum, da, db, o, hd);
+  });
+}
+
+
+// The tile: every query row's scores, the key outliers' corrections, per kv head and block of
+// up to kMaxRB of its query heads the softmax and values, the value outliers' corrections.
+template <class ISA, int BITS, bool LUT, int NV>
+void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
+  const int n_head = t.L->n_head_kv * t.g;
+  float* s_all = work;                      // [n_head, kSS]
+  float* w = s_all + (size_t)n_head * kSS;  // [kMaxRB, kSS]
+  float* sj = w + (size_t)kMaxRB * kSS;     // [kT]
+  float* zj = sj + kT;                      // [kT]
+  const auto blocks = [&](auto&& f) {
+    for (int h = 0; h < t.L->n_head_kv; ++h)
+      for (int u0 = 0; u0 < t.g; u0 += kMaxRB) f(h, u0, t.g - u0 < kMaxRB ? t.g - u0 : kMaxRB, h * t.g + u0);
+  };
+  blocks([&](int h, int u0, int rb, int row) {
+    float* s = s_all + (size_t)row * kSS;
+    switch (rb) {
+      case 1: head_scores<ISA, BITS, LUT, NV, 1>(t, h, u0, s); break;
+      case 2: head_scores<ISA, BITS, LUT, NV, 2>(t, h, u0, s); break;
+      case 3: head_scores<ISA, BITS, LUT, NV, 3>(t, h, u0, s); break;
+      default: head_scores<ISA, BITS, LUT, NV, 4>(t, h, u0, s); break;
+    }
+  });
+  if (t.outliers) add_key_outliers(t, s_all);
+  blocks([&](int h, int, int rb, int row) {
+    float* s = s_all + (size_t)row * kSS;
+    float* oh = o + (size_t)row * t.hd;
+    switch (rb) {
+      case 1: head_values<ISA, BITS, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 2: head_values<ISA, BITS, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 3: head_values<ISA, BITS, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      default: head_values<ISA, BITS, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+    }
+  });
+  if (t.outliers) add_value_outliers(t, s_all, o);
+}
+
+template <class ISA, int HD>
+heads_fn pick_bits(bool lut, int bits) {
+  constexpr int NV = HD / ISA::kLanes;
+  switch (bits) {
+    case 2: return lut ? heads<ISA, 2, true, NV> : heads<ISA, 2, false, NV>;
+    case 3: return lut ? heads<ISA, 3, true, NV> : heads<ISA, 3, false, NV>;
+    default: return lut ? heads<ISA, 4, true, NV> : heads<ISA, 4, false, NV>;
+  }
+}
+
+// The instantiation for the layer's head_dim (16, 32, 64 or 128: kvq_fused_supported), bits
+// and scheme.
+template <class ISA>
+heads_fn pick_heads(const kvq_layer_view& L) {
+  const bool lut = L.scheme == kvq_scheme::kvq_lut;
+  switch (L.head_dim) {
+    case 16: return pick_bits<ISA, 16>(lut, L.bits);
+    case 32: return pick_bits<ISA, 32>(lut, L.bits);
+    case 64: return pick_bits<ISA, 64>(lut, L.bits);
+    default: return pick_bits<ISA, 128>(lut, L.bits);
+  }
+}
+
 // The unit's tiles: runs, value parameters, outliers, then the instruction set's heads.
 inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   const kvq_layer_view& L = *a.kv;
