@@ -188,8 +188,12 @@ int main(int argc, char** argv) {
   std::vector<int64_t> lengths = {1024, 8192, 65536};
   int reps = 5;
   std::string out_dir = "benchmarks/results";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
+    if (i + 1 == argc || a.rfind("--", 0) != 0) {
+      std::fprintf(stderr, "usage: %s [--lengths N,N,...] [--reps R] [--out-dir DIR]\n", argv[0]);
+      return 2;
+    }
     if (a == "--lengths") {
       lengths.clear();
       std::stringstream ss(argv[i + 1]);

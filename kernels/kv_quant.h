@@ -104,6 +104,7 @@ XCTX_HOST_DEVICE inline float kvq_normalize(float x, float scale, float zero) {
 struct kvq_layer_view {
   kvq_scheme scheme = kvq_scheme::kvq_uniform;
   int bits = 0;
+  int v_bits = 0;                   // value code width when it differs from the keys' (clkv); 0 = bits
   int n_head_kv = 0;
   int head_dim = 0;
   int group = 0;                    // uniform: tokens per key group = channels per value group
@@ -116,7 +117,7 @@ struct kvq_layer_view {
   const uint16_t* k_tail = nullptr;  // [n - q_end, C] fp16, pre-RoPE
   const uint16_t* v_tail = nullptr;  // [n - q_end, C] fp16
   const uint8_t* k_codes = nullptr;  // [nq, C*bits/8]
-  const uint8_t* v_codes = nullptr;  // [nq, C*bits/8]
+  const uint8_t* v_codes = nullptr;  // [nq, C*value_bits()/8]
   // uniform
   const kvq_affine* k_group = nullptr;  // [nq / group, C]
   const kvq_affine* v_group = nullptr;  // [nq, ceil(C / group)]
@@ -139,7 +140,16 @@ struct kvq_layer_view {
 
   XCTX_HOST_DEVICE int channels() const { return n_head_kv * head_dim; }
   XCTX_HOST_DEVICE int64_t n_quant() const { return q_end - n_sink; }
+  XCTX_HOST_DEVICE int value_bits() const { return v_bits != 0 ? v_bits : bits; }
 };
+
+// The code widths a layer may have: nuq 2..4 bits, keys and values alike (the KV formats);
+// uniform 1..4 bits each, possibly different (clkv's K and V streams read through this view).
+XCTX_HOST_DEVICE inline bool kvq_widths_ok(const kvq_layer_view& v) {
+  const int kb = v.bits, vb = v.value_bits();
+  if (v.scheme == kvq_scheme::kvq_lut) return kb >= 2 && kb <= kKvqMaxBits && vb == kb;
+  return kb >= 1 && kb <= kKvqMaxBits && vb >= 1 && vb <= kKvqMaxBits;
+}
 
 // Dense part of quantized row i (0-based among the quantized rows), channel c.
 XCTX_HOST_DEVICE inline float kvq_dense_key(const kvq_layer_view& v, int64_t i, int c) {
@@ -153,7 +163,8 @@ XCTX_HOST_DEVICE inline float kvq_dense_key(const kvq_layer_view& v, int64_t i, 
 }
 XCTX_HOST_DEVICE inline float kvq_dense_value(const kvq_layer_view& v, int64_t i, int c) {
   const int C = v.channels();
-  const uint32_t code = kvq_get_code(v.v_codes + (size_t)i * kvq_row_bytes(C, v.bits), v.bits, c);
+  const int vb = v.value_bits();
+  const uint32_t code = kvq_get_code(v.v_codes + (size_t)i * kvq_row_bytes(C, vb), vb, c);
   if (v.scheme == kvq_scheme::kvq_uniform) {
     const int n_vg = (C + v.group - 1) / v.group;
     const kvq_affine p = v.v_group[(size_t)i * n_vg + c / v.group];

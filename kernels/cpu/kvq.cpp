@@ -190,7 +190,8 @@ void convert_f16_rows(const uint16_t* src, int64_t n, float* dst) {
 void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, int64_t s0, int nt,
                  float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, impl::rope_cursor& cur) {
   const int C = L.channels();
-  const bool fast = v == isa::isa_avx2;
+  // The AVX2 row decoders take the KV formats' widths (2..4 bits, keys and values alike).
+  const bool fast = v == isa::isa_avx2 && L.bits >= 2 && L.value_bits() == L.bits;
   int r = 0;
   while (r < nt) {
     const int64_t s = s0 + r;
@@ -242,7 +243,8 @@ void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, in
 
 void check_args(const kvq_attn_args& a) {
   const kvq_layer_view& L = a.kv;
-  XCTX_CHECK(L.bits >= 2 && L.bits <= kKvqMaxBits, "attention_kvq: bits must be 2..4, got ", L.bits);
+  XCTX_CHECK(kvq_widths_ok(L), "attention_kvq: code widths ", L.bits, "/", L.value_bits(),
+             " bits (keys/values) are not a layer's: nuq 2..4 bits alike, uniform 1..4 each");
   XCTX_CHECK(L.n_head_kv > 0 && a.n_head > 0 && a.n_head % L.n_head_kv == 0 && L.head_dim > 0 &&
                  L.channels() % 8 == 0,
              "attention_kvq: bad heads n_head=", a.n_head, " n_head_kv=", L.n_head_kv, " head_dim=", L.head_dim);

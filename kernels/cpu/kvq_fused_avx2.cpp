@@ -40,11 +40,12 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // ---- vector sources: vector d (8 channels) of one kv head's row --------------------------------
 
 // Codes of vector d of a head row of NV vectors: every vector but the last reads forward, the
-// last backward, so no read leaves the row (NV >= 2).
+// last backward, so no read leaves the row (NV >= 2); 1-bit codes are one byte per vector.
 template <int BITS, bool LUT, int NV>
 struct quant_row {
   static __m256 level_at(const uint8_t* head_row, int d, const lut_regs& L) {
     const uint8_t* p = head_row + d * BITS;
+    if constexpr (BITS == 1) return level<BITS, LUT>(codes8_shifted<BITS, code_read::read_exact>(p), L);
     return d + 1 < NV ? level<BITS, LUT>(codes8_shifted<BITS, code_read::read_forward>(p), L)
                       : level<BITS, LUT>(codes8_shifted<BITS, code_read::read_backward>(p), L);
   }
@@ -171,16 +172,32 @@ inline void pv_head(const V& vals, int ja, int jb, const float* w, float* o) {
   }
 }
 
-// Vectors [da, db) only (uniform value groups narrower than the head), one at a time.
+// A slice of width w_rt <= W at a run-time offset.
+template <int NV, int RB, int W, class V>
+inline void pv_slice_upto(const V& vals, int ja, int jb, int d0, int w_rt, const float* w, float* o) {
+  if constexpr (W > 1) {
+    if (w_rt < W) return pv_slice_upto<NV, RB, W - 1>(vals, ja, jb, d0, w_rt, w, o);
+  }
+  pv_slice<NV, RB, W>(vals, ja, jb, d0, w, o);
+}
+
+// Vectors [da, db) only (uniform value groups narrower than the head: clkv's 32 channels), in
+// slices as wide as the registers allow.
 template <int NV, int RB, class V>
 void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {
   if (da == 0 && db == NV) return pv_head<NV, RB>(vals, ja, jb, w, o);
-  for (int d = da; d < db; ++d) pv_slice<NV, RB, 1>(vals, ja, jb, d, w, o);
+  constexpr int S = kValueSlice<RB> < NV ? kValueSlice<RB> : NV;
+  for (int d = da; d < db;) {
+    const int wd = db - d < S ? db - d : S;
+    pv_slice_upto<NV, RB, S>(vals, ja, jb, d, wd, w, o);
+    d += wd;
+  }
 }
 
 // This instruction set's half of the kernel (kvq_fused_impl.h, heads).
 struct ops {
   static constexpr int kLanes = 8;
+  static constexpr bool kNarrowCodes = true;
   using table = lut_regs;
   static table load_table(const float* t16) { return load_lut16(t16); }
   template <int BITS, bool LUT, int NV>

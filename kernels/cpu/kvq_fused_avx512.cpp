@@ -6,8 +6,8 @@
 //    table looks the levels up -- 4-bit codes included (AVX2 needs two permutes and a blend);
 //  - 32 registers: 8 keys × 3 query heads of accumulators stay in registers.
 // Per-head steps that work on memory (outlier corrections, softmax, the value-scale fold) are the
-// shared ones (kvq_fused_impl.h). Uniform value groups must hold whole heads here (group a
-// multiple of head_dim, kvq_fused_avx512_supported); other shapes take the AVX2 kernel.
+// shared ones (kvq_fused_impl.h). Uniform value groups must hold whole 16-lane vectors here
+// (group a multiple of 16, kvq_fused_avx512_supported); other shapes take the AVX2 kernel.
 //
 // Raw pointers only: no std containers here, so no AVX-512-compiled template copies can be
 // picked by the linker for the portable files.
@@ -67,12 +67,12 @@ inline __m512i codes16(const uint8_t* p) {
 }
 
 // Vector d (16 channels) of a head row of NV16 vectors: forward reads but for the last vector,
-// which reads backward (NV16 >= 2) or exactly (a 16-channel head).
+// which reads backward (NV16 >= 2) or exactly (a 16-channel head; 1-bit codes, 2 bytes).
 template <int BITS, int NV16>
 inline __m512 level_at(const uint8_t* head_row, int d, __m512 table) {
   const uint8_t* p = head_row + d * 2 * BITS;
   __m512i c;
-  if constexpr (NV16 == 1)
+  if constexpr (NV16 == 1 || BITS == 1)
     c = codes16<BITS, code_read::read_exact>(p);
   else if (d + 1 < NV16)
     c = codes16<BITS, code_read::read_forward>(p);
@@ -202,17 +202,33 @@ inline void pv_head(const V& vals, int ja, int jb, const float* w, float* o) {
   }
 }
 
-// Vectors [da, db) (8-lane indices) of the head: the whole head only (kvq_fused_avx512_supported
-// keeps value groups from splitting one).
+// A slice of width w_rt <= W at a run-time offset.
+template <int NV16, int RB, int W, class V>
+inline void pv_slice_upto(const V& vals, int ja, int jb, int d0, int w_rt, const float* w, float* o) {
+  if constexpr (W > 1) {
+    if (w_rt < W) return pv_slice_upto<NV16, RB, W - 1>(vals, ja, jb, d0, w_rt, w, o);
+  }
+  pv_slice<NV16, RB, W>(vals, ja, jb, d0, w, o);
+}
+
+// Vectors [da, db) (8-lane indices, even: kvq_fused_avx512_supported keeps value groups to
+// multiples of 16 channels) of the head; groups narrower than it (clkv's 32 channels) in slices.
 template <int NV16, int RB, class V>
 void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {
-  XCTX_ASSERT(da == 0 && db == 2 * NV16, "kvq fused avx512: a value group splits a head");
-  pv_head<NV16, RB>(vals, ja, jb, w, o);
+  if (da == 0 && db == 2 * NV16) return pv_head<NV16, RB>(vals, ja, jb, w, o);
+  XCTX_ASSERT(da % 2 == 0 && db % 2 == 0, "kvq fused avx512: a value group splits a 16-lane vector");
+  constexpr int S = kValueSlice<RB> < NV16 ? kValueSlice<RB> : NV16;
+  for (int d = da / 2; d < db / 2;) {
+    const int wd = db / 2 - d < S ? db / 2 - d : S;
+    pv_slice_upto<NV16, RB, S>(vals, ja, jb, d, wd, w, o);
+    d += wd;
+  }
 }
 
 // This instruction set's half of the kernel (kvq_fused_impl.h, heads).
 struct ops {
   static constexpr int kLanes = 16;
+  static constexpr bool kNarrowCodes = true;
   using table = __m512;
   static table load_table(const float* t16) { return _mm512_load_ps(t16); }
   template <int BITS, bool LUT, int NV16>
@@ -234,7 +250,8 @@ struct ops {
 }  // namespace
 
 void kvq_attend_fused(const kvq_fused_args& a) {
-  XCTX_ASSERT(kvq_fused_avx512_supported(*a.kv), "kvq fused avx512: unsupported value groups");
+  XCTX_ASSERT(kvq_fused_avx512_supported(*a.kv), "kvq fused avx512: value groups of ", a.kv->group,
+              " channels do not hold whole 16-lane vectors");
   attend_unit(a, pick_heads<ops>(*a.kv));
 }
 

@@ -185,7 +185,7 @@ inline void add_key_outliers(const tile_ctx& t, float* s_all) {
 }
 inline void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   if (t.L->v_out_per_tok == 0) return;
-  switch (t.L->bits) {
+  switch (t.L->value_bits()) {
     case 2: return add_value_outliers<2>(t, p_all, o);
     case 3: return add_value_outliers<3>(t, p_all, o);
     default: return add_value_outliers<4>(t, p_all, o);
@@ -299,6 +299,7 @@ using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* 
 // ---- the tile's heads, for an instruction set's half of the kernel ------------------------------
 // ISA provides, with NV = head_dim / kLanes vectors per head row:
 //   kLanes                        floats per vector
+//   kNarrowCodes                  whether quant_keys/quant_values also read 1-bit codes
 //   table, load_table(t16)        a level table in registers (fill_lut's 16 floats)
 //   quant_keys<BITS, LUT, NV>     {head row codes, row bytes, sc, zc, table}: key vectors d of row r
 //   quant_values<BITS, LUT, NV>   {head row codes, row bytes, table}: value levels
@@ -308,18 +309,18 @@ using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* 
 // (8-lane vector indices for da, db).
 
 // Scores of query rows u0 .. u0 + RB of kv head h over the tile's rows into s ([RB, kSS]).
-template <class ISA, int BITS, bool LUT, int NV, int RB>
+template <class ISA, int KB, bool LUT, int NV, int RB>
 void head_scores(const tile_ctx& t, int h, int u0, float* s) {
   constexpr int hd = ISA::kLanes * NV;
   const kvq_layer_view& L = *t.L;
-  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const size_t rb = kvq_row_bytes(t.C, KB);
   const float* q = t.qr + (size_t)(h * t.g + u0) * hd;
   const typename ISA::table lk = ISA::load_table(t.lut_k);
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (R.quant) {
-      const typename ISA::template quant_keys<BITS, LUT, NV> k{
-          L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb, R.sc + h * hd, R.zc + h * hd, lk};
+      const typename ISA::template quant_keys<KB, LUT, NV> k{
+          L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * KB, rb, R.sc + h * hd, R.zc + h * hd, lk};
       ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
     } else {
       const typename ISA::f16_rows k{R.k16 + (size_t)R.first * t.C + h * hd, t.C};
@@ -331,11 +332,11 @@ void head_scores(const tile_ctx& t, int h, int u0, float* s) {
 // Rows u0 .. u0 + RB of kv head h: the softmax update over their tile scores s (which become
 // probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m, l [RB]; o [RB, hd]
 // running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
-template <class ISA, int BITS, bool LUT, int NV, int RB>
+template <class ISA, int VB, bool LUT, int NV, int RB>
 void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* s, float* w, float* sj, float* zj) {
   constexpr int hd = ISA::kLanes * NV;
   const kvq_layer_view& L = *t.L;
-  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const size_t rb = kvq_row_bytes(t.C, VB);
   const typename ISA::table lv = ISA::load_table(t.lut_v);
   softmax_update<RB>(s, t.nt, m, l, o, hd);
   for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
@@ -344,8 +345,8 @@ void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* 
     for (int r = 0; r < t.n_runs; ++r) {
       const run& R = t.runs[r];
       if (R.quant) {
-        const typename ISA::template quant_values<BITS, LUT, NV> v{
-            L.v_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * BITS, rb, lv};
+        const typename ISA::template quant_values<VB, LUT, NV> v{
+            L.v_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * VB, rb, lv};
         ISA::template pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
       } else {
         const typename ISA::f16_rows v{R.v16 + (size_t)R.first * t.C + h * hd, t.C};
@@ -359,7 +360,7 @@ void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* 
 
 // The tile: every query row's scores, the key outliers' corrections, per kv head and block of
 // up to kMaxRB of its query heads the softmax and values, the value outliers' corrections.
-template <class ISA, int BITS, bool LUT, int NV>
+template <class ISA, int KB, int VB, bool LUT, int NV>
 void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
   const int n_head = t.L->n_head_kv * t.g;
   float* s_all = work;                      // [n_head, kSS]
@@ -373,10 +374,10 @@ void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
   blocks([&](int h, int u0, int rb, int row) {
     float* s = s_all + (size_t)row * kSS;
     switch (rb) {
-      case 1: head_scores<ISA, BITS, LUT, NV, 1>(t, h, u0, s); break;
-      case 2: head_scores<ISA, BITS, LUT, NV, 2>(t, h, u0, s); break;
-      case 3: head_scores<ISA, BITS, LUT, NV, 3>(t, h, u0, s); break;
-      default: head_scores<ISA, BITS, LUT, NV, 4>(t, h, u0, s); break;
+      case 1: head_scores<ISA, KB, LUT, NV, 1>(t, h, u0, s); break;
+      case 2: head_scores<ISA, KB, LUT, NV, 2>(t, h, u0, s); break;
+      case 3: head_scores<ISA, KB, LUT, NV, 3>(t, h, u0, s); break;
+      default: head_scores<ISA, KB, LUT, NV, 4>(t, h, u0, s); break;
     }
   });
   if (t.outliers) add_key_outliers(t, s_all);
@@ -384,35 +385,48 @@ void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
     float* s = s_all + (size_t)row * kSS;
     float* oh = o + (size_t)row * t.hd;
     switch (rb) {
-      case 1: head_values<ISA, BITS, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 2: head_values<ISA, BITS, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 3: head_values<ISA, BITS, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      default: head_values<ISA, BITS, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 1: head_values<ISA, VB, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 2: head_values<ISA, VB, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 3: head_values<ISA, VB, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      default: head_values<ISA, VB, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
     }
   });
   if (t.outliers) add_value_outliers(t, s_all, o);
 }
 
+// kvq_fused_widths' (key, value) widths; the 1-bit and mixed ones (uniform) only where the
+// instruction set reads them (ISA::kNarrowCodes).
 template <class ISA, int HD>
-heads_fn pick_bits(bool lut, int bits) {
+heads_fn pick_bits(bool lut, int kb, int vb) {
   constexpr int NV = HD / ISA::kLanes;
-  switch (bits) {
-    case 2: return lut ? heads<ISA, 2, true, NV> : heads<ISA, 2, false, NV>;
-    case 3: return lut ? heads<ISA, 3, true, NV> : heads<ISA, 3, false, NV>;
-    default: return lut ? heads<ISA, 4, true, NV> : heads<ISA, 4, false, NV>;
+  if (kb == vb) {
+    switch (kb) {
+      case 2: return lut ? heads<ISA, 2, 2, true, NV> : heads<ISA, 2, 2, false, NV>;
+      case 3: return lut ? heads<ISA, 3, 3, true, NV> : heads<ISA, 3, 3, false, NV>;
+      case 4: return lut ? heads<ISA, 4, 4, true, NV> : heads<ISA, 4, 4, false, NV>;
+      default: break;
+    }
   }
+  if constexpr (ISA::kNarrowCodes) {
+    if (!lut && kb == 1 && vb == 1) return heads<ISA, 1, 1, false, NV>;
+    if (!lut && kb == 2 && vb == 1) return heads<ISA, 2, 1, false, NV>;
+    if (!lut && kb == 1 && vb == 2) return heads<ISA, 1, 2, false, NV>;
+  }
+  XCTX_ASSERT(false, "kvq fused: no kernel for ", kb, "/", vb, "-bit codes");
+  return nullptr;
 }
 
-// The instantiation for the layer's head_dim (16, 32, 64 or 128: kvq_fused_supported), bits
-// and scheme.
+// The instantiation for the layer's head_dim (16, 32, 64 or 128: kvq_fused_supported), code
+// widths and scheme.
 template <class ISA>
 heads_fn pick_heads(const kvq_layer_view& L) {
   const bool lut = L.scheme == kvq_scheme::kvq_lut;
+  const int kb = L.bits, vb = L.value_bits();
   switch (L.head_dim) {
-    case 16: return pick_bits<ISA, 16>(lut, L.bits);
-    case 32: return pick_bits<ISA, 32>(lut, L.bits);
-    case 64: return pick_bits<ISA, 64>(lut, L.bits);
-    default: return pick_bits<ISA, 128>(lut, L.bits);
+    case 16: return pick_bits<ISA, 16>(lut, kb, vb);
+    case 32: return pick_bits<ISA, 32>(lut, kb, vb);
+    case 64: return pick_bits<ISA, 64>(lut, kb, vb);
+    default: return pick_bits<ISA, 128>(lut, kb, vb);
   }
 }
 
@@ -465,7 +479,7 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   t.L = &L, t.hd = hd, t.C = C, t.g = g;
   t.qr = qr, t.cos2 = a.off_cos2, t.sin2 = a.off_sin2;
   fill_lut(lut ? L.lut_k : nullptr, L.bits, t.lut_k);
-  fill_lut(lut ? L.lut_v : nullptr, L.bits, t.lut_v);
+  fill_lut(lut ? L.lut_v : nullptr, L.value_bits(), t.lut_v);
   t.v_scale = vsz, t.v_zero = vsz + kT;
   t.vg = vg, t.n_vg = lut ? 0 : (C + L.group - 1) / L.group;
   t.outliers = L.k_out_off != nullptr || L.v_out_per_tok > 0;

@@ -49,18 +49,26 @@ inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
          (size_t)kFusedTile * channels / 4 +  // uniform value parameters (groups of >= 8 channels)
          (size_t)kFusedTile * channels;       // the row of each key outlier of a tile (int32)
 }
+// The code widths the fused kernel is instantiated for (keys, values): 2..4 bits alike (the KV
+// formats; nuq or uniform), and uniform 1 or 2 bits in any mix (clkv's per-layer widths).
+inline bool kvq_fused_widths(const kvq_layer_view& v) {
+  const int kb = v.bits, vb = v.value_bits();
+  if (!kvq_widths_ok(v)) return false;
+  return (kb == vb && kb >= 2) || (v.scheme == kvq_scheme::kvq_uniform && kb <= 2 && vb <= 2);
+}
+
 // The shapes the fused kernel takes (else the caller uses the tile path): whole-head rotary
 // (n_rot = head_dim) and head_dim 16, 32, 64 or 128 (its channel vectors unroll at compile time).
 inline bool kvq_fused_supported(const kvq_layer_view& v, int n_head, int n_rot) {
   const bool hd_ok = v.head_dim == 16 || v.head_dim == 32 || v.head_dim == 64 || v.head_dim == 128;
-  return v.bits >= 2 && v.bits <= 4 && hd_ok && n_rot == v.head_dim && v.n_head_kv > 0 &&
+  return kvq_fused_widths(v) && hd_ok && n_rot == v.head_dim && v.n_head_kv > 0 &&
          v.n_head_kv <= kFusedMaxKvHeads && n_head % v.n_head_kv == 0 &&
          (v.scheme == kvq_scheme::kvq_lut || (v.group > 0 && v.group % 8 == 0));
 }
 
-// The AVX-512 kernel also needs every head inside one uniform value group.
+// The AVX-512 kernel also needs uniform value groups of whole 16-lane vectors.
 inline bool kvq_fused_avx512_supported(const kvq_layer_view& v) {
-  return v.scheme == kvq_scheme::kvq_lut || v.group % v.head_dim == 0;
+  return v.scheme == kvq_scheme::kvq_lut || v.group % 16 == 0;
 }
 
 namespace avx2 {  // bits 2..4, C % 8 == 0

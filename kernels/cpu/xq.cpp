@@ -455,6 +455,41 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   openblas_set_num_threads(blas_threads);
 }
 
+// clkv's streams are K and V themselves (no rebuild), quantized as KIVI does with key token
+// groups as long as value channel groups: the quantized-KV layout (kernels/kv_quant.h, no sink,
+// 1- or 2-bit codes) that the fused one-query kernel reads. False for any other streams.
+bool as_kvq_layer(const xq_attn_args& a, kvq_layer_view& v) {
+  const xq_stream &k = a.zk, &s = a.zv;
+  if (a.m_k != nullptr || a.m_v != nullptr || a.b_k != nullptr || a.b_v != nullptr || a.same_stream) return false;
+  if (k.dense != nullptr || s.dense != nullptr || k.ch0 != nullptr || s.ch0 != nullptr) return false;
+  if (k.axis != xq_axis::xq_per_channel || s.axis != xq_axis::xq_per_token || k.group != s.group || k.nq != s.nq)
+    return false;
+  v.scheme = kvq_scheme::kvq_uniform;
+  v.bits = k.bits, v.v_bits = s.bits;
+  v.n_head_kv = a.n_head_kv, v.head_dim = a.head_dim, v.group = k.group;
+  v.n = a.n, v.n_sink = 0, v.q_end = k.nq, v.pos = a.pos;
+  v.k_tail = k.tail, v.v_tail = s.tail;
+  v.k_codes = k.codes, v.v_codes = s.codes;
+  v.k_group = k.params, v.v_group = s.params;
+  return true;
+}
+
+// A clkv decode step through the fused one-query kernel over the quantized-KV layout (its
+// rounding differs from the absorbed path's, so it is chosen by the phase, never by n_q: decode
+// steps carry one query). False when the shape is not one it takes.
+bool attend_decode_as_kvq(const xq_attn_args& a) {
+  kvq_layer_view v;
+  if (a.n_q != 1 || impl::best_isa() != impl::isa::isa_avx2 || !as_kvq_layer(a, v) ||
+      !impl::kvq_fused_supported(v, a.n_head, a.rope.n_rot))
+    return false;
+  kvq_attn_args k;
+  k.kv = v;
+  k.q = a.q, k.q_pos = a.q_pos, k.n_q = a.n_q, k.n_head = a.n_head, k.scale = a.scale, k.rope = a.rope;
+  k.acc = a.acc, k.decode_step = true;
+  attention_kvq(k);
+  return true;
+}
+
 }  // namespace
 
 void attention_xq(const xq_attn_args& a) {
@@ -463,7 +498,7 @@ void attention_xq(const xq_attn_args& a) {
     XCTX_CHECK(a.acc->rows() == a.n_q * a.n_head && a.acc->width() == a.head_dim, "attention_xq: accumulator of ",
                a.acc->rows(), " x ", a.acc->width(), " for ", a.n_q, " x ", a.n_head, " x ", a.head_dim);
     if (a.absorb_v) {
-      attention_absorbed_units(a, *a.acc);
+      if (!attend_decode_as_kvq(a)) attention_absorbed_units(a, *a.acc);
       return;
     }
     const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale};

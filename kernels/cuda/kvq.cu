@@ -441,8 +441,8 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
 
 void check_attn_args(const kvq_attn_args& a) {
   const kvq_layer_view& L = a.kv;
-  XCTX_CHECK(L.bits >= 2 && L.bits <= kKvqMaxBits, "cuda attention_kvq: bits must be 2..", kKvqMaxBits, ", got ",
-             L.bits);
+  XCTX_CHECK(L.bits >= 2 && L.bits <= kKvqMaxBits && L.value_bits() == L.bits, "cuda attention_kvq: bits must be 2..",
+             kKvqMaxBits, " for keys and values alike, got ", L.bits, "/", L.value_bits());
   XCTX_CHECK(a.n_q >= 0, "cuda attention_kvq: negative n_q ", a.n_q);
   XCTX_CHECK(L.n_head_kv > 0 && a.n_head > 0 && a.n_head % L.n_head_kv == 0, "cuda attention_kvq: n_head=",
              a.n_head, " must be a positive multiple of n_head_kv=", L.n_head_kv);

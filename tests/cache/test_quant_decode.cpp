@@ -28,8 +28,8 @@ using test::make_synthetic_kv;
 
 // kivi groups divide the attention unit (shard boundaries are unit-aligned, so a split never
 // cuts a group). Per shape either 16 (two key groups per 32-slot tile of the fused kernel; value
-// groups narrower than a head of 32+ channels, which only the AVX2 kernel takes) or a multiple
-// of head_dim (value groups hold whole heads: the AVX-512 kernel runs too).
+// groups narrower than a head of 32+ channels, summed in slices) or a multiple of head_dim
+// (value groups hold whole heads).
 struct decode_case {
   const char* name;  // the shape
   cache_format format;
