@@ -10,6 +10,8 @@
 // (calibrated) scale and zero (ACL Algorithm 1, gamma_0 = 1).
 // Attention rebuilds K (and absorbs V) in the fused kernels of kernels/x_quant.h; the kernels are
 // called directly (cpu::, or ref:: on the ref backend) rather than through backend virtuals.
+// (clkv's streams are K and V in KIVI's layout: its decode step on the CPU runs the quantized-KV
+// fused kernel, kernels/cpu/xq.cpp attend_decode_as_kvq.)
 #include <algorithm>
 #include <climits>
 #include <cmath>

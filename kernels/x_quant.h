@@ -14,7 +14,8 @@
 // Attention rebuilds, per tile of rows: K = Z_k·M_k + b_k (then RoPE), scores, online softmax.
 // V is not rebuilt on the decode path: each query row accumulates u = Σ_t p_t z_v,t in the latent
 // space and o = u·M_v[:, head] / Σp + b_v at the end (V-absorption; Σp/Σp = 1 so b_v is added once).
-// M = null means the identity (the stream is K or V itself: clkv).
+// M = null means the identity (the stream is K or V itself: clkv; the CPU then runs a decode
+// step through the quantized-KV fused kernel, whose layer view the two streams fit).
 #pragma once
 
 #include <cstddef>
