@@ -9,6 +9,7 @@
 #include "common/sys.h"
 #include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
+#include "coordinator/sequence_driver.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
@@ -62,35 +63,31 @@ int run_generate(const generate_options& opt, communicator& comm) {
   sequence_options seq = opt.seq;
   seq.max_new_tokens = opt.max_tokens + 1;
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   const double load_s = load_clock.seconds();
 
-  std::vector<float> logits(hp.n_vocab);
-  stopwatch prefill_clock;
-  progress_line progress("[xctx] prefill", coordinator && opt.show_stats && n_prompt >= 4 * opt.run.n_batch);
-  runner.prefill(prompt_ids, {}, logits.data(), std::ref(progress));
-  progress.finish();
-  const double prefill_s = prefill_clock.seconds();
-
-  sampler smp(opt.sampling);
-  stopwatch decode_clock;
-  int n_generated = 0;
-  int n_decode_steps = 0;  // forward passes of one token (the first token comes from prefill)
-  while (n_generated < opt.max_tokens) {
-    int32_t id = coordinator ? smp.sample(logits.data(), hp.n_vocab) : 0;
-    comm.broadcast(&id, sizeof id, 0);  // rank 0 decides; every rank runs the same token
-    if (s.tok->is_end_of_generation(id)) break;
-    ++n_generated;
-    if (coordinator) {
+  sequence_outcome out;
+  if (coordinator) {
+    progress_line progress("[xctx] prefill", opt.show_stats && n_prompt >= 4 * opt.run.n_batch);
+    sequence_hooks hooks;
+    hooks.prefill_progress = [&progress](int64_t done, int64_t total) {
+      progress(done, total);
+      if (done == total) progress.finish();
+    };
+    hooks.on_token = [&s](int32_t id) {
       const std::string piece = s.tok->token_piece(id);
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
-    }
-    if (n_generated == opt.max_tokens) break;
-    runner.step(&id, 1, logits.data());
-    ++n_decode_steps;
+    };
+    out = driver.run({prompt_ids, {}, opt.max_tokens, opt.sampling}, hooks);
+    progress.finish();
+    std::fputc('\n', stdout);
+    driver.finish();
+  } else {
+    driver.follow();
   }
-  const double decode_s = decode_clock.seconds();
-  if (coordinator) std::fputc('\n', stdout);
+  const double prefill_s = out.prefill_s, decode_s = out.decode_s;
+  const int n_generated = (int)out.ids.size(), n_decode_steps = out.decode_steps;
 
   if (opt.show_stats) {
     if (coordinator)

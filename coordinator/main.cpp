@@ -8,6 +8,7 @@
 #include "common/sys.h"
 #include "coordinator/jobs.h"
 #include "coordinator/passkey.h"
+#include "coordinator/summarize.h"
 
 namespace {
 
@@ -176,6 +177,28 @@ int main(int argc, char** argv) {
   cc->add_option("--threads", cal.run.n_threads, "CPU threads");
   cc->add_option("--batch", cal.run.n_batch, "forward chunk size in tokens")->default_val(512);
 
+  xctx::summarize_options sum;
+  cache_flags sum_cf;
+  std::string sum_cache, sum_ctx, sum_rope, sum_chunk;
+  auto* sc = app.add_subcommand("summarize", "summarize the documents of a JSONL file, one result line each");
+  sc->add_option("--model", sum.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
+  sc->add_option("--tokenizer", sum.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
+  sc->add_option("--in", sum.in, "input JSONL: {\"id\", \"text\" | \"path\", \"instruction\"?, \"max_tokens\"?} per line")
+      ->required();
+  sc->add_option("--out", sum.out, "output JSONL, one line per document, appended and fsync'd as each ends")->required();
+  sc->add_flag("--resume", sum.resume, "continue an interrupted run: skip the ids --out holds already");
+  sc->add_option("--instruction", sum.settings.instruction, "default instruction (a line's \"instruction\" wins)")
+      ->default_val(xctx::kDefaultSummaryInstruction);
+  sc->add_option("--max-tokens,-n", sum.settings.max_tokens, "summary tokens (a line's \"max_tokens\" wins)")
+      ->default_val(200);
+  sc->add_option("--chunk-tokens", sum_chunk, "map-reduce: text tokens per chunk (default: as many as fit --ctx)");
+  sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160);
+  sc->add_option("--temperature", sum.settings.sampling.temperature, "0 = greedy")->default_val(0.0f);
+  sc->add_option("--seed", sum.settings.sampling.seed, "sampling seed")->default_val(0);
+  add_run_options(sc, sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
+  sequence_flags sum_seq;
+  add_sequence_options(sc, sum_seq);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -205,6 +228,13 @@ int main(int argc, char** argv) {
       apply_sequence_options(bench.seq, bench_seq);
       bench.prompt_tokens = xctx::parse_count(bench_prompt, "--prompt-tokens");
       return xctx::run_bench(bench, *comm);
+    }
+    if (*sc) {
+      comm = xctx::make_default_communicator();
+      apply_run_options(sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
+      apply_sequence_options(sum.seq, sum_seq);
+      if (!sum_chunk.empty()) sum.settings.chunk_tokens = xctx::parse_count(sum_chunk, "--chunk-tokens");
+      return xctx::run_summarize(sum, *comm);
     }
     if (*cc) return xctx::run_calibrate(cal);
     if (*pc) {

@@ -1,5 +1,5 @@
-// `xctx passkey`: builds the prompts, runs every (depth, trial) through a fresh sequence-parallel
-// runner and scores greedy answers.
+// `xctx passkey`: builds the prompts, runs every (depth, trial) as one sequence of the driver
+// (rank 0 decides, the other ranks follow) and scores greedy answers.
 #include "coordinator/passkey.h"
 
 #include <nlohmann/json.hpp>
@@ -18,6 +18,7 @@
 #include "coordinator/corpus.h"
 #include "coordinator/distributed.h"
 #include "coordinator/sampler.h"
+#include "coordinator/sequence_driver.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
 
@@ -276,23 +277,16 @@ passkey_prompt make_passkey_prompt(const tokenizer& tok, int64_t context_tokens,
   }
 }
 
-int run_passkey(const passkey_options& opt, communicator& comm) {
-  const bool coordinator = comm.rank() == 0;
+void check_passkey_options(const passkey_options& opt, const model_hparams& hp) {
   XCTX_CHECK(opt.trials >= 1, "--trials must be >= 1, got ", opt.trials);
   XCTX_CHECK(!opt.depths.empty(), "--depths is empty");
   for (double d : opt.depths) XCTX_CHECK(d >= 0.0 && d <= 1.0, "--depths: ", d, " is outside [0, 1]");
   XCTX_CHECK(opt.filler == "classic" || opt.filler == "austen", "--filler: unknown '", opt.filler,
              "' (classic, austen)");
   XCTX_CHECK(opt.max_answer_tokens >= 1, "--max-answer-tokens must be >= 1");
-
-  stopwatch load_clock;
-  const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
-  model_session s = open_session(model_path, opt.tokenizer, opt.run);
-  const model_hparams& hp = s.weights.hp;
-
-  // Every rank checks the same numbers, so a bad setting fails everywhere before a collective.
+  XCTX_CHECK(opt.context >= 64, "passkey --context must be >= 64 tokens, got ", opt.context);
   // The prompt may overshoot --context by the tolerance; the answer follows it.
-  const int64_t need = opt.context + passkey_token_tolerance(opt.context) + opt.max_answer_tokens;
+  const int64_t need = passkey_tokens_needed(opt);
   const int64_t suggest_ctx = (need + 1023) / 1024 * 1024;
   if (opt.run.rope_scale == rope_scaling::rope_scaling_none) {
     // The smallest factor in steps of 0.25 that stretches the trained context over `need`.
@@ -305,6 +299,80 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   const int64_t capacity = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
   XCTX_CHECK(need <= capacity, "passkey --context ", opt.context, " needs up to ", need, " tokens but the context is ",
              capacity, " (pass --ctx ", suggest_ctx, ")");
+}
+
+int64_t passkey_tokens_needed(const passkey_options& opt) {
+  return opt.context + passkey_token_tolerance(opt.context) + opt.max_answer_tokens;
+}
+
+nlohmann::json passkey_summary(const passkey_options& opt, const nlohmann::json& trials) {
+  nlohmann::json per_depth = nlohmann::json::array();
+  int all = 0, n_total = 0;
+  double prefill_total_s = 0;
+  for (double depth : opt.depths) {
+    int correct = 0, n = 0;
+    for (const auto& t : trials)
+      if (t["depth"].get<double>() == depth) correct += t["ok"].get<bool>(), ++n;
+    per_depth.push_back({{"depth", depth}, {"correct", correct}, {"trials", n},
+                         {"accuracy", n > 0 ? (double)correct / n : 0.0}});
+    all += correct, n_total += n;
+  }
+  for (const auto& t : trials) prefill_total_s += t["prefill_s"].get<double>();
+  return {{"per_depth", per_depth}, {"correct", all}, {"total", n_total},
+          {"accuracy", n_total > 0 ? (double)all / n_total : 0.0}, {"prefill_s_total", prefill_total_s}};
+}
+
+nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, const std::string& chat_template,
+                              sequence_driver& driver, const passkey_hooks& hooks) {
+  nlohmann::json trials = nlohmann::json::array();
+  for (size_t di = 0; di < opt.depths.size(); ++di) {
+    for (int t = 0; t < opt.trials; ++t) {
+      if (hooks.should_stop && hooks.should_stop()) return trials;
+      const uint64_t trial_seed = opt.seed + (uint64_t)t;
+      const int key = passkey_for_seed(trial_seed);
+      stopwatch build_clock;
+      const passkey_prompt prompt =
+          make_passkey_prompt(tok, opt.context, opt.depths[di], key, opt.filler, trial_seed, opt.chat, chat_template);
+      const double build_s = build_clock.seconds();
+      const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
+
+      sequence_hooks seq_hooks;
+      seq_hooks.should_stop = hooks.should_stop;
+      if (hooks.prefill_progress)
+        seq_hooks.prefill_progress = [&](int64_t done, int64_t total) { hooks.prefill_progress(di, t, done, total); };
+      const sequence_outcome out =
+          driver.run({prompt.context_ids, prompt.suffix_ids, opt.max_answer_tokens, sampler_params{}}, seq_hooks);
+      if (out.stopped) return trials;
+
+      const std::string answer = tok.decode(out.ids);
+      const int got = extract_passkey(answer);
+      trials.push_back({{"depth", opt.depths[di]},
+                        {"trial", t},
+                        {"seed", trial_seed},
+                        {"key", key},
+                        {"answer", answer},
+                        {"extracted", got},
+                        {"ok", got == key},
+                        {"prompt_tokens", n_prompt},
+                        {"suffix_tokens", prompt.suffix_ids.size()},
+                        {"key_token", prompt.key_token},
+                        {"build_s", build_s},
+                        {"prefill_s", out.prefill_s},
+                        {"decode_s", out.decode_s}});
+      if (hooks.on_trial) hooks.on_trial(trials.back());
+    }
+  }
+  return trials;
+}
+
+int run_passkey(const passkey_options& opt, communicator& comm) {
+  const bool coordinator = comm.rank() == 0;
+  stopwatch load_clock;
+  const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
+  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  const model_hparams& hp = s.weights.hp;
+  // Every rank checks the same numbers, so a bad setting fails everywhere before a collective.
+  check_passkey_options(opt, hp);
   if (coordinator && opt.run.rope_scale != rope_scaling::rope_scaling_none &&
       opt.context > (int64_t)(hp.n_ctx_train * opt.run.rope_factor))
     std::fprintf(stderr, "[passkey] warning: --context %lld exceeds the trained context %d x --rope-factor %.2f\n",
@@ -313,120 +381,71 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   llama_engine engine(s.weights, *s.be, opt.run);
   sequence_options seq = opt.seq;
   seq.max_new_tokens = opt.max_answer_tokens + 1;
-  std::unique_ptr<sequence_parallel_runner> runner;  // the last trial's, kept for the shard report
-  std::vector<float> logits(hp.n_vocab);
+  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
+  if (!coordinator) {
+    driver.follow();
+    report_shards(comm, runner, opt.run.cache);
+    return 0;
+  }
 
-  if (coordinator)
-    std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
-  if (coordinator)
-    std::printf("passkey: model %s | %d rank(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
-                hp.name.c_str(), comm.size(), prefill_mode_name(seq.mode), format_traits(opt.run.cache).name,
-                opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
-                (long long)passkey_token_tolerance(opt.context));
-
-  nlohmann::json trials_json = nlohmann::json::array();
-  std::vector<int> correct(opt.depths.size(), 0);
-  double prefill_total_s = 0;
-  for (size_t di = 0; di < opt.depths.size(); ++di) {
-    for (int t = 0; t < opt.trials; ++t) {
-      const uint64_t trial_seed = opt.seed + (uint64_t)t;
-      const int key = passkey_for_seed(trial_seed);
-      passkey_prompt prompt;
-      stopwatch build_clock;
-      if (coordinator)
-        prompt = make_passkey_prompt(*s.tok, opt.context, opt.depths[di], key, opt.filler, trial_seed, opt.chat,
-                                     s.chat_template);
-      broadcast_tokens(comm, prompt.context_ids);
-      broadcast_tokens(comm, prompt.suffix_ids);
-      const double build_s = build_clock.seconds();
-      const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
-
-      runner.reset();  // free the previous trial's cache before allocating the next
-      runner = std::make_unique<sequence_parallel_runner>(engine, comm, *s.be, s.cache, seq);
-      stopwatch prefill_clock;
+  std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
+  std::printf("passkey: model %s | %d rank(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
+              hp.name.c_str(), comm.size(), prefill_mode_name(seq.mode), format_traits(opt.run.cache).name,
+              opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
+              (long long)passkey_token_tolerance(opt.context));
+  std::unique_ptr<progress_line> progress;
+  passkey_hooks hooks;
+  hooks.prefill_progress = [&](size_t di, int t, int64_t done, int64_t total) {
+    if (done == 0 || !progress) {
       char label[96];
       std::snprintf(label, sizeof label, "[passkey] depth %.2f trial %d: prefill", opt.depths[di], t);
-      progress_line progress(label, coordinator && n_prompt >= 4 * opt.run.n_batch);
-      runner->prefill(prompt.context_ids, prompt.suffix_ids, logits.data(), std::ref(progress));
-      progress.finish();
-      const double prefill_s = prefill_clock.seconds();
-      prefill_total_s += prefill_s;
-
-      stopwatch decode_clock;
-      std::vector<int32_t> answer_ids;
-      for (int i = 0; i < opt.max_answer_tokens; ++i) {
-        int32_t id = coordinator ? argmax(logits.data(), hp.n_vocab) : 0;
-        comm.broadcast(&id, sizeof id, 0);  // rank 0 decides; every rank runs the same token
-        if (s.tok->is_end_of_generation(id)) break;
-        answer_ids.push_back(id);
-        if (i + 1 == opt.max_answer_tokens) break;
-        runner->step(&id, 1, logits.data());
-      }
-      const double decode_s = decode_clock.seconds();
-      if (!coordinator) continue;
-
-      const std::string answer = s.tok->decode(answer_ids);
-      const int got = extract_passkey(answer);
-      const bool ok = got == key;
-      correct[di] += ok;
-      std::printf("depth %.2f trial %d key %d | %lld tokens, key at %lld | answer \"%s\" | %s | prompt %.2f s, prefill %.2f s, decode %.2f s\n",
-                  opt.depths[di], t, key, (long long)n_prompt, (long long)prompt.key_token, one_line(answer).c_str(),
-                  ok ? "ok" : "WRONG", build_s, prefill_s, decode_s);
-      std::fflush(stdout);
-      trials_json.push_back({{"depth", opt.depths[di]},
-                             {"trial", t},
-                             {"seed", trial_seed},
-                             {"key", key},
-                             {"answer", answer},
-                             {"extracted", got},
-                             {"ok", ok},
-                             {"prompt_tokens", n_prompt},
-                             {"suffix_tokens", prompt.suffix_ids.size()},
-                             {"key_token", prompt.key_token},
-                             {"prefill_s", prefill_s},
-                             {"decode_s", decode_s}});
+      progress = std::make_unique<progress_line>(label, total >= 4 * opt.run.n_batch);
     }
+    (*progress)(done, total);
+    if (done == total) progress->finish(), progress.reset();
+  };
+  hooks.on_trial = [](const nlohmann::json& tr) {
+    std::printf("depth %.2f trial %d key %d | %lld tokens, key at %lld | answer \"%s\" | %s | prompt %.2f s, "
+                "prefill %.2f s, decode %.2f s\n",
+                tr["depth"].get<double>(), tr["trial"].get<int>(), tr["key"].get<int>(),
+                (long long)tr["prompt_tokens"].get<int64_t>(), (long long)tr["key_token"].get<int64_t>(),
+                one_line(tr["answer"].get<std::string>()).c_str(), tr["ok"].get<bool>() ? "ok" : "WRONG",
+                tr["build_s"].get<double>(), tr["prefill_s"].get<double>(), tr["decode_s"].get<double>());
+    std::fflush(stdout);
+  };
+  const nlohmann::json trials = passkey_trials(opt, *s.tok, s.chat_template, driver, hooks);
+  driver.finish();
+
+  const nlohmann::json summary = passkey_summary(opt, trials);
+  std::printf("\n%-8s %9s %9s\n", "depth", "correct", "accuracy");
+  for (const auto& d : summary["per_depth"])
+    std::printf("%-8.2f %6d/%-2d %8.0f%%\n", d["depth"].get<double>(), d["correct"].get<int>(),
+                d["trials"].get<int>(), 100.0 * d["accuracy"].get<double>());
+  const int all = summary["correct"], n_total = summary["total"];
+  const double prefill_total_s = summary["prefill_s_total"];
+  std::printf("%-8s %6d/%-2d %8.0f%%\n", "all", all, n_total, 100.0 * all / n_total);
+  std::fflush(stdout);  // the table before the memory and shard lines on stderr
+  std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
+               prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());
+  if (!opt.json_path.empty()) {
+    const nlohmann::json out = {{"model", hp.name},
+                                {"context", opt.context},
+                                {"filler", opt.filler},
+                                {"chat", opt.chat},
+                                {"prefill", prefill_mode_name(seq.mode)},
+                                {"cache", format_traits(opt.run.cache).name},
+                                {"ranks", comm.size()},
+                                {"seed", opt.seed},
+                                {"trials", trials},
+                                {"summary", summary}};
+    std::ofstream f(opt.json_path);
+    XCTX_CHECK(f.good(), "--json: cannot write ", opt.json_path);
+    // Answers of a broken cache can hold invalid UTF-8: replace it rather than fail the run.
+    f << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    XCTX_CHECK(f.good(), "--json: write failed on ", opt.json_path);
   }
-
-  if (coordinator) {
-    nlohmann::json per_depth = nlohmann::json::array();
-    int all = 0;
-    std::printf("\n%-8s %9s %9s\n", "depth", "correct", "accuracy");
-    for (size_t di = 0; di < opt.depths.size(); ++di) {
-      all += correct[di];
-      std::printf("%-8.2f %6d/%-2d %8.0f%%\n", opt.depths[di], correct[di], opt.trials,
-                  100.0 * correct[di] / opt.trials);
-      per_depth.push_back({{"depth", opt.depths[di]},
-                           {"correct", correct[di]},
-                           {"trials", opt.trials},
-                           {"accuracy", (double)correct[di] / opt.trials}});
-    }
-    const int n_total = opt.trials * (int)opt.depths.size();
-    std::printf("%-8s %6d/%-2d %8.0f%%\n", "all", all, n_total, 100.0 * all / n_total);
-    std::fflush(stdout);  // the table before the memory and shard lines on stderr
-    std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
-                 prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());
-    if (!opt.json_path.empty()) {
-      const nlohmann::json out = {
-          {"model", hp.name},
-          {"context", opt.context},
-          {"filler", opt.filler},
-          {"chat", opt.chat},
-          {"prefill", prefill_mode_name(seq.mode)},
-          {"cache", format_traits(opt.run.cache).name},
-          {"ranks", comm.size()},
-          {"seed", opt.seed},
-          {"trials", trials_json},
-          {"summary", {{"per_depth", per_depth}, {"correct", all}, {"total", n_total},
-                       {"accuracy", (double)all / n_total}, {"prefill_s_total", prefill_total_s}}}};
-      std::ofstream f(opt.json_path);
-      XCTX_CHECK(f.good(), "--json: cannot write ", opt.json_path);
-      // Answers of a broken cache can hold invalid UTF-8: replace it rather than fail the run.
-      f << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-      XCTX_CHECK(f.good(), "--json: write failed on ", opt.json_path);
-    }
-  }
-  report_shards(comm, *runner, opt.run.cache);
+  report_shards(comm, runner, opt.run.cache);
   return 0;
 }
 

@@ -3,7 +3,10 @@
 // question; greedy decoding must reproduce the key.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,6 +35,24 @@ struct passkey_options {
 // Collective under mpirun: rank 0 builds prompts, decides tokens and prints; every rank holds a
 // shard of each trial's cache.
 int run_passkey(const passkey_options& opt, communicator& comm);
+
+// Throws, naming the flag, when the options cannot run on this model and context.
+void check_passkey_options(const passkey_options& opt, const model_hparams& hp);
+// Tokens one trial may need: the prompt within its tolerance plus the answer.
+int64_t passkey_tokens_needed(const passkey_options& opt);
+
+class sequence_driver;
+struct passkey_hooks {  // rank 0
+  std::function<void(size_t depth_index, int trial, int64_t done, int64_t total)> prefill_progress;
+  std::function<void(const nlohmann::json& trial)> on_trial;  // each trial's result as it ends
+  std::function<bool()> should_stop;  // polled between trials and decode steps
+};
+// Rank 0: every (depth, trial) of opt as one sequence of the driver; returns the trials' JSON
+// objects (fewer than all when should_stop ended it early).
+nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, const std::string& chat_template,
+                              sequence_driver& driver, const passkey_hooks& hooks);
+// Accuracy per depth and overall of the trials passkey_trials returned.
+nlohmann::json passkey_summary(const passkey_options& opt, const nlohmann::json& trials);
 
 // The prompt of one trial. The context tokens are prefilled with the chosen mode; the suffix
 // (the question, plus the chat template's tail with --chat) runs through the merged decode path.

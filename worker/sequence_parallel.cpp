@@ -138,9 +138,77 @@ sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communi
 
 sequence_parallel_runner::~sequence_parallel_runner() = default;
 
+namespace {
+
+// The plan of a prefill's context; an empty context (short prompt) puts the suffix on rank 0.
+shard_plan prefill_plan(int64_t n_context, int n_rank, const sequence_options& opt, int64_t align) {
+  const shard_layout layout = opt.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt.layout;
+  shard_plan plan = make_shard_plan(n_context, n_rank, layout, align, kMinPrefillBatch);
+  if (n_context == 0) plan.tail_rank = 0;
+  return plan;
+}
+
+int64_t max_tokens_of(const shard_plan& plan, int64_t extra_on_tail) {
+  int64_t most = 0;
+  for (int r = 0; r < plan.n_rank; ++r)
+    most = std::max(most, plan.tokens_of(r) + (r == plan.tail_rank ? extra_on_tail : 0));
+  return most;
+}
+
+}  // namespace
+
+int64_t sequence_tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new, int n_rank,
+                                        const cache_spec& spec, const sequence_options& opt) {
+  if (n_suffix == 0 && n_context > 0) --n_context, n_suffix = 1;  // as prefill moves the last token
+  const shard_plan plan = prefill_plan(n_context, n_rank, opt, cache_alignment(spec));
+  return max_tokens_of(plan, n_suffix + n_new);
+}
+
+int64_t sequence_capacity_per_rank(int64_t n_total, int n_rank, const cache_spec& spec, const sequence_options& opt) {
+  XCTX_CHECK(n_total >= 1, "a sequence holds at least one token");
+  // A rank's share grows with the prompt about linearly, so the extremes bound it: the longest
+  // prompt generating one token (most on every rank) and the shortest generating the most (most
+  // on the tail). Shares are not quite monotonic (pieces align to the format's groups and a short
+  // last piece joins the one before), so each extreme is swept over one round of pieces.
+  const int64_t round = 2 * n_rank * std::max<int64_t>(cache_alignment(spec), kMinPrefillBatch);
+  int64_t most = 0;
+  for (const int64_t n_new : {int64_t{1}, std::min<int64_t>(opt.max_new_tokens, n_total - 1)}) {
+    const int64_t longest = std::max<int64_t>(1, n_total - n_new);
+    for (int64_t n = longest; n >= 1 && n > longest - round; --n)
+      most = std::max(most, sequence_tokens_needed_per_rank(n, 0, n_new, n_rank, spec, opt));
+  }
+  return most;
+}
+
+int64_t sequence_parallel_runner::tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const {
+  return sequence_tokens_needed_per_rank(n_context, n_suffix, n_new, comm_.size(), spec_, opt_);
+}
+
+void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tokens) {
+  const int64_t cap = opt_.capacity_per_rank;
+  if (cap <= 0) {
+    cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
+    return;
+  }
+  // max_tokens is the same on every rank, so every rank refuses together, before any collective.
+  XCTX_CHECK(max_tokens <= cap, "the sequence needs ", max_tokens, " tokens on one rank but this runner's caches hold ",
+             cap, " tokens per rank (", comm_.size(), " ranks)");
+  if (cache_)
+    cache_->clear();
+  else
+    cache_ = make_cache(spec_, engine_.cache_geometry_for(cap), be_);
+}
+
+void sequence_parallel_runner::reset() {
+  active_ = false;
+  next_pos_ = 0;
+  if (opt_.capacity_per_rank <= 0) cache_.reset();
+}
+
 void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, const std::vector<int32_t>& suffix_in,
-                                       float* logits, const llama_engine::progress_fn& progress) {
-  XCTX_CHECK(!cache_, "prefill called twice on one sequence");
+                                       float* logits, const llama_engine::progress_fn& progress,
+                                       int64_t max_new_tokens) {
+  XCTX_CHECK(!active_, "prefill called twice on one sequence (reset() starts a new one)");
   std::vector<int32_t> context = context_in, suffix = suffix_in;
   if (suffix.empty()) {
     XCTX_CHECK(!context.empty(), "prefill: no tokens");
@@ -149,14 +217,14 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   }
   const int p = comm_.size(), rank = comm_.rank();
   const int64_t n = (int64_t)context.size();
-  const shard_layout layout = opt_.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt_.layout;
-  plan_ = make_shard_plan(n, p, layout, cache_alignment(spec_), kMinPrefillBatch);
-  // With an empty context (short prompt) the suffix lands on rank 0.
-  if (n == 0) plan_.tail_rank = 0;
+  plan_ = prefill_plan(n, p, opt_, cache_alignment(spec_));
   const bool tail = rank == plan_.tail_rank;
-  const int64_t extra = tail ? (int64_t)suffix.size() + opt_.max_new_tokens : 0;
+  XCTX_CHECK(max_new_tokens <= opt_.max_new_tokens, "a sequence asks for ", max_new_tokens,
+             " new tokens; this runner allows ", opt_.max_new_tokens);
+  const int64_t extra_on_tail = (int64_t)suffix.size() + (max_new_tokens >= 0 ? max_new_tokens : opt_.max_new_tokens);
   const std::vector<int32_t> pos = plan_.positions_of(rank);
-  cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size() + extra)), be_);
+  prepare_cache((int64_t)pos.size() + (tail ? extra_on_tail : 0), max_tokens_of(plan_, extra_on_tail));
+  active_ = true;
 
   std::vector<int32_t> mine(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) mine[i] = context[pos[i]];
@@ -204,12 +272,13 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
 
 std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int32_t>& tokens, int64_t first_scored,
                                                            const llama_engine::progress_fn& progress) {
-  XCTX_CHECK(!cache_, "score called on a sequence that was already prefilled");
+  XCTX_CHECK(!active_, "score called on a sequence that was already prefilled (reset() starts a new one)");
   const int64_t n = (int64_t)tokens.size();
   XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
   plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_), kMinPrefillBatch);
   const std::vector<int32_t> pos = plan_.positions_of(comm_.rank());
-  cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, (int64_t)pos.size())), be_);
+  prepare_cache((int64_t)pos.size(), max_tokens_of(plan_, 0));
+  active_ = true;
   std::vector<int32_t> mine(pos.size()), targets(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) {
     mine[i] = tokens[pos[i]];
@@ -237,7 +306,7 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
 }
 
 void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits) {
-  XCTX_CHECK(cache_, "step before prefill");
+  XCTX_CHECK(active_, "step before prefill");
   XCTX_CHECK(n > 0, "step: no tokens");
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(next_pos_ + i);

@@ -30,7 +30,14 @@ struct sequence_options {
   prefill_mode mode = prefill_mode::prefill_exact;
   shard_layout layout = shard_layout::shard_zigzag;  // exact mode only; star is contiguous
   int64_t anchor_tokens = 0;                         // star: 0 = the size of rank 0's chunk
-  int64_t max_new_tokens = 256;                      // capacity the tail rank reserves for decode
+  // Tokens a sequence may generate at most. The tail rank reserves this many unless a prefill
+  // names its own (smaller) number.
+  int64_t max_new_tokens = 256;
+  // Tokens each rank's cache holds, fixed for the runner's life: the cache is allocated at the
+  // first prefill and cleared, not freed, for every later sequence (a service sizes its memory
+  // once). A sequence that needs more on some rank is refused on every rank before any work.
+  // 0: each sequence allocates a cache of exactly its own shard.
+  int64_t capacity_per_rank = 0;
 };
 
 // Bytes this rank moved through the communicator, by purpose.
@@ -46,6 +53,14 @@ struct sequence_comm_stats {
 // every rank receives n_rank times that.
 size_t partial_bytes_per_token_layer(const model_hparams& hp);
 
+// The most tokens any one rank must hold for a prefill of n_context + n_suffix tokens followed
+// by n_new decode steps; the same number on every rank (it depends on the plan only).
+int64_t sequence_tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new, int n_rank,
+                                        const cache_spec& spec, const sequence_options& opt);
+// A capacity_per_rank that holds every sequence of at most n_total tokens (a prompt, then up to
+// opt.max_new_tokens generated) on n_rank ranks.
+int64_t sequence_capacity_per_rank(int64_t n_total, int n_rank, const cache_spec& spec, const sequence_options& opt);
+
 class sequence_parallel_runner {
  public:
   sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be, cache_spec spec,
@@ -55,8 +70,9 @@ class sequence_parallel_runner {
   // Collective: every rank calls it with the same tokens. Prefills `context` with the chosen
   // mode, then runs `suffix` (at least one token; if empty, the last context token is moved
   // there) through the merged path. logits: [n_vocab] of the last token, on every rank.
+  // max_new_tokens >= 0: this sequence generates at most that many (<= the options' number).
   void prefill(const std::vector<int32_t>& context, const std::vector<int32_t>& suffix, float* logits,
-               const llama_engine::progress_fn& progress = {});
+               const llama_engine::progress_fn& progress = {}, int64_t max_new_tokens = -1);
   // Collective teacher-forced scoring of one window (exact ring prefill, no suffix): every rank
   // scores the targets of its own positions p (token p+1, for first_scored <= p+1 < n) and the
   // sums meet on every rank. Returns (sum of natural-log NLL, number of targets scored).
@@ -64,6 +80,13 @@ class sequence_parallel_runner {
                                    const llama_engine::progress_fn& progress = {});
   // Collective: runs tokens through the merged path; logits of the last one on every rank.
   void step(const int32_t* tokens, int64_t n, float* logits);
+  // Ends the current sequence so the next prefill/score starts a new one. The cache is kept
+  // (and cleared at the next prefill) when capacity_per_rank is set, else freed now.
+  void reset();
+
+  // sequence_tokens_needed_per_rank for this runner's ranks, format and options.
+  int64_t tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const;
+  const sequence_options& options() const { return opt_; }
 
   int64_t next_position() const { return next_pos_; }
   const shard_plan& plan() const { return plan_; }
@@ -77,7 +100,12 @@ class sequence_parallel_runner {
   cache_spec spec_;
   sequence_options opt_;
   shard_plan plan_;
+  // Makes cache_ ready for a sequence whose largest shard (over all ranks) is max_tokens and of
+  // which this rank holds own_tokens: reuses and clears it under capacity_per_rank.
+  void prepare_cache(int64_t own_tokens, int64_t max_tokens);
+
   std::unique_ptr<kv_cache> cache_;
+  bool active_ = false;  // a sequence was prefilled and not reset
   int64_t next_pos_ = 0;
   sequence_comm_stats stats_;
 };
