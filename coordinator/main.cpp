@@ -8,6 +8,7 @@
 #include "common/sys.h"
 #include "coordinator/jobs.h"
 #include "coordinator/passkey.h"
+#include "coordinator/service.h"
 #include "coordinator/summarize.h"
 
 namespace {
@@ -199,6 +200,67 @@ int main(int argc, char** argv) {
   sequence_flags sum_seq;
   add_sequence_options(sc, sum_seq);
 
+  xctx::serve_options srv;
+  cache_flags srv_cf;
+  std::string srv_cache, srv_ctx, srv_rope, srv_max_context, srv_max_bytes = "8M";
+  auto* sv = app.add_subcommand("serve", "run the coordinator as a Thrift service (rank 0 listens; docs/service.md)");
+  sv->add_option("--model", srv.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
+  sv->add_option("--tokenizer", srv.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
+  sv->add_option("--bind", srv.bind, "address to listen on")->default_val("127.0.0.1");
+  sv->add_option("--port", srv.port, "TCP port (0: any free port; see --port-file)")->default_val(9090);
+  sv->add_option("--port-file", srv.port_file, "write the bound port here once listening");
+  sv->add_option("--token-file", srv.token_file, "shared secret every request must carry (>= 8 characters)");
+  sv->add_option("--max-request-bytes", srv_max_bytes, "largest request accepted (e.g. 8M)")->default_val("8M");
+  sv->add_option("--max-context", srv_max_context, "prompt + output tokens of one sequence (default: --ctx)");
+  sv->add_option("--max-output-tokens", srv.limits.max_output_tokens, "largest max_tokens a job may ask")
+      ->default_val(1024);
+  sv->add_option("--max-queue", srv.max_queue, "jobs waiting at most")->default_val(16);
+  sv->add_option("--log-dir", srv.log_dir, "write glog files there (default: log to stderr)");
+  sv->add_option("--verbose,-v", srv.verbose, "glog verbosity (1: every status/info call too)")->default_val(0);
+  add_run_options(sv, srv.run, srv_cache, srv_ctx, srv_rope, srv_cf);
+  sequence_flags srv_seq;
+  add_sequence_options(sv, srv_seq);
+
+  xctx::client_options cl;
+  const auto add_client_options = [&cl](CLI::App* cmd) {
+    cmd->add_option("--server", cl.server, "HOST:PORT of `xctx serve`")->default_val("127.0.0.1:9090");
+    cmd->add_option("--token-file", cl.token_file, "file holding the service's shared secret");
+  };
+  auto* sub = app.add_subcommand("submit", "queue a job on a running service; prints its id (--wait: its result)");
+  add_client_options(sub);
+  sub->add_option("--kind", cl.kind, "generate | passkey | summarize | batch")->default_val("generate");
+  sub->add_option("--prompt", cl.prompt, "generate: prompt text");
+  sub->add_option("--prompt-file", cl.prompt_file, "generate: file holding the prompt");
+  sub->add_flag("--chat", cl.chat, "generate: wrap the prompt in the chat template");
+  sub->add_option("--system", cl.system, "generate: chat system message");
+  sub->add_option("--max-tokens,-n", cl.max_tokens, "tokens to generate (summaries: 0 = the service's default)")
+      ->default_val(128);
+  sub->add_option("--temperature", cl.temperature, "0 = greedy")->default_val(0.0);
+  sub->add_option("--top-p", cl.top_p, "nucleus mass")->default_val(1.0);
+  sub->add_option("--seed", cl.seed, "sampling / passkey seed")->default_val(0);
+  sub->add_option("--context", cl.context, "passkey: prompt tokens")->default_val(4096);
+  sub->add_option("--trials", cl.trials, "passkey: trials per depth")->default_val(1);
+  sub->add_option("--depths", cl.depths, "passkey: comma-separated depths")->default_val("0,0.5,1");
+  sub->add_option("--filler", cl.filler, "passkey: classic | austen")->default_val("classic");
+  sub->add_option("--in", cl.in, "summarize: text file; batch: JSONL file");
+  sub->add_option("--id", cl.doc_id, "summarize: the document's id (default: the file name)");
+  sub->add_option("--instruction", cl.instruction, "summarize: instruction (default: the service's)");
+  sub->add_flag("--wait", cl.wait, "wait for the end with progress on stderr, then print the result");
+  sub->add_flag("--json", cl.json, "with --wait: print the result's details JSON");
+  sub->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds");
+  auto* st = app.add_subcommand("status", "a job's phase and progress; without an id, the service's info and metrics");
+  add_client_options(st);
+  st->add_option("id", cl.id, "job id");
+  auto* res = app.add_subcommand("result", "print a job's result (exit 1: failed, 3: cancelled)");
+  add_client_options(res);
+  res->add_option("id", cl.id, "job id")->required();
+  res->add_flag("--wait", cl.wait, "wait for the end with progress on stderr");
+  res->add_flag("--json", cl.json, "print the details JSON instead of the text");
+  res->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds");
+  auto* can = app.add_subcommand("cancel", "cancel a queued or running job");
+  add_client_options(can);
+  can->add_option("id", cl.id, "job id")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -236,6 +298,19 @@ int main(int argc, char** argv) {
       if (!sum_chunk.empty()) sum.settings.chunk_tokens = xctx::parse_count(sum_chunk, "--chunk-tokens");
       return xctx::run_summarize(sum, *comm);
     }
+    if (*sv) {
+      comm = xctx::make_default_communicator();
+      apply_run_options(srv.run, srv_cache, srv_ctx, srv_rope, srv_cf);
+      apply_sequence_options(srv.seq, srv_seq);
+      srv.limits.max_request_bytes = xctx::parse_count(srv_max_bytes, "--max-request-bytes");
+      srv.limits.max_context = srv_max_context.empty() ? 0 : xctx::parse_count(srv_max_context, "--max-context");
+      return xctx::run_serve(srv, *comm);
+    }
+    for (auto [cmd, name] : {std::pair{sub, "submit"}, {st, "status"}, {res, "result"}, {can, "cancel"}})
+      if (*cmd) {
+        cl.command = name;
+        return xctx::run_client(cl);
+      }
     if (*cc) return xctx::run_calibrate(cal);
     if (*pc) {
       comm = xctx::make_default_communicator();

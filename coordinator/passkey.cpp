@@ -338,6 +338,7 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
 
       sequence_hooks seq_hooks;
       seq_hooks.should_stop = hooks.should_stop;
+      seq_hooks.on_phase = hooks.on_phase;
       if (hooks.prefill_progress)
         seq_hooks.prefill_progress = [&](int64_t done, int64_t total) { hooks.prefill_progress(di, t, done, total); };
       const sequence_outcome out =
@@ -351,6 +352,7 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
                         {"seed", trial_seed},
                         {"key", key},
                         {"answer", answer},
+                        {"answer_tokens", out.ids.size()},
                         {"extracted", got},
                         {"ok", got == key},
                         {"prompt_tokens", n_prompt},

@@ -46,6 +46,7 @@ struct passkey_hooks {  // rank 0
   std::function<void(size_t depth_index, int trial, int64_t done, int64_t total)> prefill_progress;
   std::function<void(const nlohmann::json& trial)> on_trial;  // each trial's result as it ends
   std::function<bool()> should_stop;  // polled between trials and decode steps
+  std::function<void(bool decoding)> on_phase;  // each trial's prefill and answer (sequence_hooks)
 };
 // Rank 0: every (depth, trial) of opt as one sequence of the driver; returns the trials' JSON
 // objects (fewer than all when should_stop ended it early).

@@ -86,9 +86,16 @@ void sequence_driver::run_sequence(const std::vector<int32_t>& context, const st
   runner_.reset();
   out.prompt_tokens = (int64_t)(context.size() + suffix.size());
   stopwatch prefill_clock;
-  runner_.prefill(context, suffix, logits_.data(), lead ? hooks->prefill_progress : llama_engine::progress_fn{},
-                  max_tokens);
+  // The runner counts prefill progress in tokens or, layer-major, in layers: report tokens.
+  llama_engine::progress_fn progress;
+  if (lead && hooks->prefill_progress)
+    progress = [&](int64_t done, int64_t total) {
+      hooks->prefill_progress(total > 0 ? out.prompt_tokens * done / total : 0, out.prompt_tokens);
+    };
+  if (lead && hooks->on_phase) hooks->on_phase(false);
+  runner_.prefill(context, suffix, logits_.data(), progress, max_tokens);
   out.prefill_s = prefill_clock.seconds();
+  if (lead && hooks->on_phase) hooks->on_phase(true);
 
   stopwatch decode_clock;
   std::optional<sampler> smp;

@@ -31,9 +31,10 @@ struct sequence_request {
 
 // Called on rank 0 only.
 struct sequence_hooks {
-  llama_engine::progress_fn prefill_progress;   // (tokens done, total) of the prefill
+  llama_engine::progress_fn prefill_progress;   // (prompt tokens done, prompt tokens) of the prefill
   std::function<void(int32_t id)> on_token;     // each generated token, as it comes
   std::function<bool()> should_stop;            // polled before each decode step; true ends it
+  std::function<void(bool decoding)> on_phase;  // false as the prefill starts, true as decoding does
 };
 
 struct sequence_outcome {

@@ -287,6 +287,7 @@ std::string summarizer::run_one(const std::string& instruction, const std::strin
   total = std::max(total, base + (int64_t)req.context.size() + max_tokens);
   sequence_hooks h;
   h.should_stop = hooks.should_stop;
+  h.on_phase = hooks.on_phase;
   if (hooks.progress) {
     h.prefill_progress = [&](int64_t d, int64_t) { hooks.progress(base + d, total); };
     h.on_token = [&](int32_t) { hooks.progress(++done, total); };
@@ -385,16 +386,26 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
     return 0;
   }
 
-  // Everything that can be wrong with the files is found before any document runs.
-  const std::vector<summary_document> docs = parse_summary_jsonl(read_file(opt.in), opt.in, true);
+  // Everything that can be wrong with the files is found before any document runs; then the
+  // other ranks are released (not aborted) and rank 0 reports it.
+  std::vector<summary_document> docs;
   std::set<std::string> done;
-  if (opt.resume) {
-    done = completed_summary_ids(opt.out);
-  } else {
-    XCTX_CHECK(!std::filesystem::exists(opt.out) || std::filesystem::file_size(opt.out) == 0, "--out ", opt.out,
-               " exists and is not empty: pass --resume to continue it, or choose another file");
+  std::unique_ptr<durable_jsonl_writer> out_file;
+  try {
+    docs = parse_summary_jsonl(read_file(opt.in), opt.in, true);
+    if (opt.resume) {
+      done = completed_summary_ids(opt.out);
+    } else {
+      XCTX_CHECK(!std::filesystem::exists(opt.out) || std::filesystem::file_size(opt.out) == 0, "--out ", opt.out,
+                 " exists and is not empty: pass --resume to continue it, or choose another file");
+    }
+    out_file = std::make_unique<durable_jsonl_writer>(opt.out);
+  } catch (const Error& e) {
+    driver.finish();
+    std::fprintf(stderr, "xctx: error: %s\n", e.what());
+    return 1;
   }
-  durable_jsonl_writer writer(opt.out);
+  durable_jsonl_writer& writer = *out_file;
   const std::filesystem::path in_dir = std::filesystem::path(opt.in).parent_path();
   const std::string cache_name = format_traits(opt.run.cache).name;
   summarizer sum(*s.tok, s.chat_template, driver, settings);
@@ -437,7 +448,7 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   driver.finish();
   const double wall = batch_clock.seconds();
   std::fprintf(stderr,
-               "[summarize] %zu documents (%zu errors) in %.1f s = %.1f documents/hour | %lld prompt tokens, %lld "
+               "[summarize] %zu document(s) (%zu with errors) in %.1f s = %.1f documents/hour | %lld prompt tokens, %lld "
                "generated | peak memory (RSS) of rank 0: %s\n",
                n_run, n_failed, wall, wall > 0 ? 3600.0 * (double)n_run / wall : 0.0, (long long)prompt_tokens,
                (long long)generated_tokens, format_bytes((double)peak_rss_bytes()).c_str());

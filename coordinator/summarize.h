@@ -88,6 +88,7 @@ struct summary_hooks {           // rank 0
   // Tokens done of this document so far (prompt read + generated) and a rough total.
   std::function<void(int64_t done, int64_t total)> progress;
   std::function<bool()> should_stop;
+  std::function<void(bool decoding)> on_phase;  // each sequence's prefill and decode (sequence_hooks)
 };
 
 // Rank 0's side of summarization; every sequence goes through the driver, so the other ranks

@@ -199,6 +199,11 @@ void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tok
     cache_ = make_cache(spec_, engine_.cache_geometry_for(cap), be_);
 }
 
+void sequence_parallel_runner::reserve() {
+  if (opt_.capacity_per_rank > 0 && !cache_)
+    cache_ = make_cache(spec_, engine_.cache_geometry_for(opt_.capacity_per_rank), be_);
+}
+
 void sequence_parallel_runner::reset() {
   active_ = false;
   next_pos_ = 0;

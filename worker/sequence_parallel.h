@@ -83,6 +83,8 @@ class sequence_parallel_runner {
   // Ends the current sequence so the next prefill/score starts a new one. The cache is kept
   // (and cleared at the next prefill) when capacity_per_rank is set, else freed now.
   void reset();
+  // With capacity_per_rank set: allocates the cache now rather than at the first prefill.
+  void reserve();
 
   // sequence_tokens_needed_per_rank for this runner's ranks, format and options.
   int64_t tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const;

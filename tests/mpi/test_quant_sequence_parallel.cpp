@@ -24,6 +24,7 @@
 #include "cache/calibration.h"
 #include "cache/x_factors.h"
 #include "comm/communicator.h"
+#include "common/error.h"
 #include "coordinator/sampler.h"
 #include "mpi_test.h"
 #include "test_util.h"
@@ -175,6 +176,68 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
     std::printf("[sp-ring] np %d, ring bytes sent by rank 0: %s %llu = %.3f of fp16 (%llu)\n", comm.size(),
                 name.c_str(), (unsigned long long)ring_bytes, (double)ring_bytes / rank0_bytes["fp16"],
                 (unsigned long long)rank0_bytes["fp16"]);
+}
+
+// A runner with a fixed capacity (a service's: one cache, cleared between sequences) gives
+// bitwise the logits of a fresh runner for the second sequence it serves: nothing of the first
+// sequence survives clear() in any format (codes, outliers, accumulators, residual windows).
+TEST_P(quant_sequence_parallel, reused_runner_equals_fresh_runner) {
+  XCTX_REQUIRE_MODEL(path);
+  communicator& comm = mpi_test::world();
+  const model_weights w = load_model(path);
+  const auto ids = prompt_ids();
+  const cache_format format = GetParam().format;
+  cache_options co;
+  co.cl_ring = GetParam().cl_ring;
+  if (format_traits(format).needs_calibration) co.calib = shared_calibration(w, ids);
+  if (format_needs_x_factors(format)) co.factors = factors_for(w, x_factor_kind_for(format));
+  const cache_spec spec(format, co);
+  auto be = make_backend(backend_kind::backend_cpu);
+  run_params rp;
+  rp.cache = format;
+  llama_engine engine(w, *be, rp);
+  sequence_options opt;
+  opt.max_new_tokens = 4;
+  // B: another text of another length (another shard plan) than A.
+  std::vector<int32_t> a = ids, b(ids.begin() + 100, ids.end());
+  b.resize(430);
+
+  const auto sequence = [&](sequence_parallel_runner& runner, const std::vector<int32_t>& prompt) {
+    std::vector<float> logits(w.hp.n_vocab), all;
+    runner.reset();
+    runner.prefill(prompt, {}, logits.data());
+    for (int t = 0; t < 3; ++t) {
+      all.insert(all.end(), logits.begin(), logits.end());
+      int32_t id = argmax(logits.data(), w.hp.n_vocab);
+      comm.broadcast(&id, sizeof id, 0);
+      runner.step(&id, 1, logits.data());
+    }
+    all.insert(all.end(), logits.begin(), logits.end());
+    return all;
+  };
+  sequence_options fixed = opt;
+  fixed.capacity_per_rank = sequence_capacity_per_rank(700, comm.size(), spec, opt);
+  sequence_parallel_runner reused(engine, comm, *be, spec, fixed);
+  reused.reserve();
+  const size_t allocated = reused.cache().bytes_allocated();
+  sequence(reused, a);
+  const std::vector<float> second = sequence(reused, b);
+  EXPECT_EQ(reused.cache().bytes_allocated(), allocated) << "the cache was reallocated";
+  sequence_parallel_runner fresh(engine, comm, *be, spec, opt);
+  const std::vector<float> expected = sequence(fresh, b);
+  ASSERT_EQ(second.size(), expected.size());
+  size_t first_diff = second.size();
+  for (size_t i = 0; i < second.size() && first_diff == second.size(); ++i)
+    if (std::memcmp(&second[i], &expected[i], sizeof(float)) != 0) first_diff = i;
+  EXPECT_EQ(first_diff, second.size()) << sp_case_name(GetParam()) << ": logit " << first_diff % w.hp.n_vocab
+                                       << " of step " << first_diff / w.hp.n_vocab << " differs, rank "
+                                       << comm.rank() << " of " << comm.size();
+  // A sequence over the capacity is refused on every rank before any work.
+  std::vector<int32_t> too_long(ids);
+  too_long.insert(too_long.end(), ids.begin(), ids.end());
+  std::vector<float> logits(w.hp.n_vocab);
+  reused.reset();
+  EXPECT_THROW(reused.prefill(too_long, {}, logits.data()), Error);
 }
 
 std::vector<sp_case> cases() {
