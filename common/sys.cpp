@@ -61,6 +61,15 @@ void init_logging(const char* argv0) {
   });
 }
 
+std::string read_file_bytes(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  XCTX_CHECK(in.good(), "cannot read ", what.empty() ? "" : what + " ", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  XCTX_CHECK(!in.bad(), "read error on ", path);
+  return ss.str();
+}
+
 long long parse_count(const std::string& text, const std::string& what) {
   XCTX_CHECK(!text.empty(), what, ": empty value");
   size_t i = 0;

@@ -26,5 +26,7 @@ int default_threads();        // OMP_NUM_THREADS if set, else the cores this pro
 void init_logging(const char* argv0);  // glog to stderr, idempotent
 // Parses "32K", "1M", "10M", "2048" (K = 1024). Throws naming `what` on bad input.
 long long parse_count(const std::string& text, const std::string& what);
+// A whole file's bytes; throws "cannot read [what ]path" (what: e.g. "prompt file").
+std::string read_file_bytes(const std::string& path, const std::string& what = "");
 
 }  // namespace xctx

@@ -23,11 +23,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   const model_hparams& hp = s.weights.hp;
   std::vector<int32_t> ids;
   if (comm.rank() == 0) {
-    std::ifstream in(opt.text_file, std::ios::binary);
-    XCTX_CHECK(in.good(), "cannot read --text ", opt.text_file);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::vector<int32_t> text_ids = s.tok->encode(ss.str(), false, false);
+    std::vector<int32_t> text_ids = s.tok->encode(read_file_bytes(opt.text_file, "--text"), false, false);
     XCTX_CHECK(!text_ids.empty(), "--text ", opt.text_file, " holds no tokens");
     if (s.tok->vocab().add_bos) ids.push_back(s.tok->vocab().bos_id);
     while ((int64_t)ids.size() < opt.prompt_tokens)

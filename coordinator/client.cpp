@@ -21,14 +21,6 @@ namespace {
 
 namespace th = apache::thrift;
 
-std::string read_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  XCTX_CHECK(in.good(), what, ": cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string trimmed(std::string s) {
   const auto first = s.find_first_not_of(" \t\r\n"), last = s.find_last_not_of(" \t\r\n");
   return first == std::string::npos ? std::string() : s.substr(first, last - first + 1);
@@ -50,7 +42,7 @@ connection connect(const client_options& opt) {
   connection c;
   c.transport = std::make_shared<th::transport::TFramedTransport>(socket);
   c.client = std::make_unique<rpc::XctxClient>(std::make_shared<th::protocol::TBinaryProtocol>(c.transport));
-  if (!opt.token_file.empty()) c.auth = trimmed(read_file(opt.token_file, "--token-file"));
+  if (!opt.token_file.empty()) c.auth = trimmed(read_file_bytes(opt.token_file, "--token-file"));
   try {
     c.transport->open();
   } catch (const th::TException& e) {
@@ -65,7 +57,7 @@ rpc::Job make_job(const client_options& opt) {
     job.kind = rpc::JobKind::GENERATE;
     rpc::GenerateJob g;
     XCTX_CHECK(opt.prompt.empty() != opt.prompt_file.empty(), "submit generate: give --prompt or --prompt-file");
-    g.prompt = opt.prompt_file.empty() ? opt.prompt : read_file(opt.prompt_file, "--prompt-file");
+    g.prompt = opt.prompt_file.empty() ? opt.prompt : read_file_bytes(opt.prompt_file, "--prompt-file");
     g.chat = opt.chat, g.system = opt.system, g.max_tokens = opt.max_tokens;
     g.temperature = opt.temperature, g.top_p = opt.top_p, g.seed = opt.seed;
     job.__set_generate(g);
@@ -80,7 +72,7 @@ rpc::Job make_job(const client_options& opt) {
     XCTX_CHECK(!opt.in.empty(), "submit summarize: --in FILE (the document's text)");
     rpc::SummarizeJob s;
     s.document.id = opt.doc_id.empty() ? opt.in : opt.doc_id;
-    s.document.text = read_file(opt.in, "--in");
+    s.document.text = read_file_bytes(opt.in, "--in");
     s.document.instruction = opt.instruction;
     s.document.max_tokens = opt.max_tokens;
     job.__set_summarize(s);
@@ -88,7 +80,7 @@ rpc::Job make_job(const client_options& opt) {
     job.kind = rpc::JobKind::BATCH;
     XCTX_CHECK(!opt.in.empty(), "submit batch: --in FILE.jsonl");
     rpc::BatchJob b;
-    b.jsonl = read_file(opt.in, "--in");
+    b.jsonl = read_file_bytes(opt.in, "--in");
     b.max_tokens = opt.max_tokens;
     job.__set_batch(b);
   } else {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/sys.h"
 
 namespace xctx {
 namespace {
@@ -43,15 +44,6 @@ struct r_value {
   std::vector<std::string> names;                  // the "names" attribute, if any
   std::string symbol;                              // SYMSXP
 };
-
-std::string read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  XCTX_CHECK(in.good(), "cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  XCTX_CHECK(!in.bad(), "read error on ", path);
-  return ss.str();
-}
 
 // Big-endian reader over one serialization; every read is bounds-checked.
 class xdr_reader {

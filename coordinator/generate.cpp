@@ -17,13 +17,6 @@
 namespace xctx {
 namespace {
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  XCTX_CHECK(in.good(), "cannot read prompt file ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -39,7 +32,7 @@ int run_generate(const generate_options& opt, communicator& comm) {
 
   std::vector<int32_t> prompt_ids;
   if (coordinator) {
-    std::string text = opt.prompt_file.empty() ? opt.prompt : read_text_file(opt.prompt_file);
+    std::string text = opt.prompt_file.empty() ? opt.prompt : read_file_bytes(opt.prompt_file, "prompt file");
     XCTX_CHECK(!text.empty(), "the prompt is empty (use --prompt TEXT or --prompt-file FILE)");
     if (opt.chat) {
       std::vector<chat_message> msgs;

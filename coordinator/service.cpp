@@ -35,11 +35,7 @@ std::atomic<bool> g_stop_signal{false};
 extern "C" void on_stop_signal(int) { g_stop_signal = true; }
 
 std::string read_secret(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  XCTX_CHECK(in.good(), "--token-file: cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  std::string s = ss.str();
+  std::string s = read_file_bytes(path, "--token-file");
   const auto first = s.find_first_not_of(" \t\r\n"), last = s.find_last_not_of(" \t\r\n");
   XCTX_CHECK(first != std::string::npos, "--token-file ", path, " is empty");
   s = s.substr(first, last - first + 1);

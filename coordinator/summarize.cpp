@@ -30,14 +30,6 @@ constexpr int64_t kPromptSlack = 16;
 // A marker no document holds, to cut the rendered chat template around the user's text.
 constexpr const char* kTextSlot = "\x01xctx-text\x01";
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  XCTX_CHECK(in.good(), "cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 bool blank(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c); });
 }
@@ -135,7 +127,7 @@ std::vector<summary_document> parse_summary_jsonl(const std::string& jsonl, cons
 std::set<std::string> completed_summary_ids(const std::string& out_path) {
   std::set<std::string> done;
   if (!std::filesystem::exists(out_path)) return done;
-  std::string text = read_file(out_path);
+  std::string text = read_file_bytes(out_path);
   const size_t last_newline = text.rfind('\n');
   const size_t keep = last_newline == std::string::npos ? 0 : last_newline + 1;
   if (keep < text.size()) {  // a line cut short by a kill: drop it, its document runs again
@@ -392,7 +384,7 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   std::set<std::string> done;
   std::unique_ptr<durable_jsonl_writer> out_file;
   try {
-    docs = parse_summary_jsonl(read_file(opt.in), opt.in, true);
+    docs = parse_summary_jsonl(read_file_bytes(opt.in), opt.in, true);
     if (opt.resume) {
       done = completed_summary_ids(opt.out);
     } else {
@@ -426,7 +418,7 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
     std::string line;
     try {
       XCTX_CHECK(d.error.empty(), d.error);
-      const std::string text = d.path.empty() ? d.text : read_file((in_dir / d.path).string());
+      const std::string text = d.path.empty() ? d.text : read_file_bytes((in_dir / d.path).string());
       // Progress for the documents that take a while (about 2K tokens and up).
       progress_line progress("[summarize] " + d.id, text.size() >= 8192);
       summary_hooks hooks;

@@ -93,6 +93,15 @@ std::string sp_case_name(const sp_case& c) {
   return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
 }
 
+// The case's cache spec, with the shared calibration or factors its format needs.
+cache_spec spec_for(const model_weights& w, const std::vector<int32_t>& ids, const sp_case& c) {
+  cache_options co;
+  co.cl_ring = c.cl_ring;
+  if (format_traits(c.format).needs_calibration) co.calib = shared_calibration(w, ids);
+  if (format_needs_x_factors(c.format)) co.factors = factors_for(w, x_factor_kind_for(c.format));
+  return cache_spec(c.format, co);
+}
+
 class quant_sequence_parallel : public ::testing::TestWithParam<sp_case> {};
 
 TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
@@ -102,11 +111,7 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   const auto ids = prompt_ids();
   ASSERT_EQ((int64_t)ids.size(), kPrompt);
   const cache_format format = GetParam().format;
-  cache_options co;
-  co.cl_ring = GetParam().cl_ring;
-  if (format_traits(format).needs_calibration) co.calib = shared_calibration(w, ids);
-  if (format_needs_x_factors(format)) co.factors = factors_for(w, x_factor_kind_for(format));
-  const cache_spec spec(format, co);
+  const cache_spec spec = spec_for(w, ids, GetParam());
   auto be = make_backend(backend_kind::backend_cpu);
 
   // Prefill of the prompt, then kGreedy greedy steps; the logits of every step.
@@ -188,15 +193,10 @@ TEST_P(runner_reuse, equals_a_fresh_runner) {
   communicator& comm = mpi_test::world();
   const model_weights w = load_model(path);
   const auto ids = prompt_ids();
-  const cache_format format = GetParam().format;
-  cache_options co;
-  co.cl_ring = GetParam().cl_ring;
-  if (format_traits(format).needs_calibration) co.calib = shared_calibration(w, ids);
-  if (format_needs_x_factors(format)) co.factors = factors_for(w, x_factor_kind_for(format));
-  const cache_spec spec(format, co);
+  const cache_spec spec = spec_for(w, ids, GetParam());
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
-  rp.cache = format;
+  rp.cache = GetParam().format;
   llama_engine engine(w, *be, rp);
   sequence_options opt;
   opt.max_new_tokens = 4;
