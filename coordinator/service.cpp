@@ -353,6 +353,8 @@ int run_serve(const serve_options& opt, communicator& comm) {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
   if (lead) setup_logging(opt);
+  // Rank 0's own inputs are checked before the model loads, so a typo fails at once.
+  const std::string secret = lead && !opt.token_file.empty() ? read_secret(opt.token_file) : std::string();
 
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
   model_session s = open_session(model_path, opt.tokenizer, opt.run);
@@ -378,8 +380,7 @@ int run_serve(const serve_options& opt, communicator& comm) {
     return 0;
   }
 
-  service_state st{job_table(opt.max_queue, opt.keep_ended), limits, {}, {}};
-  if (!opt.token_file.empty()) st.secret = read_secret(opt.token_file);
+  service_state st{job_table(opt.max_queue, opt.keep_ended), limits, secret, {}};
   rpc::ServiceInfo& info = st.info;
   info.model = hp.name;
   info.cache = format_traits(opt.run.cache).name;
@@ -441,8 +442,13 @@ int run_serve(const serve_options& opt, communicator& comm) {
   st.table.close();
   server->stop();
   server_thread.join();
-  driver.finish();
-  XCTX_CHECK(server_error.empty(), "the service on ", opt.bind, ":", opt.port, " failed: ", server_error);
+  driver.finish();  // the other ranks return; rank 0 reports why it stopped
+  if (!server_error.empty()) {
+    LOG(ERROR) << "the server failed: " << server_error;
+    std::fprintf(stderr, "xctx: error: the service on %s:%d failed: %s\n", opt.bind.c_str(), opt.port,
+                 server_error.c_str());
+    return 1;
+  }
   std::fprintf(stderr, "[xctx] service stopped\n");
   return 0;
 }
