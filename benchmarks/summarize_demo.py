@@ -501,12 +501,20 @@ def degenerate(summary):
 
 
 def cpu_name():
+    """Model, logical CPUs and the vector extensions the kernels dispatch on (results differ by ISA)."""
     try:
         with open("/proc/cpuinfo") as f:
-            models = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-        return f"{models[0]} ({len(models)} logical CPUs)" if models else "unknown"
+            lines = f.readlines()
     except OSError:
         return "unknown"
+    models = [l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")]
+    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
+    isa = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512vbmi", "avx512_vnni", "avx_vnni", "amx_tile")
+           if x in flags]
+    if not models:
+        return "unknown"
+    return (f"{models[0]} ({len(models)} logical CPUs; {' '.join(isa) or 'no AVX2'}"
+            f"{'' if 'avx512f' in flags else '; no AVX-512'})")
 
 
 def step_report(args):
@@ -599,7 +607,8 @@ def step_report(args):
     words = sum(m["words"] for m in docs)
     L = [f"# Batch summarization demo: `xctx summarize` per cache format ({meta['set']} set)", "",
          f"Model: SmolLM2-135M-Instruct Q4_1 (the default; a 135M model, so expect weak summaries). "
-         f"Machine: {cpu_name()}, CPU only. Date: {datetime.date.today().isoformat()}.", "",
+         f"Machine: {cpu_name()}, CPU only. Build: launch/build (Release, portable binary, AVX2/AVX-512 "
+         f"kernels chosen at run time). Date: {datetime.date.today().isoformat()}.", "",
          f"Documents: {len(docs)} ({words} words): "
          + ", ".join(f"{sum(1 for m in docs if m['kind'] == k)} {k}" for k in ("chapter", "book", "chapters", "novel")
                      if any(m["kind"] == k for m in docs))

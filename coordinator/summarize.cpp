@@ -245,25 +245,24 @@ std::vector<std::string> summarizer::split_text(const std::string& text, int64_t
       }
     }
   }
+  // Pack units by their summed counts; token counts of pieces do not quite add up (merges at
+  // the seams), so each closed chunk is counted once for real and gives back units until it fits.
   std::vector<std::string> chunks;
-  std::string cur;
-  int64_t cur_tokens = 0;
-  for (size_t i = 0; i < units.size(); ++i) {
-    const unit& u = units[i];
-    if (!cur.empty() && cur_tokens + u.tokens + 1 > max_tokens) {
-      chunks.push_back(std::move(cur));
-      cur.clear(), cur_tokens = 0;
-    }
-    const std::string next = cur.empty() ? u.text : cur + u.sep + u.text;
-    // Token counts of pieces do not quite add up (merges at the seams): check the real count.
-    if (!cur.empty() && count(next) > max_tokens) {
-      chunks.push_back(std::move(cur));
-      cur = u.text, cur_tokens = u.tokens;
-    } else {
-      cur = next, cur_tokens += u.tokens + 1;
-    }
+  size_t begin = 0;
+  while (begin < units.size()) {
+    size_t end = begin + 1;
+    for (int64_t est = units[begin].tokens; end < units.size() && est + units[end].tokens + 1 <= max_tokens; ++end)
+      est += units[end].tokens + 1;
+    const auto join = [&](size_t e) {
+      std::string c = units[begin].text;
+      for (size_t i = begin + 1; i < e; ++i) c += units[i].sep + units[i].text;
+      return c;
+    };
+    std::string cur = join(end);
+    while (end > begin + 1 && count(cur) > max_tokens) cur = join(--end);
+    chunks.push_back(std::move(cur));
+    begin = end;
   }
-  if (!cur.empty()) chunks.push_back(std::move(cur));
   return chunks;
 }
 
