@@ -22,7 +22,11 @@ class stopwatch {
 size_t peak_rss_bytes();     // VmHWM of this process
 size_t current_rss_bytes();  // VmRSS
 std::string format_bytes(double bytes);  // "12.3 MiB"
-int default_threads();        // OMP_NUM_THREADS if set, else the cores this process may use
+// Ranks of this MPI job on this node, from the launcher's environment (1 outside a launcher).
+int node_local_ranks();
+// OMP_NUM_THREADS if set, else the cores this process may use, shared evenly among the node's
+// ranks (at least 1).
+int default_threads();
 void init_logging(const char* argv0);  // glog to stderr, idempotent
 // Parses "32K", "1M", "10M", "2048" (K = 1024). Throws naming `what` on bad input.
 long long parse_count(const std::string& text, const std::string& what);

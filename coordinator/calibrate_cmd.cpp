@@ -31,7 +31,7 @@ int run_calibrate(const calibrate_cmd_options& opt) {
                s.weights.hp.name.c_str(), opt.text.c_str(), ids.size(), co.n_samples, co.seq_len,
                (unsigned long long)co.seed, opt.weighting.c_str(),
                format_bytes(2.0 * 4 * C * s.weights.hp.n_layer * (double)co.n_samples * co.seq_len).c_str());
-  progress_line fwd("calibrate: forward windows", true), fit("calibrate: k-means per layer", true);
+  progress_line fwd("calibrate: forward", true, "windows"), fit("calibrate: k-means", true, "layers");
   const calibration c = calibrate_model(engine, *s.be, ids, model_fingerprint(s.weights), co,
                                         [&](const std::string& stage, int64_t done, int64_t total) {
                                           if (stage == "forward") {

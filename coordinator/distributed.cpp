@@ -2,23 +2,50 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "common/sys.h"
 
 namespace xctx {
 
-progress_line::progress_line(std::string label, bool enabled)
-    : label_(std::move(label)), enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
+progress_line::progress_line(std::string label, bool enabled, std::string unit, int log_percent)
+    : label_(std::move(label)),
+      unit_(std::move(unit)),
+      enabled_(enabled),
+      tty_(isatty(STDERR_FILENO) != 0),
+      log_percent_(std::clamp(log_percent, 1, 100)) {}
+
+std::string progress_line::format(int64_t done, int64_t total, const std::string& unit, double seconds) {
+  char buf[160];
+  int n = std::snprintf(buf, sizeof buf, "%lld/%lld %s (%.0f%%)", (long long)done, (long long)total, unit.c_str(),
+                        total > 0 ? 100.0 * done / total : 0.0);
+  if (seconds > 0 && done > 0) {
+    const double rate = done / seconds;
+    n += std::snprintf(buf + n, sizeof buf - n, " | %.1f %s/s", rate, unit.c_str());
+    if (done < total) {
+      const double eta = (total - done) / rate;
+      if (eta < 120)
+        std::snprintf(buf + n, sizeof buf - n, " | ETA %.0f s", eta);
+      else if (eta < 7200)
+        std::snprintf(buf + n, sizeof buf - n, " | ETA %.0f min %02.0f s", std::floor(eta / 60), std::fmod(eta, 60));
+      else
+        std::snprintf(buf + n, sizeof buf - n, " | ETA %.0f h %02.0f min", std::floor(eta / 3600),
+                      std::floor(std::fmod(eta, 3600) / 60));
+    }
+  }
+  return buf;
+}
 
 void progress_line::operator()(int64_t done, int64_t total) {
   if (!enabled_ || total <= 0) return;
   if (tty_) {
-    std::fprintf(stderr, "\r%s %lld/%lld", label_.c_str(), (long long)done, (long long)total);
+    std::fprintf(stderr, "\r%s %s\033[K", label_.c_str(), format(done, total, unit_, clock_.seconds()).c_str());
     open_ = true;
-  } else if (done * 4 >= next_quarter_ * total) {
-    std::fprintf(stderr, "%s %lld/%lld\n", label_.c_str(), (long long)done, (long long)total);
-    next_quarter_ = done * 4 / total + 1;
+  } else if (done * 100 >= next_step_ * log_percent_ * total) {
+    std::fprintf(stderr, "%s %s\n", label_.c_str(), format(done, total, unit_, clock_.seconds()).c_str());
+    next_step_ = done * 100 / (log_percent_ * total) + 1;
   }
 }
 

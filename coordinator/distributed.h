@@ -6,22 +6,29 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "common/sys.h"
 #include "worker/sequence_parallel.h"
 
 namespace xctx {
 
-// Progress of a long step on stderr: an updating line on a terminal; in a log (not a tty) a
-// line at each further 25% only, so logs stay readable.
+// Progress of a long step on stderr -- done/total, percent, rate and ETA (rate measured from
+// construction): an updating line on a terminal; in a log (not a tty) one line per further
+// `log_percent` percent, so a million-token prefill shows signs of life without flooding logs.
 class progress_line {
  public:
-  progress_line(std::string label, bool enabled);
+  progress_line(std::string label, bool enabled, std::string unit = "tokens", int log_percent = 5);
   void operator()(int64_t done, int64_t total);
   void finish();  // ends the updating line
 
+  // "1234/5678 tokens (21%) | 95.0 tokens/s | ETA 45 s" (rate and ETA once seconds > 0).
+  static std::string format(int64_t done, int64_t total, const std::string& unit, double seconds);
+
  private:
-  std::string label_;
+  std::string label_, unit_;
   bool enabled_, tty_, open_ = false;
-  int64_t next_quarter_ = 1;
+  int log_percent_;
+  int64_t next_step_ = 1;
+  stopwatch clock_;  // from construction
 };
 
 // Rank 0's vector reaches every rank (size first, then the elements).

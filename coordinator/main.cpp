@@ -1,6 +1,8 @@
 // The xctx binary: command-line front end of the coordinator.
 #include <CLI/CLI.hpp>
 
+#include <omp.h>
+
 #include <cstdio>
 #include <map>
 
@@ -55,7 +57,7 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
                   "accumulators) | latent (fp16 latent, the bytes of fp16 K|V; O(block) memory)")
       ->default_val("deltas");
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
-  cmd->add_option("--threads", rp.n_threads, "CPU threads (default: all cores this process may use)");
+  cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
   cmd->add_option("--rope-scaling", rope, "RoPE scaling past the trained context: none | linear | ntk")->default_val("none");
   cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f);
@@ -85,6 +87,9 @@ void apply_run_options(xctx::run_params& rp, const std::string& cache, const std
 
 int main(int argc, char** argv) {
   xctx::init_logging(argv[0]);
+  // Loading and every job's threads: the node's cores shared among its ranks (common/sys.h), so a
+  // plain `mpirun -np 4` on 4 cores runs 4 x 1 threads, not 4 x 4.
+  omp_set_num_threads(xctx::default_threads());
   CLI::App app{"xctx: long-context LLM inference over compressed, sequence-parallel caches"};
   app.require_subcommand(1);
 
@@ -140,7 +145,7 @@ int main(int argc, char** argv) {
   pkc->add_option("--filler", pk.filler, "classic (repeated grass/sky/sun lines) | austen (the novels)")
       ->default_val("classic");
   pkc->add_flag("--chat", pk.chat, "wrap the prompt in the model's chat template");
-  pkc->add_option("--max-answer-tokens", pk.max_answer_tokens, "greedy tokens decoded per answer")->default_val(8);
+  pkc->add_option("--max-answer-tokens", pk.max_answer_tokens, "greedy tokens decoded at most per answer (stops at a complete 5-digit number)")->default_val(24);
   pkc->add_option("--json", pk.json_path, "also write per-trial results and the summary to this JSON file");
   add_run_options(pkc, pk.run, pk_cache, pk_ctx, pk_rope, pk_cf);
   sequence_flags pk_seq;

@@ -182,6 +182,28 @@ int extract_passkey(const std::string& answer) {
   return -1;
 }
 
+bool passkey_answer_complete(const std::string& answer) {
+  for (size_t i = 0; i < answer.size();) {
+    if (!is_digit(answer[i])) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < answer.size() && is_digit(answer[j])) ++j;
+    if (j - i == 5 && j < answer.size()) return true;  // a digit run still open may grow
+    i = j;
+  }
+  return false;
+}
+
+std::pair<double, double> wilson_interval(int correct, int n, double z) {
+  if (n <= 0) return {0.0, 1.0};
+  const double p = (double)correct / n, z2 = z * z;
+  const double centre = (p + z2 / (2.0 * n)) / (1.0 + z2 / n);
+  const double half = z / (1.0 + z2 / n) * std::sqrt(p * (1.0 - p) / n + z2 / (4.0 * n * n));
+  return {std::max(0.0, centre - half), std::min(1.0, centre + half)};
+}
+
 std::vector<double> parse_depths(const std::string& text) {
   std::vector<double> out;
   size_t b = 0;
@@ -313,13 +335,16 @@ nlohmann::json passkey_summary(const passkey_options& opt, const nlohmann::json&
     int correct = 0, n = 0;
     for (const auto& t : trials)
       if (t["depth"].get<double>() == depth) correct += t["ok"].get<bool>(), ++n;
+    const auto [lo, hi] = wilson_interval(correct, n);
     per_depth.push_back({{"depth", depth}, {"correct", correct}, {"trials", n},
-                         {"accuracy", n > 0 ? (double)correct / n : 0.0}});
+                         {"accuracy", n > 0 ? (double)correct / n : 0.0}, {"ci95", {lo, hi}}});
     all += correct, n_total += n;
   }
   for (const auto& t : trials) prefill_total_s += t["prefill_s"].get<double>();
+  const auto [lo, hi] = wilson_interval(all, n_total);
   return {{"per_depth", per_depth}, {"correct", all}, {"total", n_total},
-          {"accuracy", n_total > 0 ? (double)all / n_total : 0.0}, {"prefill_s_total", prefill_total_s}};
+          {"accuracy", n_total > 0 ? (double)all / n_total : 0.0}, {"ci95", {lo, hi}},
+          {"prefill_s_total", prefill_total_s}};
 }
 
 nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, const std::string& chat_template,
@@ -337,13 +362,21 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
       const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
 
       sequence_hooks seq_hooks;
-      seq_hooks.should_stop = hooks.should_stop;
+      // Decoding ends as soon as the key (or a wrong 5-digit number) is complete: at 1M tokens
+      // every step costs a pass over the whole sharded cache.
+      std::vector<int32_t> so_far;
+      bool answered = false;
+      seq_hooks.on_token = [&](int32_t id) {
+        so_far.push_back(id);
+        answered = passkey_answer_complete(tok.decode(so_far));
+      };
+      seq_hooks.should_stop = [&] { return answered || (hooks.should_stop && hooks.should_stop()); };
       seq_hooks.on_phase = hooks.on_phase;
       if (hooks.prefill_progress)
         seq_hooks.prefill_progress = [&](int64_t done, int64_t total) { hooks.prefill_progress(di, t, done, total); };
       const sequence_outcome out =
           driver.run({prompt.context_ids, prompt.suffix_ids, opt.max_answer_tokens, sampler_params{}}, seq_hooks);
-      if (out.stopped) return trials;
+      if (out.stopped && !answered) return trials;  // cancelled
 
       const std::string answer = tok.decode(out.ids);
       const int got = extract_passkey(answer);
@@ -392,9 +425,9 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   }
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
-  std::printf("passkey: model %s | %d rank(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
-              hp.name.c_str(), comm.size(), prefill_mode_name(seq.mode), format_traits(opt.run.cache).name,
-              opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
+  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
+              hp.name.c_str(), comm.size(), engine.params().n_threads, prefill_mode_name(seq.mode),
+              format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));
   std::unique_ptr<progress_line> progress;
   passkey_hooks hooks;
@@ -420,13 +453,20 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   driver.finish();
 
   const nlohmann::json summary = passkey_summary(opt, trials);
-  std::printf("\n%-8s %9s %9s\n", "depth", "correct", "accuracy");
-  for (const auto& d : summary["per_depth"])
-    std::printf("%-8.2f %6d/%-2d %8.0f%%\n", d["depth"].get<double>(), d["correct"].get<int>(),
-                d["trials"].get<int>(), 100.0 * d["accuracy"].get<double>());
-  const int all = summary["correct"], n_total = summary["total"];
+  std::printf("\n%-8s %9s %9s  %s\n", "depth", "correct", "accuracy", "95% interval (Wilson)");
+  const auto row = [](const std::string& label, const nlohmann::json& d, const char* n_key) {
+    std::printf("%-8s %6d/%-3d %7.0f%%  [%.0f%%, %.0f%%]\n", label.c_str(), d["correct"].get<int>(),
+                d[n_key].get<int>(), 100.0 * d["accuracy"].get<double>(), 100.0 * d["ci95"][0].get<double>(),
+                100.0 * d["ci95"][1].get<double>());
+  };
+  for (const auto& d : summary["per_depth"]) {
+    char label[16];
+    std::snprintf(label, sizeof label, "%.2f", d["depth"].get<double>());
+    row(label, d, "trials");
+  }
+  const int n_total = summary["total"];
   const double prefill_total_s = summary["prefill_s_total"];
-  std::printf("%-8s %6d/%-2d %8.0f%%\n", "all", all, n_total, 100.0 * all / n_total);
+  row("all", summary, "total");
   std::fflush(stdout);  // the table before the memory and shard lines on stderr
   std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
                prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());

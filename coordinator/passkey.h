@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -26,7 +27,9 @@ struct passkey_options {
   uint64_t seed = 1;
   std::string filler = "classic";  // classic | austen
   bool chat = false;
-  int max_answer_tokens = 8;
+  // The model often repeats the lead-in (" the pass key. The pass key is") before the number:
+  // 24 tokens leave room for that; decoding stops early once a 5-digit number is complete.
+  int max_answer_tokens = 24;
   std::string json_path;  // non-empty: results written there as JSON
   run_params run;
   sequence_options seq;
@@ -83,6 +86,13 @@ int passkey_for_seed(uint64_t seed);
 
 // The first run of exactly five digits in `answer` (runs of other lengths are skipped), or -1.
 int extract_passkey(const std::string& answer);
+// True once `answer` holds a run of exactly five digits followed by a non-digit: more tokens
+// cannot change what extract_passkey returns.
+bool passkey_answer_complete(const std::string& answer);
+
+// The Wilson score interval (95%: z = 1.96) of a proportion `correct` / `n` -- honest at the
+// small n and the 0%/100% cells a passkey sweep has (the normal approximation collapses there).
+std::pair<double, double> wilson_interval(int correct, int n, double z = 1.96);
 
 // "0,0.25,1" -> {0, 0.25, 1}; throws naming --depths on a bad or out-of-range value.
 std::vector<double> parse_depths(const std::string& text);

@@ -68,7 +68,7 @@ int run_ppl(const ppl_options& opt, communicator& comm) {
     std::fprintf(stderr, "[xctx] ppl of %s on %s: %zu tokens, ctx %lld, stride %lld, cache %s, %d rank(s)\n",
                  s.weights.hp.name.c_str(), opt.text.c_str(), ids.size(), (long long)opt.ctx, (long long)opt.stride,
                  format_traits(s.cache.format).name, comm.size());
-  progress_line bar("ppl windows", coordinator);
+  progress_line bar("[xctx] ppl", coordinator, "windows");
   const stopwatch t;
   const ppl_result r = perplexity(engine, comm, *s.be, s.cache, opt.seq, ids, opt.ctx, opt.stride, opt.max_windows,
                                   [&](int64_t d, int64_t total) { bar(d, total); });

@@ -93,6 +93,7 @@ void sequence_driver::run_sequence(const std::vector<int32_t>& context, const st
       hooks->prefill_progress(total > 0 ? out.prompt_tokens * done / total : 0, out.prompt_tokens);
     };
   if (lead && hooks->on_phase) hooks->on_phase(false);
+  if (progress) progress(0, 1);  // starts the hook's clock before any work
   runner_.prefill(context, suffix, logits_.data(), progress, max_tokens);
   out.prefill_s = prefill_clock.seconds();
   if (lead && hooks->on_phase) hooks->on_phase(true);

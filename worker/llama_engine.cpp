@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/sys.h"
 #include "worker/shard_plan.h"
 
 namespace xctx {
@@ -27,7 +28,8 @@ rope_config make_rope_config(const model_hparams& hp, const run_params& rp) {
 llama_engine::llama_engine(const model_weights& w, backend& be, const run_params& rp)
     : w_(w), be_(be), rp_(rp), rope_(make_rope_config(w.hp, rp)) {
   XCTX_CHECK(rp_.n_batch > 0, "n_batch must be positive, got ", rp_.n_batch);
-  if (rp_.n_threads > 0) omp_set_num_threads(rp_.n_threads);
+  if (rp_.n_threads <= 0) rp_.n_threads = default_threads();
+  omp_set_num_threads(rp_.n_threads);
 }
 
 cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity) {

@@ -165,6 +165,30 @@ TEST(passkey, answer_extraction) {
   EXPECT_EQ(extract_passkey("x12345y67890"), 12345);
 }
 
+TEST(passkey, answer_complete_only_when_more_tokens_cannot_change_it) {
+  EXPECT_FALSE(passkey_answer_complete(" the pass key. The pass key is"));
+  EXPECT_FALSE(passkey_answer_complete(" 8152"));    // still growing
+  EXPECT_FALSE(passkey_answer_complete(" 81528"));   // a sixth digit could follow
+  EXPECT_TRUE(passkey_answer_complete(" 81528."));
+  EXPECT_FALSE(passkey_answer_complete(" 123456 "));  // six digits: not a key, keep decoding
+  EXPECT_TRUE(passkey_answer_complete(" 123456, no, 65432 "));
+  for (const char* a : {" 81528.", "x12345y", " is 1234, no: 56789."})
+    EXPECT_NE(extract_passkey(a), -1) << a;  // complete implies something was extracted
+}
+
+TEST(passkey, wilson_interval_matches_published_values) {
+  // Reference values (Wilson 1927; e.g. Newcombe 1998, Table I): 0/10, 10/10, 5/10, 81/263 at z = 1.96.
+  const auto close = [](std::pair<double, double> got, double lo, double hi) {
+    EXPECT_NEAR(got.first, lo, 5e-4);
+    EXPECT_NEAR(got.second, hi, 5e-4);
+  };
+  close(wilson_interval(0, 10), 0.0, 0.2775);
+  close(wilson_interval(10, 10), 0.7225, 1.0);
+  close(wilson_interval(5, 10), 0.2366, 0.7634);
+  close(wilson_interval(81, 263), 0.2553, 0.3662);
+  close(wilson_interval(0, 0), 0.0, 1.0);  // no trials: no information
+}
+
 TEST(passkey, depth_parsing) {
   EXPECT_EQ(parse_depths("0,0.25,1"), (std::vector<double>{0.0, 0.25, 1.0}));
   EXPECT_EQ(parse_depths("0.5"), (std::vector<double>{0.5}));

@@ -2,9 +2,15 @@
 // every rank can compute the expected result alone and check it.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "common/sys.h"
 #include "mpi_test.h"
 
 namespace xctx {
@@ -26,6 +32,22 @@ TEST(collectives, all_gather_bytes) {
       for (size_t i = 0; i < bytes; ++i)
         ASSERT_EQ(recv[r * bytes + i], byte_of(r, i)) << "bytes " << bytes << " from rank " << r << " i " << i;
   }
+}
+
+// A plain `mpirun -np P` (no launcher script, no OMP_NUM_THREADS) must not start P x cores
+// threads: each rank takes its share of the node's cores.
+TEST(collectives, default_threads_share_the_node) {
+  communicator& c = mpi_test::world();
+  const char* saved = std::getenv("OMP_NUM_THREADS");
+  const std::string keep = saved ? saved : "";
+  unsetenv("OMP_NUM_THREADS");
+  const int threads = default_threads();
+  if (saved) setenv("OMP_NUM_THREADS", keep.c_str(), 1);
+  EXPECT_EQ(node_local_ranks(), c.size()) << "all test ranks run on this node";
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  EXPECT_GE(threads, 1);
+  EXPECT_LE((long)threads * c.size(), std::max<long>(online, c.size())) << threads << " threads x " << c.size()
+                                                                        << " ranks on " << online << " cores";
 }
 
 TEST(collectives, all_gather_in_place) {
