@@ -240,13 +240,15 @@ class x_cl_cache final : public kv_cache {
     }
     if (n == 0) return;  // a source rank without tokens: nothing to accumulate or attend
     foreign_acc& f = foreign_for(layer, pos, n);
-    if (layer == base_) {
-      decode(s, 0, n, f.x.data());
-    } else {
-      for (int64_t t = 0; t < n; t += kAccBlock)
-        add_delta(layer, s, t, std::min(kAccBlock, n - t), f.x.data() + (size_t)t * d_);
+    if (f.layer != layer) {  // the layer's first query chunk advances it; later chunks reuse it
+      if (layer == base_) {
+        decode(s, 0, n, f.x.data());
+      } else {
+        for (int64_t t = 0; t < n; t += kAccBlock)
+          add_delta(layer, s, t, std::min(kAccBlock, n - t), f.x.data() + (size_t)t * d_);
+      }
+      f.layer = layer;
     }
-    f.layer = layer;
     run_w(layer, dense_view(f.x.data()), n, pos, q, q_pos, n_q, path, out);
   }
 
@@ -368,10 +370,15 @@ class x_cl_cache final : public kv_cache {
   }
 
   // Deltas mode: the accumulator of the foreign block at positions pos [n] for `layer`. At the
-  // base layer it is (re)started, sized for the caller to decode into; above it must hold
-  // layer - 1 (every layer's block of a source passes in order, none skipped).
+  // base layer it is (re)started, sized for the caller to decode into, unless it already holds
+  // the base layer of the same positions (a later query chunk of the layer); above it must hold
+  // layer - 1, or layer itself for a later chunk (every layer's block of a source passes in
+  // order, none skipped).
   foreign_acc& foreign_for(int layer, const int32_t* pos, int64_t n) {
     auto it = std::find_if(foreign_.begin(), foreign_.end(), [&](const foreign_acc& f) { return f.pos[0] == pos[0]; });
+    if (layer == base_ && it != foreign_.end() && it->layer == base_ && (int64_t)it->pos.size() == n &&
+        std::equal(pos, pos + n, it->pos.begin()))
+      return *it;
     if (layer == base_) {
       if (it == foreign_.end()) it = foreign_.insert(foreign_.end(), foreign_acc{});
       it->pos.assign(pos, pos + n);
@@ -389,7 +396,7 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(diff.first == pos + n, "cache ", traits_.name, ": ring block for layer ", layer, " starts at position ",
                pos[0], " like the block accumulated since layer ", base_, " but has position ", *diff.first,
                " at index ", diff.first - pos, " where that block has ", *diff.second);
-    XCTX_CHECK(it->layer == layer - 1, "cache ", traits_.name, ": ring block for layer ", layer, " (positions ",
+    XCTX_CHECK(it->layer == layer - 1 || it->layer == layer, "cache ", traits_.name, ": ring block for layer ", layer, " (positions ",
                pos[0], "..", pos[n - 1], "): its foreign accumulator holds layer ", it->layer, ", not ", layer - 1,
                " (a block was skipped)");
     return *it;

@@ -71,7 +71,9 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["backend"] = s.be->name();
   j["cache"] = format_traits(opt.run.cache).name;
   j["ranks"] = comm.size();
-  j["prefill_mode"] = prefill_mode_name(seq.mode);
+  j["prefill_mode"] = prefill_mode_name(runner.mode());
+  j["prefill"] = describe_prefill(seq, opt.prompt_tokens);
+  j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
   j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;

@@ -16,20 +16,27 @@
 namespace {
 
 struct sequence_flags {
-  std::string prefill = "exact", layout = "zigzag", anchor;
+  std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
 };
 
 void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
-  cmd->add_option("--prefill", f.prefill, "under mpirun: exact (ring, same logits as one rank) | star (anchor + own chunk)")
-      ->default_val("exact");
+  cmd->add_option("--prefill", f.prefill,
+                  "under mpirun: exact (ring, same logits as one rank) | star (block-local: each block sees "
+                  "[anchor | itself]) | auto (exact below --star-from tokens, star from there)")
+      ->default_val("auto");
   cmd->add_option("--layout", f.layout, "exact prefill shard layout: zigzag | contiguous")->default_val("zigzag");
-  cmd->add_option("--anchor", f.anchor, "star prefill: anchor block in tokens (default: one rank's chunk)");
+  cmd->add_option("--block", f.block, "star prefill: tokens per block (0: one block per rank)")->default_val("4K");
+  cmd->add_option("--anchor", f.anchor, "star prefill: anchor tokens (default: one block)");
+  cmd->add_option("--star-from", f.star_from, "auto prefill: context length from which star is used")
+      ->default_val("32K");
 }
 
 void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) {
   o.mode = xctx::parse_prefill_mode(f.prefill);
   o.layout = xctx::parse_shard_layout(f.layout);
+  o.block_tokens = f.block == "0" ? 0 : xctx::parse_count(f.block, "--block");
   if (!f.anchor.empty()) o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
+  o.star_from_tokens = xctx::parse_count(f.star_from, "--star-from");
 }
 
 struct cache_flags {

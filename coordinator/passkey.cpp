@@ -426,7 +426,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
   std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
-              hp.name.c_str(), comm.size(), engine.params().n_threads, prefill_mode_name(seq.mode),
+              hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(seq, opt.context).c_str(),
               format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));
   std::unique_ptr<progress_line> progress;
@@ -475,7 +475,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                                 {"context", opt.context},
                                 {"filler", opt.filler},
                                 {"chat", opt.chat},
-                                {"prefill", prefill_mode_name(seq.mode)},
+                                {"prefill", describe_prefill(seq, opt.context)},
                                 {"cache", format_traits(opt.run.cache).name},
                                 {"ranks", comm.size()},
                                 {"seed", opt.seed},

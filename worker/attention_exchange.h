@@ -17,8 +17,12 @@ class attention_exchange {
   // Stores the keys/values of a batch for `layer`. A layer may be stored in several calls
   // (sub-chunks) before attend() is called for it.
   virtual void store(int layer, const layer_input& in) = 0;
-  // Attention output for queries (RoPE applied) after their layer's store calls: o is the
-  // softmax-normalized result over every token the queries may see, merged across blocks.
+  // Every token of this call has been stored for `layer`; attend() calls for it follow (the
+  // exact ring exchanges the layer's blocks here, once, however many query chunks follow).
+  virtual void layer_stored(int /*layer*/) {}
+  // Attention output for queries (RoPE applied) after their layer's layer_stored: o is the
+  // softmax-normalized result over every token the queries may see, merged across blocks. A
+  // layer's queries may come in several calls (chunks of n_batch).
   virtual void attend(int layer,
                       const float* q,        // [n_q, n_head, head_dim]
                       const int32_t* q_pos,  // [n_q]

@@ -54,8 +54,8 @@ void llama_engine::ensure_scratch(int64_t n_tokens, int64_t n_sub) {
     if ((int64_t)v.size() < n) v.resize(n);
   };
   grow(x_, n_tokens * hp.n_embd);
-  grow(q_, n_tokens * hp.n_head * hp.head_dim);
-  grow(o_, n_tokens * hp.n_head * hp.head_dim);
+  grow(q_, n_sub * hp.n_head * hp.head_dim);
+  grow(o_, n_sub * hp.n_head * hp.head_dim);
   grow(h_, n_sub * hp.n_embd);
   grow(tmp_, n_sub * hp.n_embd);
   grow(k_, n_sub * hp.kv_dim());
@@ -99,21 +99,19 @@ int64_t max_batch(int64_t n, int64_t batch, int64_t align) {
 void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange& attn,
                               const progress_fn& layer_progress) {
   const model_hparams& hp = w_.hp;
-  const int64_t d = hp.n_embd, qd = (int64_t)hp.n_head * hp.head_dim;
+  const int64_t d = hp.n_embd;
   const std::vector<int64_t> sb = batch_bounds(n, rp_.n_batch, 1);
   for (int l = 0; l < hp.n_layer; ++l) {
     const layer_weights& L = w_.layers[l];
-    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {  // q, k, v; store k, v
+    // Pass 1: every token's k, v stored before any query of the layer attends (the ring needs
+    // the layer's complete shard).
+    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
       be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
-      float* q = q_.data() + s * qd;
-      be_.matmul(L.wq, h_.data(), m, q);
       be_.matmul(L.wk, h_.data(), m, k_.data());
       be_.matmul(L.wv, h_.data(), m, v_.data());
-      add_bias(q, L.bq, m);
       add_bias(k_.data(), L.bk, m);
       add_bias(v_.data(), L.bv, m);
-      be_.rope(q, pos + s, m, hp.n_head, rope_);
       layer_input in;
       in.x = h_.data();
       in.k = k_.data();
@@ -122,11 +120,19 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
       in.n = m;
       attn.store(l, in);
     }
-    attn.attend(l, q_.data(), pos, n, o_.data());
-    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {  // output projection and MLP
+    attn.layer_stored(l);
+    // Pass 2, sub-chunk by sub-chunk: queries, attention, output projection, MLP. The normed
+    // input is recomputed (the same bits: rms_norm is per row) so q and o stay O(n_batch), not
+    // O(n): what bounds a long shard's prefill memory (docs/sequence_parallel.md).
+    for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
       float* x = x_.data() + s * d;
-      be_.matmul(L.wo, o_.data() + s * qd, m, tmp_.data());
+      be_.rms_norm(x, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
+      be_.matmul(L.wq, h_.data(), m, q_.data());
+      add_bias(q_.data(), L.bq, m);
+      be_.rope(q_.data(), pos + s, m, hp.n_head, rope_);
+      attn.attend(l, q_.data(), pos + s, m, o_.data());
+      be_.matmul(L.wo, o_.data(), m, tmp_.data());
       be_.add(x, tmp_.data(), m * d);
       be_.rms_norm(x, L.ffn_norm.data(), m, d, hp.rms_eps, h_.data());
       be_.matmul(L.w_gate, h_.data(), m, gate_.data());

@@ -44,8 +44,9 @@ class llama_engine {
 
   // Layer-major over all n tokens at once: every layer stores all n tokens before any query
   // of that layer attends. Needed when the exchange must see a layer's complete shard (the
-  // exact ring prefill); projections and MLP still run in sub-chunks of n_batch. Keeps
-  // 3 x [n, n_embd] floats live. No logits (the ring prefill has none to give).
+  // exact ring prefill); everything else runs in sub-chunks of n_batch. Keeps the residual
+  // stream [n, n_embd] floats live plus O(n_batch) scratch. No logits (the ring prefill has none
+  // to give).
   void forward_layer_major(const int32_t* tokens, const int32_t* pos, int64_t n, attention_exchange& attn,
                            const progress_fn& progress = {});
   // The same, then teacher-forced scoring: for every token i with targets[i] >= 0,
@@ -68,9 +69,9 @@ class llama_engine {
   rope_config rope_;
   // Over all tokens of a run_layers call.
   std::vector<float> x_;    // [n, n_embd] residual stream
-  std::vector<float> q_;    // [n, n_head, head_dim]
-  std::vector<float> o_;    // [n, n_head, head_dim]
   // Over one sub-chunk of at most n_batch tokens.
+  std::vector<float> q_;     // [n_sub, n_head, head_dim]
+  std::vector<float> o_;     // [n_sub, n_head, head_dim]
   std::vector<float> h_;     // [n_sub, n_embd] normed input of the current block
   std::vector<float> k_;     // [n_sub, n_head_kv, head_dim]
   std::vector<float> v_;     // [n_sub, n_head_kv, head_dim]

@@ -10,15 +10,38 @@ namespace xctx {
 prefill_mode parse_prefill_mode(const std::string& name) {
   if (name == "exact") return prefill_mode::prefill_exact;
   if (name == "star") return prefill_mode::prefill_star;
-  fail("unknown prefill mode '", name, "' (exact, star)");
+  if (name == "auto") return prefill_mode::prefill_auto;
+  fail("unknown prefill mode '", name, "' (exact, star, auto)");
+}
+
+prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_context) {
+  if (opt.mode != prefill_mode::prefill_auto) return opt.mode;
+  return n_context >= opt.star_from_tokens ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
 }
 
 const char* prefill_mode_name(prefill_mode m) {
   switch (m) {
     case prefill_mode::prefill_exact: return "exact";
     case prefill_mode::prefill_star: return "star";
+    case prefill_mode::prefill_auto: return "auto";
   }
   return "?";
+}
+
+std::string describe_prefill(const sequence_options& opt, int64_t n_context) {
+  const prefill_mode m = effective_prefill_mode(opt, n_context);
+  std::string out;
+  if (m == prefill_mode::prefill_exact) {
+    out = std::string("exact ring (") + shard_layout_name(opt.layout) + ")";
+  } else {
+    out = opt.block_tokens > 0 ? "star: blocks of " + std::to_string(opt.block_tokens) + " tokens"
+                               : std::string("star: one block per rank");
+    out += opt.anchor_tokens > 0 ? ", anchor " + std::to_string(opt.anchor_tokens) : ", anchor one block";
+  }
+  if (opt.mode == prefill_mode::prefill_auto)
+    out += m == prefill_mode::prefill_star ? " (auto: context >= " + std::to_string(opt.star_from_tokens) + ")"
+                                           : " (auto: star from " + std::to_string(opt.star_from_tokens) + ")";
+  return out;
 }
 
 size_t partial_bytes_per_token_layer(const model_hparams& hp) {
@@ -32,29 +55,46 @@ ring_attention::ring_attention(kv_cache& own, communicator& comm, backend& be, s
 
 void ring_attention::store(int layer, const layer_input& in) { own_.append(layer, in); }
 
+void ring_attention::layer_stored(int layer) {
+  const int p = comm_.size();
+  held_.resize(p > 1 ? p - 1 : 0);
+  held_bytes_ = 0;
+  if (p == 1) return;
+  const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
+  std::vector<uint8_t> own(own_.exported_bytes(layer));
+  own_.export_layer(layer, own.data());
+  // P-1 steps: pass on the block received last, so every block visits every rank once. Each is
+  // kept until the layer's last query chunk has attended to it: the layer's foreign blocks in
+  // the format's own bytes (a compressed format holds compressed bytes), instead of exact
+  // accumulators for every query of the shard (docs/sequence_parallel.md, "Prefill memory").
+  const std::vector<uint8_t>* out = &own;
+  for (int step = 1; step < p; ++step) {
+    uint64_t out_bytes = out->size(), in_bytes = 0;
+    comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
+    std::vector<uint8_t>& in = held_[step - 1];
+    in.resize(in_bytes);
+    comm_.sendrecv(out->data(), out->size(), next, in.data(), in.size(), prev, 2 * step + 1);
+    stats_.ring_bytes_sent += out_bytes;
+    held_bytes_ += in_bytes;
+    out = &in;
+  }
+  stats_.ring_held_bytes_peak = std::max<uint64_t>(stats_.ring_held_bytes_peak, held_bytes_);
+}
+
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
+  if (n_q == 0) return;
   const cache_geometry& g = own_.geometry();
   acc_.reset(n_q * g.n_head, g.head_dim);
-  if (n_q > 0) own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
-  const int p = comm_.size();
-  if (p > 1) {
-    const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
-    send_.resize(own_.exported_bytes(layer));
-    own_.export_layer(layer, send_.data());
-    // P-1 steps: pass on the block received last, so every block visits every rank once. The
-    // exact accumulator makes the arrival order (and so the rank count) invisible in o.
-    for (int step = 1; step < p; ++step) {
-      uint64_t out_bytes = send_.size(), in_bytes = 0;
-      comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
-      recv_.resize(in_bytes);
-      comm_.sendrecv(send_.data(), send_.size(), next, recv_.data(), recv_.size(), prev, 2 * step + 1);
-      stats_.ring_bytes_sent += out_bytes;
-      if (n_q > 0)
-        own_.attend_exported(layer, recv_.data(), recv_.size(), q, q_pos, n_q, attend_path::attend_prefill, acc_);
-      std::swap(send_, recv_);
-    }
-  }
-  if (n_q > 0) acc_.finish(o);
+  own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  // The exact accumulator makes the arrival order (and so the rank count) invisible in o.
+  for (const std::vector<uint8_t>& block : held_)
+    own_.attend_exported(layer, block.data(), block.size(), q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  acc_.finish(o);
+}
+
+void ring_attention::release() {
+  std::vector<std::vector<uint8_t>>().swap(held_);
+  held_bytes_ = 0;
 }
 
 // ---- merged partials (decode / suffix) -----------------------------------------------------
@@ -88,41 +128,20 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
   acc_.finish(o);
 }
 
-// ---- star (anchor + own chunk) -------------------------------------------------------------
+// ---- star (anchor + one block) --------------------------------------------------------------
 
-star_attention::star_attention(kv_cache& own, kv_cache* anchor, int64_t anchor_end, backend& be)
-    : own_(own), anchor_(anchor), anchor_end_(anchor_end), be_(be) {}
+star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block)
+    : own_(own), anchor_(anchor), block_(block) {}
 
 void star_attention::store(int layer, const layer_input& in) {
-  if (anchor_ == nullptr) {
-    own_.append(layer, in);
-    return;
-  }
-  // Positions ascend: a prefix of the batch may belong to the anchor.
-  int64_t split = 0;
-  while (split < in.n && in.pos[split] < anchor_end_) ++split;
-  const cache_geometry& g = own_.geometry();
-  const int64_t kv = (int64_t)g.n_head_kv * g.head_dim;
-  if (split > 0) {
-    layer_input a = in;
-    a.n = split;
-    anchor_->append(layer, a);
-  }
-  if (split < in.n) {
-    layer_input b = in;
-    b.x = in.x ? in.x + split * g.n_embd : nullptr;
-    b.k = in.k + split * kv;
-    b.v = in.v + split * kv;
-    b.pos = in.pos + split;
-    b.n = in.n - split;
-    own_.append(layer, b);
-  }
+  own_.append(layer, in);
+  if (block_ != nullptr) block_->append(layer, in);
 }
 
 void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
   acc_.reset(n_q * g.n_head, g.head_dim);
-  own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  (block_ != nullptr ? *block_ : own_).attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
   if (anchor_ != nullptr) anchor_->attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
   acc_.finish(o);
 }
@@ -142,8 +161,13 @@ namespace {
 
 // The plan of a prefill's context; an empty context (short prompt) puts the suffix on rank 0.
 shard_plan prefill_plan(int64_t n_context, int n_rank, const sequence_options& opt, int64_t align) {
-  const shard_layout layout = opt.mode == prefill_mode::prefill_star ? shard_layout::shard_contiguous : opt.layout;
-  shard_plan plan = make_shard_plan(n_context, n_rank, layout, align, kMinPrefillBatch);
+  shard_plan plan;
+  if (effective_prefill_mode(opt, n_context) == prefill_mode::prefill_exact)
+    plan = make_shard_plan(n_context, n_rank, opt.layout, align, kMinPrefillBatch);
+  else if (opt.block_tokens > 0)
+    plan = make_block_plan(n_context, n_rank, opt.block_tokens, align, kMinPrefillBatch);
+  else
+    plan = make_shard_plan(n_context, n_rank, shard_layout::shard_contiguous, align, kMinPrefillBatch);
   if (n_context == 0) plan.tail_rank = 0;
   return plan;
 }
@@ -233,8 +257,9 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
 
   std::vector<int32_t> mine(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) mine[i] = context[pos[i]];
+  mode_ = effective_prefill_mode(opt_, n);
   if (n > 0) {
-    switch (opt_.mode) {
+    switch (mode_) {
       case prefill_mode::prefill_exact: {
         ring_attention ring(*cache_, comm_, be_, stats_);
         if (p == 1) {  // one rank: chunk-major keeps memory bounded for any length
@@ -243,36 +268,72 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
         } else if (!mine.empty()) {
           engine_.forward_layer_major(mine.data(), pos.data(), (int64_t)mine.size(), ring, progress);
         } else {  // fewer context tokens than shards: still relay the other ranks' blocks
-          for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
+          for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.layer_stored(l);
         }
+        ring.release();
         cache_->release_ring_state();  // foreign tokens' working memory (xquant-cl deltas mode)
         break;
       }
-      case prefill_mode::prefill_star: {
-        const int64_t anchor = std::min<int64_t>(n, opt_.anchor_tokens > 0 ? opt_.anchor_tokens : plan_.tokens_of(0));
-        const bool has_anchor = !pos.empty() && pos.front() > 0;  // this rank's chunk does not start the context
-        std::unique_ptr<kv_cache> anchor_cache;
-        std::vector<int32_t> toks, tpos;
-        const int64_t a = has_anchor ? std::min<int64_t>(anchor, pos.front()) : 0;  // never overlaps the own chunk
-        if (has_anchor) {
-          anchor_cache = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, a)), be_);
-          for (int64_t i = 0; i < a; ++i) {
-            toks.push_back(context[i]);
-            tpos.push_back((int32_t)i);
-          }
-        }
-        toks.insert(toks.end(), mine.begin(), mine.end());
-        tpos.insert(tpos.end(), pos.begin(), pos.end());
-        star_attention star(*cache_, anchor_cache.get(), a, be_);
-        if (!toks.empty())
-          engine_.forward(toks.data(), tpos.data(), (int64_t)toks.size(), star, llama_engine::logits_for::logits_none,
-                          nullptr, progress);
+      case prefill_mode::prefill_star:
+        prefill_star(context, pos, progress);
         break;
-      }
+      case prefill_mode::prefill_auto:
+        XCTX_ASSERT(false, "auto prefill mode not resolved");
     }
   }
   next_pos_ = n;
   step(suffix.data(), (int64_t)suffix.size(), logits);
+}
+
+void sequence_parallel_runner::prefill_star(const std::vector<int32_t>& context, const std::vector<int32_t>& pos,
+                                            const llama_engine::progress_fn& progress) {
+  if (pos.empty()) return;  // a rank without blocks (more ranks than blocks)
+  const int64_t n = (int64_t)context.size(), align = cache_alignment(spec_);
+  // This rank's blocks; with block_tokens == 0 its whole chunk is one block.
+  std::vector<std::pair<int64_t, int64_t>> blocks = {{pos.front(), (int64_t)pos.back() + 1}};
+  if (opt_.block_tokens > 0) blocks = blocks_in(blocks[0].first, blocks[0].second, n, opt_.block_tokens, align, kMinPrefillBatch);
+  // The default anchor is the context's first block: with one block per rank, the chunk of the
+  // first rank that holds tokens (alignment can leave rank 0 without any).
+  int64_t first_chunk = 0;
+  for (int r = 0; r < plan_.n_rank && first_chunk == 0; ++r) first_chunk = plan_.tokens_of(r);
+  const int64_t block = opt_.block_tokens > 0 ? aligned_block(opt_.block_tokens, align) : first_chunk;
+  const int64_t anchor_len = std::min<int64_t>(n, opt_.anchor_tokens > 0 ? opt_.anchor_tokens : block);
+  int64_t longest = 0;
+  for (const auto& [b, e] : blocks) longest = std::max(longest, e - b);
+
+  std::unique_ptr<kv_cache> anchor, block_view;
+  int64_t anchor_built = 0;  // tokens the anchor cache holds
+  std::vector<int32_t> ids, at;
+  int64_t done = 0;
+  for (const auto& [b, e] : blocks) {
+    // The anchor is the first anchor_len tokens, cut short where this block starts (an anchor
+    // that reaches the block would be the block itself). Its keys/values depend on its tokens
+    // only (causal), so one anchor cache serves every block of the rank.
+    const int64_t a = std::min(anchor_len, b);
+    if (a > 0 && a != anchor_built) {
+      anchor = make_cache(spec_, engine_.cache_geometry_for(a), be_);
+      ids.assign(context.begin(), context.begin() + a);
+      at.resize(a);
+      for (int64_t i = 0; i < a; ++i) at[i] = (int32_t)i;
+      local_attention own_anchor(*anchor);
+      engine_.forward(ids.data(), at.data(), a, own_anchor, llama_engine::logits_for::logits_none, nullptr, {}, align);
+      anchor_built = a;
+    }
+    // The rank's first block sees only itself in the own cache; later ones need a separate view.
+    const bool first = b == blocks.front().first;
+    if (!first && !block_view) block_view = make_cache(spec_, engine_.cache_geometry_for(longest), be_);
+    if (block_view) block_view->clear();
+    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get());
+    ids.assign(context.begin() + b, context.begin() + e);
+    at.resize(e - b);
+    for (int64_t i = 0; i < e - b; ++i) at[i] = (int32_t)(b + i);
+    const int64_t before = done;
+    engine_.forward(ids.data(), at.data(), e - b, star, llama_engine::logits_for::logits_none, nullptr,
+                    progress ? llama_engine::progress_fn([&](int64_t d, int64_t) { progress(before + d, (int64_t)pos.size()); })
+                             : llama_engine::progress_fn{},
+                    align);
+    done += e - b;
+  }
 }
 
 std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int32_t>& tokens, int64_t first_scored,
@@ -296,8 +357,9 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
     engine_.forward_layer_major_scored(mine.data(), pos.data(), (int64_t)mine.size(), ring, targets.data(), nll.data(),
                                        progress);
   } else {  // more ranks than tokens: still relay the other ranks' blocks
-    for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.attend(l, nullptr, nullptr, 0, nullptr);
+    for (int l = 0; l < engine_.hparams().n_layer; ++l) ring.layer_stored(l);
   }
+  ring.release();
   cache_->release_ring_state();
   double part[2] = {0.0, 0.0};
   for (size_t i = 0; i < pos.size(); ++i)

@@ -1,11 +1,14 @@
 // One sequence split across the ranks of a communicator. Every rank holds the full weights and
 // its shard of the cache; per layer the ranks combine partial attention (o, lse):
-//   exact prefill: ring pass of every rank's cache blocks (in the cache format's own bytes),
-//                  each rank merging the partials of its queries over all blocks by log-sum-exp;
-//                  the same logits as one rank, up to float summation order.
-//   star prefill:  (Star Attention, Acharya et al. 2024) each rank attends over
-//                  [anchor = first anchor_tokens of the context ‖ its own contiguous chunk];
-//                  anchor keys/values live in a temporary cache and are dropped afterwards.
+//   exact prefill: per layer, a ring pass of every rank's cache block (in the cache format's
+//                  own bytes); each rank holds the layer's foreign blocks while its queries,
+//                  in chunks of n_batch, attend to its shard and to them into exact
+//                  accumulators: bitwise the logits of one rank.
+//   star prefill:  (Star Attention, Acharya et al. 2024) the context is cut into blocks, each
+//                  rank holds a contiguous run of whole blocks, and every block attends to
+//                  [anchor = first anchor_tokens of the context ‖ itself] only: cost linear in
+//                  the length. No communication; the anchor's keys/values live in a temporary
+//                  cache per rank and are dropped afterwards (never stored twice).
 //   suffix/decode: every rank runs the same tokens through each layer, attends over its own
 //                  shard, one all-gather of the packed partials, then a max-shifted merge;
 //                  the tail rank (holder of the last context position) stores the new tokens.
@@ -13,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -22,14 +26,21 @@
 
 namespace xctx {
 
-enum class prefill_mode : uint8_t { prefill_exact, prefill_star };
-prefill_mode parse_prefill_mode(const std::string& name);  // exact | star
+// auto: exact below sequence_options::star_from_tokens context tokens, star (block-local) from there.
+enum class prefill_mode : uint8_t { prefill_exact, prefill_star, prefill_auto };
+prefill_mode parse_prefill_mode(const std::string& name);  // exact | star | auto
 const char* prefill_mode_name(prefill_mode m);
 
 struct sequence_options {
   prefill_mode mode = prefill_mode::prefill_exact;
-  shard_layout layout = shard_layout::shard_zigzag;  // exact mode only; star is contiguous
-  int64_t anchor_tokens = 0;                         // star: 0 = the size of rank 0's chunk
+  shard_layout layout = shard_layout::shard_zigzag;  // exact mode only; star is contiguous (blocks)
+  // star: tokens per block; 0 = each rank's contiguous chunk is one block (rank-level star).
+  int64_t block_tokens = 0;
+  int64_t anchor_tokens = 0;  // star: 0 = one block (block_tokens, or rank 0's chunk when that is 0)
+  // auto: the context length from which star replaces exact. Measured on the 2-core test machine
+  // (benchmarks/long_context.py, docs/sequence_parallel.md): below it the exact ring costs
+  // little more than star, so exactness wins.
+  int64_t star_from_tokens = 32768;
   // Tokens a sequence may generate at most. The tail rank reserves this many unless a prefill
   // names its own (smaller) number.
   int64_t max_new_tokens = 256;
@@ -40,9 +51,17 @@ struct sequence_options {
   int64_t capacity_per_rank = 0;
 };
 
+// The mode a prefill of n_context tokens runs with (auto resolved); the same on every rank.
+prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_context);
+
+// For run headers: "exact ring", "star: blocks of 4096 tokens, anchor 4096", with
+// " (auto: context >= 32768)" when auto chose it.
+std::string describe_prefill(const sequence_options& opt, int64_t n_context);
+
 // Bytes this rank moved through the communicator, by purpose.
 struct sequence_comm_stats {
   uint64_t ring_bytes_sent = 0;      // exact prefill: cache blocks passed on
+  uint64_t ring_held_bytes_peak = 0; // exact prefill: most bytes of foreign blocks held for one layer
   uint64_t gather_bytes_sent = 0;    // decode/suffix: serialized exact partials contributed
   uint64_t gather_bytes_recv = 0;    // decode/suffix: partials received (all ranks')
   uint64_t decode_tokens = 0;        // tokens run through the merged path
@@ -92,6 +111,7 @@ class sequence_parallel_runner {
 
   int64_t next_position() const { return next_pos_; }
   const shard_plan& plan() const { return plan_; }
+  prefill_mode mode() const { return mode_; }  // the current sequence's (auto resolved)
   const kv_cache& cache() const { return *cache_; }
   const sequence_comm_stats& stats() const { return stats_; }
 
@@ -102,12 +122,15 @@ class sequence_parallel_runner {
   cache_spec spec_;
   sequence_options opt_;
   shard_plan plan_;
+  void prefill_star(const std::vector<int32_t>& context, const std::vector<int32_t>& pos,
+                    const llama_engine::progress_fn& progress);
   // Makes cache_ ready for a sequence whose largest shard (over all ranks) is max_tokens and of
   // which this rank holds own_tokens: reuses and clears it under capacity_per_rank.
   void prepare_cache(int64_t own_tokens, int64_t max_tokens);
 
   std::unique_ptr<kv_cache> cache_;
   bool active_ = false;  // a sequence was prefilled and not reset
+  prefill_mode mode_ = prefill_mode::prefill_exact;  // of the current sequence (auto resolved)
   int64_t next_pos_ = 0;
   sequence_comm_stats stats_;
 };
@@ -117,15 +140,19 @@ class ring_attention final : public attention_exchange {
  public:
   ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats);
   void store(int layer, const layer_input& in) override;
+  // The ring pass of the layer's blocks; the P-1 foreign blocks are held for the attend calls.
+  void layer_stored(int layer) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
+  void release();  // drops the held blocks
 
  private:
   kv_cache& own_;
   communicator& comm_;
   backend& be_;
   sequence_comm_stats& stats_;
-  std::vector<uint8_t> send_, recv_;
-  softmax_acc acc_;  // rows n_q·n_head: the own shard and every block passed by
+  std::vector<std::vector<uint8_t>> held_;  // this layer's foreign blocks, in arrival order
+  uint64_t held_bytes_ = 0;
+  softmax_acc acc_;  // rows n_q·n_head of one query chunk: the own shard and every held block
 };
 
 class merged_attention final : public attention_exchange {
@@ -144,18 +171,21 @@ class merged_attention final : public attention_exchange {
   std::vector<uint8_t> packed_, gathered_;  // serialized accumulators: this rank's, all ranks'
 };
 
+// One star block: its tokens are stored in the own cache, and its queries see [anchor ‖ the
+// block]. anchor == nullptr: the block starts the context (it is the anchor). block == nullptr:
+// the own cache holds nothing before this block, so it is the block's view; otherwise `block`
+// (a temporary cache, cleared per block) holds a second copy of the block's keys/values for the
+// queries to see without the rank's earlier blocks.
 class star_attention final : public attention_exchange {
  public:
-  // anchor == nullptr on the rank whose own chunk starts with the anchor.
-  star_attention(kv_cache& own, kv_cache* anchor, int64_t anchor_end, backend& be);
+  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
  private:
   kv_cache& own_;
   kv_cache* anchor_;
-  int64_t anchor_end_;
-  backend& be_;
+  kv_cache* block_;
   softmax_acc acc_;  // rows n_q·n_head
 };
 

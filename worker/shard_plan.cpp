@@ -61,6 +61,52 @@ shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, in
   return p;
 }
 
+int64_t aligned_block(int64_t block, int64_t align) {
+  XCTX_CHECK(block >= 1 && align >= 1, "block plan: block ", block, " / alignment ", align);
+  return (block + align - 1) / align * align;
+}
+
+namespace {
+// The block boundaries of the whole context: 0, B, 2B, ..., n (a short last block merged).
+std::vector<int64_t> block_bounds(int64_t n_tokens, int64_t block, int64_t align, int64_t min_tail) {
+  const int64_t b = aligned_block(block, align);
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < n_tokens; s += b) out.push_back(s);
+  if (out.size() > 1 && n_tokens - out.back() < min_tail) out.pop_back();
+  out.push_back(n_tokens);
+  return out;
+}
+}  // namespace
+
+shard_plan make_block_plan(int64_t n_tokens, int n_rank, int64_t block, int64_t align, int64_t min_tail) {
+  XCTX_CHECK(n_rank >= 1, "block plan: need at least one rank, got ", n_rank);
+  XCTX_CHECK(n_tokens >= 0 && n_tokens < (int64_t)INT32_MAX, "block plan: ", n_tokens, " tokens is out of range");
+  shard_plan p;
+  p.layout = shard_layout::shard_contiguous;
+  p.n_rank = n_rank;
+  p.n_tokens = n_tokens;
+  p.ranges.resize(n_rank);
+  const std::vector<int64_t> bounds = block_bounds(n_tokens, block, align, min_tail);
+  const int64_t nb = (int64_t)bounds.size() - 1;
+  for (int r = 0; r < n_rank; ++r) {
+    const int64_t b0 = nb * r / n_rank, b1 = nb * (r + 1) / n_rank;
+    if (b1 > b0 && n_tokens > 0) p.ranges[r].push_back({bounds[b0], bounds[b1]});
+  }
+  p.tail_rank = 0;
+  for (int r = 0; r < n_rank; ++r)
+    if (!p.ranges[r].empty() && p.ranges[r].back().second == n_tokens) p.tail_rank = r;
+  return p;
+}
+
+std::vector<std::pair<int64_t, int64_t>> blocks_in(int64_t begin, int64_t end, int64_t n_tokens, int64_t block,
+                                                   int64_t align, int64_t min_tail) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const std::vector<int64_t> bounds = block_bounds(n_tokens, block, align, min_tail);
+  for (size_t i = 0; i + 1 < bounds.size(); ++i)
+    if (bounds[i] >= begin && bounds[i + 1] <= end) out.push_back({bounds[i], bounds[i + 1]});
+  return out;
+}
+
 shard_layout parse_shard_layout(const std::string& name) {
   if (name == "contiguous") return shard_layout::shard_contiguous;
   if (name == "zigzag") return shard_layout::shard_zigzag;

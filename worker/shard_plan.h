@@ -38,6 +38,17 @@ inline constexpr int64_t kMinPrefillBatch = 64;
 // kMinPrefillBatch).
 shard_plan make_shard_plan(int64_t n_tokens, int n_rank, shard_layout layout, int64_t align = 1,
                            int64_t min_tail = 0);
+// Block-local star attention: the context cut into blocks of `block` tokens (rounded up to a
+// multiple of align) from position 0, a last block shorter than min_tail merged into the one
+// before, and every rank given a contiguous run of whole blocks, ranks as even in block count as
+// the division allows (rank r: blocks [r·nb/P, (r+1)·nb/P); with fewer blocks than ranks some
+// ranks hold none). Blocks never straddle ranks, so each is prefilled where it lives.
+shard_plan make_block_plan(int64_t n_tokens, int n_rank, int64_t block, int64_t align = 1, int64_t min_tail = 0);
+// The block size make_block_plan uses.
+int64_t aligned_block(int64_t block, int64_t align);
+// Block starts in [begin, end) of a block plan: multiples of the aligned block, plus begin.
+std::vector<std::pair<int64_t, int64_t>> blocks_in(int64_t begin, int64_t end, int64_t n_tokens, int64_t block,
+                                                   int64_t align, int64_t min_tail);
 shard_layout parse_shard_layout(const std::string& name);  // contiguous | zigzag
 const char* shard_layout_name(shard_layout l);
 
