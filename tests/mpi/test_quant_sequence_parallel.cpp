@@ -168,9 +168,11 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
   for (auto& l : one) comm.broadcast(l.data(), l.size() * sizeof(float), 0);
   comm.broadcast(g_one.data(), g_one.size() * sizeof(int32_t), 0);
   uint64_t ring_bytes = 0;
-  run(comm, 512, many, g_many, &ring_bytes);
+  // n_batch 128 on many ranks: several query chunks per rank attend to the held ring blocks
+  // (and the xquant-cl foreign accumulators serve every chunk of a layer).
+  run(comm, 128, many, g_many, &ring_bytes);
   const std::string diff = first_difference(one, many);
-  EXPECT_EQ(diff, "") << name << ": 1 vs " << comm.size() << " ranks, rank " << comm.rank();
+  EXPECT_EQ(diff, "") << name << ": 1 (n_batch 512) vs " << comm.size() << " ranks (128), rank " << comm.rank();
   EXPECT_EQ(g_many, g_one) << name << " rank " << comm.rank() << " of " << comm.size();
   std::printf("[sp-quant] rank %d/%d %s: logits bitwise equal to one process %d, ring bytes sent %llu\n",
               comm.rank(), comm.size(), name.c_str(), (int)diff.empty(), (unsigned long long)ring_bytes);
