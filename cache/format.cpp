@@ -67,13 +67,15 @@ cache_format parse_cache_format(const std::string& name) {
 cl_ring_mode parse_cl_ring_mode(const std::string& name) {
   if (name == "deltas") return cl_ring_mode::cl_ring_deltas;
   if (name == "latent") return cl_ring_mode::cl_ring_latent;
-  fail("unknown xquant-cl ring mode '", name, "' (deltas, latent)");
+  if (name == "auto") return cl_ring_mode::cl_ring_auto;
+  fail("unknown xquant-cl ring mode '", name, "' (deltas, latent, auto)");
 }
 
 const char* cl_ring_mode_name(cl_ring_mode m) {
   switch (m) {
     case cl_ring_mode::cl_ring_deltas: return "deltas";
     case cl_ring_mode::cl_ring_latent: return "latent";
+    case cl_ring_mode::cl_ring_auto: return "auto";
   }
   XCTX_ASSERT(false, "bad cl_ring_mode ", (int)m);
   return "?";

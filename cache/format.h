@@ -78,8 +78,12 @@ enum class cl_ring_mode : uint8_t {
   // The fp16 latent X̂_i·U_kv (GQA: the bytes of fp16 K|V), receiver memory O(block); the own
   // shard is attended through the same fp16 latent so results do not depend on the rank count.
   cl_ring_latent,
+  // Chosen per sequence by the sequence runner (worker/memory_plan.h, resolve_ring_mode):
+  // deltas while its foreign accumulators stay within a per-rank budget, latent beyond. A cache
+  // given auto unresolved runs deltas.
+  cl_ring_auto,
 };
-cl_ring_mode parse_cl_ring_mode(const std::string& name);  // deltas | latent; throws otherwise
+cl_ring_mode parse_cl_ring_mode(const std::string& name);  // deltas | latent | auto; throws otherwise
 const char* cl_ring_mode_name(cl_ring_mode m);
 
 // How a quantized format is run (defaults follow the papers).

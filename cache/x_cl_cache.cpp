@@ -78,7 +78,7 @@ class x_cl_cache final : public kv_cache {
         geo_(g),
         traits_(format_traits(spec.format)),
         use_ref_(be.name() == "ref"),
-        deltas_(spec.options.cl_ring == cl_ring_mode::cl_ring_deltas) {
+        deltas_(spec.options.cl_ring != cl_ring_mode::cl_ring_latent) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);

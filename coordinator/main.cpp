@@ -40,7 +40,7 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
 }
 
 struct cache_flags {
-  std::string qnorm = "auto", cl_ring = "deltas";
+  std::string qnorm = "auto", cl_ring = "auto";
   bool no_sink = false;
 };
 
@@ -61,8 +61,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_flag("--no-sink", cf.no_sink, "nuq: quantize the first token too (default keeps it fp16)");
   cmd->add_option("--cl-ring", cf.cl_ring,
                   "xquant-cl exact ring prefill: deltas (stored codes; receiver keeps n*n_embd*4 bytes of "
-                  "accumulators) | latent (fp16 latent, the bytes of fp16 K|V; O(block) memory)")
-      ->default_val("deltas");
+                  "accumulators) | latent (fp16 latent, the bytes of fp16 K|V; O(block) memory) | auto (deltas "
+                  "while those accumulators stay within 1 GiB per rank)")
+      ->default_val("auto");
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
@@ -77,8 +78,8 @@ void apply_run_options(xctx::run_params& rp, const std::string& cache, const std
              "' (auto, on, off)");
   rp.cache_opts.qnorm = cf.qnorm == "auto" ? -1 : (cf.qnorm == "on" ? 1 : 0);
   rp.cache_opts.sink = !cf.no_sink;
-  XCTX_CHECK(cf.cl_ring == "deltas" || cf.cl_ring == "latent", "--cl-ring: unknown '", cf.cl_ring,
-             "' (deltas, latent)");
+  XCTX_CHECK(cf.cl_ring == "deltas" || cf.cl_ring == "latent" || cf.cl_ring == "auto", "--cl-ring: unknown '",
+             cf.cl_ring, "' (deltas, latent, auto)");
   rp.cache_opts.cl_ring = xctx::parse_cl_ring_mode(cf.cl_ring);
   if (!ctx.empty()) rp.n_ctx = xctx::parse_count(ctx, "--ctx");
   static const std::map<std::string, xctx::rope_scaling> ropes = {

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "worker/memory_plan.h"
 
 namespace xctx {
 
@@ -78,7 +79,7 @@ void ring_attention::layer_stored(int layer) {
     held_bytes_ += in_bytes;
     out = &in;
   }
-  stats_.ring_held_bytes_peak = std::max<uint64_t>(stats_.ring_held_bytes_peak, held_bytes_);
+  stats_.ring_held_bytes_peak = std::max<uint64_t>(stats_.ring_held_bytes_peak, own.size() + held_bytes_);
 }
 
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
@@ -208,24 +209,34 @@ int64_t sequence_parallel_runner::tokens_needed_per_rank(int64_t n_context, int6
   return sequence_tokens_needed_per_rank(n_context, n_suffix, n_new, comm_.size(), spec_, opt_);
 }
 
-void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tokens) {
+void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tokens, int64_t n_context,
+                                             int64_t extra_on_tail) {
+  const model_hparams& hp = engine_.hparams();
+  const int n_batch = engine_.params().n_batch;
   const int64_t cap = opt_.capacity_per_rank;
   if (cap <= 0) {
-    cache_ = make_cache(spec_, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
+    // Every rank refuses together, before allocating, when some rank lacks the memory.
+    cache_spec spec = resolve_ring_mode(spec_, hp, opt_, n_context, comm_.size());
+    check_sequence_fits(comm_, hp, spec, opt_, n_batch, n_context, extra_on_tail);
+    cache_ = make_cache(spec, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
     return;
   }
   // max_tokens is the same on every rank, so every rank refuses together, before any collective.
   XCTX_CHECK(max_tokens <= cap, "the sequence needs ", max_tokens, " tokens on one rank but this runner's caches hold ",
              cap, " tokens per rank (", comm_.size(), " ranks)");
-  if (cache_)
-    cache_->clear();
-  else
-    cache_ = make_cache(spec_, engine_.cache_geometry_for(cap), be_);
+  if (!cache_) reserve();
+  cache_->clear();
 }
 
 void sequence_parallel_runner::reserve() {
-  if (opt_.capacity_per_rank > 0 && !cache_)
-    cache_ = make_cache(spec_, engine_.cache_geometry_for(opt_.capacity_per_rank), be_);
+  const int64_t cap = opt_.capacity_per_rank;
+  if (cap <= 0 || cache_) return;
+  // Sized for the longest sequence the capacity admits: cap tokens on every rank.
+  const model_hparams& hp = engine_.hparams();
+  const int64_t longest = cap * comm_.size();
+  const cache_spec spec = resolve_ring_mode(spec_, hp, opt_, longest, comm_.size());
+  check_sequence_fits(comm_, hp, spec, opt_, engine_.params().n_batch, longest, 0);
+  cache_ = make_cache(spec, engine_.cache_geometry_for(cap), be_);
 }
 
 void sequence_parallel_runner::reset() {
@@ -252,7 +263,8 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
              " new tokens; this runner allows ", opt_.max_new_tokens);
   const int64_t extra_on_tail = (int64_t)suffix.size() + (max_new_tokens >= 0 ? max_new_tokens : opt_.max_new_tokens);
   const std::vector<int32_t> pos = plan_.positions_of(rank);
-  prepare_cache((int64_t)pos.size() + (tail ? extra_on_tail : 0), max_tokens_of(plan_, extra_on_tail));
+  prepare_cache((int64_t)pos.size() + (tail ? extra_on_tail : 0), max_tokens_of(plan_, extra_on_tail), n,
+                extra_on_tail);
   active_ = true;
 
   std::vector<int32_t> mine(pos.size());
@@ -343,7 +355,7 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
   XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
   plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_), kMinPrefillBatch);
   const std::vector<int32_t> pos = plan_.positions_of(comm_.rank());
-  prepare_cache((int64_t)pos.size(), max_tokens_of(plan_, 0));
+  prepare_cache((int64_t)pos.size(), max_tokens_of(plan_, 0), n, 0);
   active_ = true;
   std::vector<int32_t> mine(pos.size()), targets(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) {

@@ -61,7 +61,7 @@ std::string describe_prefill(const sequence_options& opt, int64_t n_context);
 // Bytes this rank moved through the communicator, by purpose.
 struct sequence_comm_stats {
   uint64_t ring_bytes_sent = 0;      // exact prefill: cache blocks passed on
-  uint64_t ring_held_bytes_peak = 0; // exact prefill: most bytes of foreign blocks held for one layer
+  uint64_t ring_held_bytes_peak = 0; // exact prefill: most bytes of one layer's blocks held (own + foreign)
   uint64_t gather_bytes_sent = 0;    // decode/suffix: serialized exact partials contributed
   uint64_t gather_bytes_recv = 0;    // decode/suffix: partials received (all ranks')
   uint64_t decode_tokens = 0;        // tokens run through the merged path
@@ -126,7 +126,8 @@ class sequence_parallel_runner {
                     const llama_engine::progress_fn& progress);
   // Makes cache_ ready for a sequence whose largest shard (over all ranks) is max_tokens and of
   // which this rank holds own_tokens: reuses and clears it under capacity_per_rank.
-  void prepare_cache(int64_t own_tokens, int64_t max_tokens);
+  // Checks the memory first (every rank, collectively) when it allocates.
+  void prepare_cache(int64_t own_tokens, int64_t max_tokens, int64_t n_context, int64_t extra_on_tail);
 
   std::unique_ptr<kv_cache> cache_;
   bool active_ = false;  // a sequence was prefilled and not reset

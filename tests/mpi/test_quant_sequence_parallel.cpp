@@ -27,6 +27,7 @@
 #include "common/error.h"
 #include "coordinator/sampler.h"
 #include "mpi_test.h"
+#include "worker/memory_plan.h"
 #include "test_util.h"
 #include "worker/calibrate.h"
 #include "worker/sequence_parallel.h"
@@ -137,6 +138,22 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
       steps.push_back(logits);
     }
     if (ring_bytes != nullptr) *ring_bytes = runner.stats().ring_bytes_sent;
+    if (c.size() > 1) {  // the foreign blocks held for one layer, against the memory plan's bound
+      const uint64_t held = runner.stats().ring_held_bytes_peak;
+      const rank_memory m = estimate_rank_memory(w.hp, spec, opt, n_batch, kPrompt - 1, kGreedy + 2, c.size());
+      // Every rank ends a layer's ring holding all of the layer's blocks: the plan's n tokens at
+      // the largest layer's bytes per token, plus each block's fixed part. The plan is a bound:
+      // it counts every rank's fp16 residual window full (grouped formats) and 3x the nominal
+      // key outliers; formats without either are within a few percent of it.
+      EXPECT_LE(held, m.ring_blocks) << sp_case_name(GetParam());
+      const cache_family fam = format_traits(format).family;
+      if (fam == cache_family::family_fp || fam == cache_family::family_xquant_cl ||
+          (fam == cache_family::family_nuq && format_traits(format).outlier_fraction == 0))
+        EXPECT_GE(held, 0.85 * m.ring_blocks) << sp_case_name(GetParam());
+      std::printf("[sp-held] rank %d/%d %s: ring blocks held %llu B, plan %zu B (%.2f)\n", c.rank(), c.size(),
+                  sp_case_name(GetParam()).c_str(), (unsigned long long)held, m.ring_blocks,
+                  (double)held / (double)m.ring_blocks);
+    }
   };
   const auto first_difference = [&](const std::vector<std::vector<float>>& a,
                                     const std::vector<std::vector<float>>& b) -> std::string {

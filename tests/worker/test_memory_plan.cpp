@@ -1,0 +1,123 @@
+// The memory plan (worker/memory_plan.h): the cache bytes it predicts are what the caches
+// allocate, the prefill parts follow the documented formula, and the fit check refuses what
+// cannot fit with a message naming what would.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "cache/quant_test_util.h"
+#include "cache/x_factors.h"
+#include "common/error.h"
+#include "kernels/softmax_acc.h"
+#include "model/weights.h"
+#include "test_util.h"
+#include "worker/memory_plan.h"
+
+namespace xctx {
+namespace {
+
+model_hparams smollm2_like() {
+  model_hparams hp;
+  hp.n_layer = 30, hp.n_embd = 576, hp.n_ff = 1536, hp.n_head = 9, hp.n_head_kv = 3, hp.head_dim = 64;
+  hp.n_rot = 64, hp.n_vocab = 49152, hp.n_ctx_train = 8192;
+  return hp;
+}
+
+// Sets XCTX_MEMORY_LIMIT for one scope.
+struct memory_limit {
+  explicit memory_limit(const char* v) { setenv("XCTX_MEMORY_LIMIT", v, 1); }
+  ~memory_limit() { unsetenv("XCTX_MEMORY_LIMIT"); }
+};
+
+TEST(memory_plan, cache_allocation_matches_the_caches) {
+  XCTX_REQUIRE_MODEL(path);
+  const model_weights w = load_model(path);
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t cap = 4096;
+  const cache_geometry g = make_cache_geometry(w.hp, rope_config{}, cap);
+  const auto calib = test::make_synthetic_calibration(g, 7);
+  for (const char* name : {"fp16", "fp32", "kivi2", "kivi4", "nuq3", "nuq3-1%", "nuq4-1%", "xquant2", "xquant-cl3", "clkv"}) {
+    cache_spec spec(parse_cache_format(name));
+    spec.options.calib = calib;
+    if (format_needs_x_factors(spec.format)) spec.options.factors = build_x_factors(w, x_factor_kind_for(spec.format));
+    const size_t predicted = cache_allocation_bytes(spec, w.hp, cap);
+    const size_t allocated = make_cache(spec, g, *be)->bytes_allocated();
+    // Exact up to the small fixed parts (kivi's residual window, per-layer tables).
+    EXPECT_NEAR((double)predicted, (double)allocated, 0.02 * (double)allocated) << name;
+  }
+}
+
+TEST(memory_plan, exact_ring_parts_follow_the_formula) {
+  const model_hparams hp = smollm2_like();
+  sequence_options opt;
+  opt.mode = prefill_mode::prefill_exact;
+  const int P = 8, n_batch = 512;
+  const int64_t n = 1 << 20;
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, n, 32, P);
+  const int64_t s = n / P;  // zigzag shards of a power of two
+  EXPECT_NEAR((double)m.residual, (double)s * 576 * 4, 576.0 * 4 * 512);
+  EXPECT_EQ(m.scratch, (size_t)512 * (2 * 576 + 2 * 576 + 2 * 192 + 2 * 1536) * 4);
+  EXPECT_EQ(m.accumulators, (size_t)512 * 9 * (4 + kAccBins * 65 * 8));
+  EXPECT_NEAR((double)m.ring_blocks, (double)n * (2 * 192 * 2 + 4) + 64.0 * P, 1.0);  // fp16 K and V + position
+  EXPECT_EQ(m.foreign_acc, 0u);
+  EXPECT_EQ(m.star_caches, 0u);
+  // Temporaries: the shard's residual stream and one layer of the context's blocks, not the
+  // ~21 KB per shard token of holding every query's accumulator and q, o at once (0.41x here
+  // for fp16; a 3-bit format holds a quarter of fp16's blocks).
+  EXPECT_LT((double)(m.total() - m.cache), 0.45 * (double)s * 21000);
+  EXPECT_LT((double)(m.scratch + m.accumulators), 0.01 * (double)s * 21000);
+  // One rank runs chunk-major: no shard-sized residual, no ring.
+  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 100000, 32, 1);
+  EXPECT_EQ(one.residual, (size_t)512 * 576 * 4);
+  EXPECT_EQ(one.ring_blocks, 0u);
+}
+
+TEST(memory_plan, xquant_cl_auto_ring_switches_to_latent_past_the_budget) {
+  const model_hparams hp = smollm2_like();
+  cache_spec spec(parse_cache_format("xquant-cl3"));
+  spec.options.cl_ring = cl_ring_mode::cl_ring_auto;
+  sequence_options opt;
+  const int64_t per_token = (576 + 1) * 4;
+  const int64_t under = (int64_t)(kClDeltasBudget / per_token) - 1, over = under + 2;
+  EXPECT_EQ(resolve_ring_mode(spec, hp, opt, under, 8).options.cl_ring, cl_ring_mode::cl_ring_deltas);
+  EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 8).options.cl_ring, cl_ring_mode::cl_ring_latent);
+  EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 1).options.cl_ring, cl_ring_mode::cl_ring_deltas) << "no ring";
+  const cache_spec deltas = resolve_ring_mode(spec, hp, opt, under, 8);
+  EXPECT_GT(estimate_rank_memory(hp, deltas, opt, 512, under, 1, 8).foreign_acc, 0u);
+}
+
+TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
+  const model_hparams hp = smollm2_like();
+  sequence_options opt;
+  opt.mode = prefill_mode::prefill_auto;
+  opt.block_tokens = 4096;
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1 << 20, 32, 8);
+  EXPECT_EQ(m.residual, (size_t)512 * 576 * 4);
+  EXPECT_EQ(m.ring_blocks, 0u);
+  EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
+}
+
+TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
+  const model_hparams hp = smollm2_like();
+  auto comm = make_local_communicator();
+  sequence_options opt;
+  const memory_limit limit("1G");
+  // 64K tokens of fp16 on one rank: 64K x 30 layers x 768 B = 1.4 GiB of cache.
+  try {
+    check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 65536, 32);
+    FAIL() << "expected a refusal";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("does not fit in memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("cache 1.4 GiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 0 may use 1.0 GiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("Formats that fit at 1 rank(s): "), std::string::npos) << m;
+    EXPECT_NE(m.find("nuq3-1%"), std::string::npos) << m;
+    EXPECT_EQ(m.find("fp32 ("), std::string::npos) << "fp32 does not fit: " << m;
+    EXPECT_NE(m.find("fp16 fits from 2 ranks"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 16384, 32));
+}
+
+}  // namespace
+}  // namespace xctx
