@@ -7,6 +7,7 @@
 #include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
+#include "coordinator/corpus.h"
 #include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
 #include "coordinator/sampler.h"
@@ -23,7 +24,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   const model_hparams& hp = s.weights.hp;
   std::vector<int32_t> ids;
   if (comm.rank() == 0) {
-    std::vector<int32_t> text_ids = s.tok->encode(read_file_bytes(opt.text_file, "--text"), false, false);
+    std::vector<int32_t> text_ids = s.tok->encode(load_text(opt.text_file), false, false);
     XCTX_CHECK(!text_ids.empty(), "--text ", opt.text_file, " holds no tokens");
     if (s.tok->vocab().add_bos) ids.push_back(s.tok->vocab().bos_id);
     while ((int64_t)ids.size() < opt.prompt_tokens)

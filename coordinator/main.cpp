@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   std::string bench_cache, bench_ctx, bench_rope, bench_prompt;
   auto* b = app.add_subcommand("bench", "timed prefill + decode on real text; prints JSON");
   b->add_option("--model", bench.model, "model (default: the fetched SmolLM2)");
-  b->add_option("--text", bench.text_file, "text file to tokenize for the prompt")->required();
+  b->add_option("--text", bench.text_file, "text to tokenize for the prompt: a file, austen:NAME[,NAME] or austen:all")->required();
   b->add_option("--prompt-tokens", bench_prompt, "prompt length in tokens (e.g. 512, 8K)")->default_val("512");
   b->add_option("--gen-tokens", bench.gen_tokens, "greedy decode steps after the prompt")->default_val(0);
   add_run_options(b, bench.run, bench_cache, bench_ctx, bench_rope, bench_cf);
