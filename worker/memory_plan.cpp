@@ -26,7 +26,8 @@ double ring_block_bytes_per_token(const cache_spec& spec, const model_hparams& h
   const cache_format_traits t = format_traits(spec.format);
   // Key outliers at up to 3x their nominal fraction: the thresholds are calibrated offline, and
   // 300-token blocks of real text measured ~2.5x.
-  double most = cache_bytes_per_token(spec, g) / g.n_layer + 2.0 * t.outlier_fraction * hp.kv_dim() * 4;
+  // (cache_bytes_per_token counts the shared positions once; every block carries its own, below.)
+  double most = (cache_bytes_per_token(spec, g) - 4.0) / g.n_layer + 2.0 * t.outlier_fraction * hp.kv_dim() * 4;
   if (t.family == cache_family::family_xquant_cl) {
     const double G = spec.options.group_size;
     for (int l = 0; l < g.n_layer; ++l) {
@@ -41,21 +42,23 @@ double ring_block_bytes_per_token(const cache_spec& spec, const model_hparams& h
 
 // Bytes a ring block carries whatever its length: header, the nuq tables (datatypes, channel
 // scales, outlier thresholds) and the fp16 residual window of the grouped formats.
+constexpr double kBlockHeader = 512;  // token count, array offsets, padding of each array to 8 bytes
+
 double ring_block_fixed_bytes(const cache_spec& spec, const model_hparams& hp) {
   const cache_geometry g = geometry_of(hp, 1);
   const cache_format_traits t = format_traits(spec.format);
   const double C = hp.kv_dim(), G = spec.options.group_size;
   switch (t.family) {
     case cache_family::family_nuq:
-      return 64 + 2.0 * (1 << t.bits_per_element) * 4 + 2 * C * 4 + (t.outlier_fraction > 0 ? 2 * C * 4 : 0) +
+      return kBlockHeader + 2.0 * (1 << t.bits_per_element) * 4 + 2 * C * 4 + (t.outlier_fraction > 0 ? 2 * C * 4 : 0) +
              2 * C * 2;  // + the sink row
     case cache_family::family_kivi:
     case cache_family::family_clkv:
-      return 64 + 2 * G * C * 2;
+      return kBlockHeader + 2 * G * C * 2;
     case cache_family::family_xquant:
-      return 64 + (xquant_uses_latents(g) ? 2 : 1) * G * xquant_rank(g) * 2;
+      return kBlockHeader + (xquant_uses_latents(g) ? 2 : 1) * G * xquant_rank(g) * 2;
     default:
-      return 64;
+      return kBlockHeader;
   }
 }
 

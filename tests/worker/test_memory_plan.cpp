@@ -58,7 +58,7 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   EXPECT_NEAR((double)m.residual, (double)s * 576 * 4, 576.0 * 4 * 512);
   EXPECT_EQ(m.scratch, (size_t)512 * (2 * 576 + 2 * 576 + 2 * 192 + 2 * 1536) * 4);
   EXPECT_EQ(m.accumulators, (size_t)512 * 9 * (4 + kAccBins * 65 * 8));
-  EXPECT_NEAR((double)m.ring_blocks, (double)n * (2 * 192 * 2 + 4) + 64.0 * P, 1.0);  // fp16 K and V + position
+  EXPECT_NEAR((double)m.ring_blocks, (double)n * (2 * 192 * 2 + 4) + 512.0 * P, 1.0);  // fp16 K and V + position
   EXPECT_EQ(m.foreign_acc, 0u);
   EXPECT_EQ(m.star_caches, 0u);
   // Temporaries: the shard's residual stream and one layer of the context's blocks, not the
