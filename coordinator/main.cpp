@@ -329,7 +329,7 @@ int main(int argc, char** argv) {
       comm = xctx::make_default_communicator();
       apply_run_options(ppl.run, ppl_cache, ppl_ctx_cap, ppl_rope, ppl_cf);
       apply_sequence_options(ppl.seq, ppl_seq);
-      XCTX_CHECK(ppl.seq.mode == xctx::prefill_mode::prefill_exact, "ppl scores with the exact ring prefill only");
+      XCTX_CHECK(ppl.seq.mode != xctx::prefill_mode::prefill_star, "ppl scores with the exact ring prefill only (--prefill exact or auto)");
       ppl.ctx = xctx::parse_count(ppl_window, "--window");
       ppl.stride = ppl_stride.empty() ? ppl.ctx : xctx::parse_count(ppl_stride, "--stride");
       if (!ppl_max_tokens.empty()) ppl.max_tokens = xctx::parse_count(ppl_max_tokens, "--max-tokens");

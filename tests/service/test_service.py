@@ -325,7 +325,7 @@ class InfoTest(ServiceTest):
         self.assertEqual(info.max_queue, MAX_QUEUE)
         self.assertEqual(info.max_context_tokens, MAX_CONTEXT)
         self.assertGreater(info.cache_bytes_per_rank, 0)
-        self.assertIn(info.prefill, ("exact", "star"))
+        self.assertIn(info.prefill, ("exact", "star", "auto"))
         self.assertTrue(info.model)
         self.assertTrue(info.backend)
 
