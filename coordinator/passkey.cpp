@@ -168,7 +168,9 @@ int passkey_for_seed(uint64_t seed) {
   return 10000 + (int)(rng() % 90000);
 }
 
-int extract_passkey(const std::string& answer) {
+namespace {
+// [begin, end) of the first maximal run of exactly five digits in `answer`, or {npos, npos}.
+std::pair<size_t, size_t> first_five_digit_run(const std::string& answer) {
   for (size_t i = 0; i < answer.size();) {
     if (!is_digit(answer[i])) {
       ++i;
@@ -176,24 +178,22 @@ int extract_passkey(const std::string& answer) {
     }
     size_t j = i;
     while (j < answer.size() && is_digit(answer[j])) ++j;
-    if (j - i == 5) return std::stoi(answer.substr(i, 5));
+    if (j - i == 5) return {i, j};
     i = j;
   }
-  return -1;
+  return {std::string::npos, std::string::npos};
+}
+}  // namespace
+
+int extract_passkey(const std::string& answer) {
+  const auto [b, e] = first_five_digit_run(answer);
+  return b == std::string::npos ? -1 : std::stoi(answer.substr(b, 5));
 }
 
 bool passkey_answer_complete(const std::string& answer) {
-  for (size_t i = 0; i < answer.size();) {
-    if (!is_digit(answer[i])) {
-      ++i;
-      continue;
-    }
-    size_t j = i;
-    while (j < answer.size() && is_digit(answer[j])) ++j;
-    if (j - i == 5 && j < answer.size()) return true;  // a digit run still open may grow
-    i = j;
-  }
-  return false;
+  // A run that ends the text may still grow into six digits.
+  const auto [b, e] = first_five_digit_run(answer);
+  return b != std::string::npos && e < answer.size();
 }
 
 std::pair<double, double> wilson_interval(int correct, int n, double z) {
