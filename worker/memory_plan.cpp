@@ -187,11 +187,12 @@ void check_sequence_fits(communicator& comm, const model_hparams& hp, const cach
                          const sequence_options& opt, int n_batch, int64_t n_context, int64_t extra_on_tail) {
   const int P = comm.size();
   const rank_memory need = estimate_rank_memory(hp, spec, opt, n_batch, n_context, extra_on_tail, P);
+  const uint64_t available = available_memory_bytes();
+  const int local_ranks = node_local_ranks();
   struct verdict {
     uint64_t need, share, available;
     int32_t local_ranks, pad;
-  } mine{need.total(), available_memory_bytes() / (uint64_t)node_local_ranks(), available_memory_bytes(),
-         node_local_ranks(), 0};
+  } mine{need.total(), available / (uint64_t)local_ranks, available, local_ranks, 0};
   std::vector<verdict> all(P);
   comm.all_gather(&mine, all.data(), sizeof mine);
   int worst = 0;
