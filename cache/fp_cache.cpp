@@ -116,6 +116,7 @@ class fp_cache final : public kv_cache {
     a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.acc = &out;
+    a.rope = geo_.rope;  // SelfExtend turns the post-RoPE keys of its grouped side
     be_.attention_partial(a);
   }
 

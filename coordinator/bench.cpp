@@ -74,6 +74,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["ranks"] = comm.size();
   j["prefill_mode"] = prefill_mode_name(runner.mode());
   j["prefill"] = describe_prefill(seq, opt.prompt_tokens);
+  j["rope"] = describe_rope(engine.rope(), hp.n_ctx_train);
   j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
   j["prompt_tokens"] = opt.prompt_tokens;

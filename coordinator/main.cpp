@@ -42,6 +42,8 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
 struct cache_flags {
   std::string qnorm = "auto", cl_ring = "auto";
   bool no_sink = false;
+  int se_group = 0;        // 0: not given
+  std::string se_window;   // empty: not given
 };
 
 std::string cache_format_list() {
@@ -67,8 +69,17 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
-  cmd->add_option("--rope-scaling", rope, "RoPE scaling past the trained context: none | linear | ntk")->default_val("none");
+  cmd->add_option("--rope-scaling", rope,
+                  "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
+                  "(grouped positions, with --group and --window)")
+      ->default_val("none");
   cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f);
+  // --se-window everywhere; --window too where the command has no window of its own (ppl has).
+  const bool window_free = cmd->get_option_no_throw("--window") == nullptr;
+  cmd->add_option("--group,--se-group", cf.se_group,
+                  "selfextend: keys beyond the window are attended at floor(pos / G) (default 4)");
+  cmd->add_option(window_free ? "--window,--se-window" : "--se-window", cf.se_window,
+                  "selfextend: the nearest W positions keep exact positions (e.g. 1024, 2K; default 1024)");
 }
 
 void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope,
@@ -85,10 +96,19 @@ void apply_run_options(xctx::run_params& rp, const std::string& cache, const std
   static const std::map<std::string, xctx::rope_scaling> ropes = {
       {"none", xctx::rope_scaling::rope_scaling_none},
       {"linear", xctx::rope_scaling::rope_scaling_linear},
-      {"ntk", xctx::rope_scaling::rope_scaling_ntk}};
+      {"ntk", xctx::rope_scaling::rope_scaling_ntk},
+      {"selfextend", xctx::rope_scaling::rope_scaling_none}};  // theta unchanged; positions grouped
   auto it = ropes.find(rope);
-  XCTX_CHECK(it != ropes.end(), "--rope-scaling: unknown '", rope, "' (none, linear, ntk)");
+  XCTX_CHECK(it != ropes.end(), "--rope-scaling: unknown '", rope, "' (none, linear, ntk, selfextend)");
   rp.rope_scale = it->second;
+  const bool self_extend = rope == "selfextend";
+  XCTX_CHECK(self_extend || (cf.se_group == 0 && cf.se_window.empty()),
+             "--group and --window (--se-group, --se-window) belong to --rope-scaling selfextend");
+  if (self_extend) {
+    rp.se_group = cf.se_group == 0 ? 4 : cf.se_group;
+    rp.se_window = cf.se_window.empty() ? 1024 : (int)xctx::parse_count(cf.se_window, "--window");
+    XCTX_CHECK(rp.se_group >= 2, "--group must be >= 2 for selfextend, got ", rp.se_group);
+  }
 }
 
 }  // namespace

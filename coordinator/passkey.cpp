@@ -299,6 +299,13 @@ passkey_prompt make_passkey_prompt(const tokenizer& tok, int64_t context_tokens,
   }
 }
 
+namespace {
+rope_config with_group(rope_config r, int group) {
+  r.se_group = group;
+  return r;
+}
+}  // namespace
+
 void check_passkey_options(const passkey_options& opt, const model_hparams& hp) {
   XCTX_CHECK(opt.trials >= 1, "--trials must be >= 1, got ", opt.trials);
   XCTX_CHECK(!opt.depths.empty(), "--depths is empty");
@@ -310,13 +317,23 @@ void check_passkey_options(const passkey_options& opt, const model_hparams& hp) 
   // The prompt may overshoot --context by the tolerance; the answer follows it.
   const int64_t need = passkey_tokens_needed(opt);
   const int64_t suggest_ctx = (need + 1023) / 1024 * 1024;
-  if (opt.run.rope_scale == rope_scaling::rope_scaling_none) {
+  if (opt.run.rope_scale == rope_scaling::rope_scaling_none && opt.run.se_group == 1) {
     // The smallest factor in steps of 0.25 that stretches the trained context over `need`.
     const double factor = std::ceil(4.0 * (double)need / hp.n_ctx_train) / 4.0;
     XCTX_CHECK(need <= hp.n_ctx_train, "passkey --context ", opt.context, " needs up to ", need,
                " tokens (prompt within its tolerance + answer), beyond the model's trained context of ",
                hp.n_ctx_train, "; use a smaller --context or pass --rope-scaling linear --rope-factor ", factor,
-               " --ctx ", suggest_ctx);
+               " --ctx ", suggest_ctx, " (or --rope-scaling selfextend)");
+  }
+  if (opt.run.se_group > 1) {
+    const rope_config r = make_rope_config(hp, opt.run);
+    const int64_t reach = rope_reach(r, hp.n_ctx_train);
+    int suggest = r.se_group;
+    while (suggest < 4096 && rope_reach(with_group(r, suggest), hp.n_ctx_train) < need) suggest *= 2;
+    XCTX_CHECK(need <= reach, "passkey --context ", opt.context, " needs up to ", need,
+               " tokens, beyond what SelfExtend with --group ", r.se_group, " --window ", r.se_window,
+               " reaches from the trained context of ", hp.n_ctx_train, " (", reach, " tokens); pass --group ",
+               suggest);
   }
   const int64_t capacity = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
   XCTX_CHECK(need <= capacity, "passkey --context ", opt.context, " needs up to ", need, " tokens but the context is ",
@@ -425,8 +442,9 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   }
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
-  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
+  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | rope %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
               hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(seq, opt.context).c_str(),
+              describe_rope(engine.rope(), hp.n_ctx_train).c_str(),
               format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));
   std::unique_ptr<progress_line> progress;
@@ -476,6 +494,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                                 {"filler", opt.filler},
                                 {"chat", opt.chat},
                                 {"prefill", describe_prefill(seq, opt.context)},
+                                {"rope", describe_rope(engine.rope(), hp.n_ctx_train)},
                                 {"cache", format_traits(opt.run.cache).name},
                                 {"ranks", comm.size()},
                                 {"seed", opt.seed},

@@ -41,7 +41,29 @@ struct rope_config {
   rope_scaling scaling = rope_scaling::rope_scaling_none;
   float scaling_factor = 1.0f;     // > 1 stretches the usable context
   // theta_i(pos) = pos_eff * base_eff^(-2i / n_rot); see rope_theta() in kernels/ref.
+
+  // SelfExtend (Jin et al. 2024, "LLM Maybe LongLM"), applied at attention time only: a key
+  // fewer than se_window positions behind the query is attended at the exact positions; a
+  // farther one at grouped positions, the key at floor(p / G) and the query at
+  // floor(i / G) + W - floor(W / G) (the shift keeps relative distances continuous at the
+  // window's edge). se_group 1 = off. Caches keep their keys as they are (pre-RoPE codes are
+  // rotated where they are decoded; post-RoPE fp keys are turned by floor(p / G) - p), so
+  // nothing is re-encoded. Composes with the scalings above (they change theta, this the
+  // positions).
+  int se_group = 1;   // G
+  int se_window = 0;  // W, in positions
 };
+
+inline bool self_extend_on(const rope_config& c) { return c.se_group > 1; }
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+// Where a key at position p is rotated to on the grouped side.
+inline int64_t self_extend_key_pos(const rope_config& c, int64_t p) { return floor_div(p, c.se_group); }
+// Where a query at position i is rotated to on the grouped side.
+inline int64_t self_extend_query_pos(const rope_config& c, int64_t i) {
+  return floor_div(i, c.se_group) + c.se_window - c.se_window / c.se_group;
+}
+// Keys at positions <= this are attended on the grouped side by the query at i (i - p >= W).
+inline int64_t self_extend_last_grouped(const rope_config& c, int64_t i) { return i - c.se_window; }
 
 // Element type of cached keys/values handed to the attention kernels.
 enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
@@ -75,6 +97,9 @@ struct attn_args {
   // (kernels/cpu/attention_units.h). Host memory; the CPU backend implements it per unit, the
   // ref backend as one deposit per row, the CUDA backend not at all (it throws).
   softmax_acc* acc = nullptr;
+  // The rope the keys were rotated with. Only SelfExtend reads it (grouped side: keys turned by
+  // floor(p / G) - p, queries by their grouped shift); it needs acc on the CPU backend.
+  rope_config rope;
 };
 
 class backend {

@@ -6,8 +6,22 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
+
+#include "kernels/ops.h"
 
 namespace xctx::test {
+
+// The attention tests' SelfExtend settings: off, a power-of-two group with a window of whole
+// units and one that is neither (units cut by the window's edge, groups across unit seams).
+struct self_extend_case {
+  int group, window;
+};
+inline std::vector<self_extend_case> self_extend_cases() { return {{1, 0}, {4, 256}, {3, 77}}; }
+inline rope_config with_self_extend(rope_config r, self_extend_case c) {
+  r.se_group = c.group, r.se_window = c.window;
+  return r;
+}
 
 inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }
 inline std::string data_path(const std::string& rel) { return source_path("tests/data/" + rel); }

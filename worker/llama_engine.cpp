@@ -22,7 +22,38 @@ rope_config make_rope_config(const model_hparams& hp, const run_params& rp) {
     r.scaling = rp.rope_scale;
     r.scaling_factor = rp.rope_factor;
   }
+  if (rp.se_group != 1) {
+    XCTX_CHECK(rp.se_group >= 2 && rp.se_group <= 4096, "SelfExtend --group must be in [2, 4096], got ", rp.se_group);
+    XCTX_CHECK(rp.se_window >= 1 && rp.se_window < hp.n_ctx_train, "SelfExtend --window must be in [1, ",
+               hp.n_ctx_train, ") (the trained context), got ", rp.se_window);
+    r.se_group = rp.se_group;
+    r.se_window = rp.se_window;
+  }
   return r;
+}
+
+std::string describe_rope(const rope_config& r, int64_t n_ctx_train) {
+  std::string s;
+  switch (r.scaling) {
+    case rope_scaling::rope_scaling_none: s = "none"; break;
+    case rope_scaling::rope_scaling_linear: s = "linear x" + std::to_string(r.scaling_factor); break;
+    case rope_scaling::rope_scaling_ntk: s = "ntk x" + std::to_string(r.scaling_factor); break;
+  }
+  if (r.scaling != rope_scaling::rope_scaling_none) s.erase(s.find_last_not_of('0') + 1), s.erase(s.find_last_not_of('.') + 1);
+  if (self_extend_on(r))
+    s = (r.scaling == rope_scaling::rope_scaling_none ? "" : s + " + ") + "selfextend G " + std::to_string(r.se_group) +
+        " W " + std::to_string(r.se_window);
+  return s + " (reaches " + std::to_string(rope_reach(r, n_ctx_train)) + " tokens)";
+}
+
+int64_t rope_reach(const rope_config& r, int64_t n_ctx_train) {
+  const double factor = r.scaling == rope_scaling::rope_scaling_none ? 1.0 : (double)r.scaling_factor;
+  const int64_t trained = (int64_t)((double)n_ctx_train * factor);
+  if (!self_extend_on(r)) return trained;
+  // The farthest pair is the query at L - 1 and the key at 0: floor((L - 1) / G) + W - floor(W / G)
+  // must stay <= trained - 1.
+  const int64_t room = trained - 1 - (r.se_window - r.se_window / r.se_group);
+  return room < 0 ? 0 : (room + 1) * r.se_group;
 }
 
 llama_engine::llama_engine(const model_weights& w, backend& be, const run_params& rp)

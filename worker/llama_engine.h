@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <functional>
 #include <vector>
 
@@ -83,6 +84,11 @@ class llama_engine {
 
 // The rope the engine uses: the file's base and dims, with run_params scaling applied.
 rope_config make_rope_config(const model_hparams& hp, const run_params& rp);
+// The longest context whose relative positions stay within what the model was trained on
+// (n_ctx_train, stretched by linear/NTK scaling, or reached through SelfExtend's groups).
+int64_t rope_reach(const rope_config& r, int64_t n_ctx_train);
+// For run headers: "none (reaches 8192 tokens)", "selfextend G 8 W 1024 (reaches 58368 tokens)".
+std::string describe_rope(const rope_config& r, int64_t n_ctx_train);
 // Geometry of a cache of `capacity` tokens for this model.
 cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity);
 

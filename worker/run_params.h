@@ -20,6 +20,10 @@ struct run_params {
   // RoPE scaling for running past the trained context; none keeps what the file says.
   rope_scaling rope_scale = rope_scaling::rope_scaling_none;
   float rope_factor = 1.0f;
+  // SelfExtend grouped positions at attention time (rope_config::se_group in kernels/ops.h):
+  // group 1 = off; keys within se_window positions of the query keep their exact positions.
+  int se_group = 1;
+  int se_window = 0;
 };
 
 }  // namespace xctx

@@ -22,6 +22,7 @@
 #include "kernels/cpu/attention_units.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/rope_tile.h"
 
 namespace xctx::cpu {
 namespace impl {
@@ -342,6 +343,24 @@ class plain_loader final : public unit_loader {
     const size_t off = (size_t)(s0 * ld_) * kv_elt_bytes(a_.kv_type);
     return unit_kv{(const char*)a_.k + off, (const char*)a_.v + off, a_.kv_type, ld_};
   }
+  // Post-RoPE keys turned from p to floor(p / G): f32 copies of K (turned) and V.
+  unit_kv load_grouped(int64_t s0, int n, float* kbuf, float* vbuf) override {
+    const size_t elems = (size_t)n * ld_;
+    const size_t off = (size_t)(s0 * ld_);
+    to_f32((const char*)a_.k, off, elems, kbuf);
+    to_f32((const char*)a_.v, off, elems, vbuf);
+    const impl::rope_table& tab = impl::rope_table_for(a_.rope);
+    int32_t turn[impl::kRopeTile];
+    for (int h = 0; h < n; h += impl::kRopeTile) {
+      const int nt = std::min(impl::kRopeTile, n - h);
+      for (int j = 0; j < nt; ++j) {
+        const int64_t p = a_.kv_pos[s0 + h + j];
+        turn[j] = (int32_t)(self_extend_key_pos(a_.rope, p) - p);
+      }
+      impl::rope_tile(impl::best_isa(), kbuf + (size_t)h * ld_, turn, nt, a_.n_head_kv, tab, cur_);
+    }
+    return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, ld_};
+  }
   // The first decode tile of the next unit into L2, so the stream does not stall at unit seams.
   void prefetch(int64_t s0, int n) override {
     const size_t elt = kv_elt_bytes(a_.kv_type);
@@ -355,16 +374,26 @@ class plain_loader final : public unit_loader {
   }
 
  private:
+  void to_f32(const char* base, size_t off, size_t elems, float* dst) const {
+    if (a_.kv_type == kv_dtype::kv_f32) {
+      std::copy((const float*)base + off, (const float*)base + off + elems, dst);
+    } else {
+      const uint16_t* src = (const uint16_t*)base + off;
+      for (size_t e = 0; e < elems; ++e) dst[e] = fp16_to_fp32(src[e]);
+    }
+  }
   const attn_args& a_;
   int64_t ld_;
+  impl::rope_cursor cur_;
 };
 
 void attention_partial(isa v, const attn_args& a) {
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope};
     attend_units(qs, a.kv_pos, a.n_kv, [&] { return std::make_unique<plain_loader>(a); }, *a.acc);
     return;
   }
+  XCTX_CHECK(!self_extend_on(a.rope), "attention: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
              "attention: n_head=", a.n_head, " must be a positive multiple of n_head_kv=", a.n_head_kv);

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/rope_tile.h"
 
 namespace xctx::cpu {
 namespace {
@@ -22,7 +23,7 @@ constexpr int kQueryBlock = 16;
 struct query_runner {
   const unit_queries& qs;
   const std::vector<float>& q_scaled;     // [n_q, n_head, head_dim]
-  const std::vector<int64_t>& q_end;      // [n_q] visible slots are [0, q_end)
+  const query_ranges& qr;
   impl::isa isa;
   // Per-thread scratch, kept between calls (a decode step calls this 30 times per token; fresh
   // zeroed buffers per call cost more than the attention over a short cache).
@@ -43,8 +44,8 @@ struct query_runner {
     return s;
   }
   // max_queries: queries per decode-kernel call (1, or kQueryBlock on the blocked path).
-  query_runner(const unit_queries& q, const std::vector<float>& qsc, const std::vector<int64_t>& qe, int max_queries)
-      : qs(q), q_scaled(qsc), q_end(qe), isa(impl::best_isa()), sp(thread_scratch()), o(sp.o), lse(sp.lse),
+  query_runner(const unit_queries& q, const std::vector<float>& qsc, const query_ranges& r, int max_queries)
+      : qs(q), q_scaled(qsc), qr(r), isa(impl::best_isa()), sp(thread_scratch()), o(sp.o), lse(sp.lse),
         scratch(sp.scratch), row_end(sp.row_end), q_block(sp.q_block), row_of(sp.row_of) {
     const size_t R = (size_t)max_queries * qs.n_head;
     o.resize(R * qs.head_dim);
@@ -57,7 +58,8 @@ struct query_runner {
   // Several queries in one decode-kernel call give each row the same arithmetic as a call of
   // its own query alone only if the kernel's 3-row blocks never mix queries: the rows of one kv
   // head are ordered by query, so that holds when a query has a multiple of 3 heads per kv head.
-  bool can_block() const { return (qs.n_head / qs.n_head_kv) % 3 == 0; }
+  // SelfExtend gives queries different key ranges per unit: one query per call then.
+  bool can_block() const { return (qs.n_head / qs.n_head_kv) % 3 == 0 && !qr.grouped; }
   // Rows of queries [i0, i0 + nqb) in the kernel's order r = (kvh * nqb + ii) * g + u.
   void set_block(int64_t i0, int nqb) {
     const int g = qs.n_head / qs.n_head_kv, hd = qs.head_dim;
@@ -77,7 +79,7 @@ struct query_runner {
     bool any = false;
     for (int r = 0; r < R; ++r) {
       const int64_t i = block_i0 + (r / g) % block_n;
-      row_end[(size_t)r] = std::clamp<int64_t>(q_end[i] - s0, 0, n);
+      row_end[(size_t)r] = std::clamp<int64_t>(qr.end[i] - s0, 0, n);
       any = any || row_end[(size_t)r] > 0;
     }
     if (!any) return;
@@ -92,22 +94,32 @@ struct query_runner {
   }
   int64_t block_i0 = 0;
   int block_n = 0;
-  void run(int64_t i, const unit_kv& kv, int64_t s0, int n, softmax_acc& acc) {
-    const int64_t vis = std::min<int64_t>(n, q_end[i] - s0);
-    if (vis <= 0) return;
-    std::fill(row_end.begin(), row_end.end(), vis);
+  // Query i over the unit's slots [b, e) (relative to s0): the near side with the unit's keys,
+  // or the grouped side (far) with its grouped keys and the turned query.
+  void run(int64_t i, bool far, const unit_kv& kv, int64_t b, int64_t e, int n, softmax_acc& acc) {
+    if (b >= e) return;
+    std::fill(row_end.begin(), row_end.end(), e);
     impl::decode_job jb;
-    jb.q = q_scaled.data() + (size_t)i * qs.n_head * qs.head_dim;
+    jb.q = (far ? qr.q_far : q_scaled).data() + (size_t)i * qs.n_head * qs.head_dim;
     jb.row_end = row_end.data();
     jb.R = qs.n_head;  // rows in head order: head h reads kv head h / (n_head / n_head_kv)
     jb.n_kvh = qs.n_head_kv;
     jb.hd = qs.head_dim;
     jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
-    jb.j0 = 0, jb.j1 = n;
+    jb.j0 = b, jb.j1 = n;
     jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
     impl::decode_block(isa, jb);
     for (int h = 0; h < qs.n_head; ++h)
       acc.add_partial(i * qs.n_head + h, lse[(size_t)h], o.data() + (size_t)h * qs.head_dim);
+  }
+  // Both sides of query i over one unit (kv_far: the grouped keys, only read when needed).
+  void run_both(int64_t i, const unit_kv& kv, const unit_kv& kv_far, int64_t s0, int n, softmax_acc& acc) {
+    const auto [nb, ne] = qr.near(i, s0, n);
+    run(i, false, kv, nb, ne, n, acc);
+    if (qr.grouped) {
+      const auto [fb, fe] = qr.far(i, s0, n);
+      run(i, true, kv_far, fb, fe, n, acc);
+    }
   }
 };
 
@@ -126,6 +138,37 @@ bool check_units_args(const unit_queries& qs, const int32_t* kv_pos, int64_t n_k
 }
 
 }  // namespace
+
+query_ranges::query_ranges(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv)
+    : end((size_t)qs.n_q), split((size_t)qs.n_q, 0), grouped(qs.rope != nullptr && self_extend_on(*qs.rope)) {
+  for (int64_t i = 0; i < qs.n_q; ++i) {
+    end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[i]) - kv_pos;
+    kv_len = std::max(kv_len, end[i]);
+    if (grouped) {
+      const int64_t last = self_extend_last_grouped(*qs.rope, qs.q_pos[i]);
+      split[i] = std::upper_bound(kv_pos, kv_pos + end[i], last, [](int64_t p, int32_t k) { return p < k; }) - kv_pos;
+    }
+  }
+  if (grouped && kv_len > 0) {
+    q_far = impl::self_extend_queries(qs.q, qs.q_pos, qs.n_q, qs.n_head, *qs.rope);
+    for (float& x : q_far) x *= qs.scale;
+  }
+}
+
+bool query_ranges::any_near(int64_t s0, int n) const {
+  for (size_t i = 0; i < end.size(); ++i) {
+    const auto [b, e] = near((int64_t)i, s0, n);
+    if (b < e) return true;
+  }
+  return false;
+}
+
+bool query_ranges::any_far(int64_t s0, int n) const {
+  if (!grouped) return false;
+  for (size_t i = 0; i < end.size(); ++i)
+    if (far((int64_t)i, s0, n).second > 0) return true;
+  return false;
+}
 
 std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
   // Positions ascend: each unit ends where the first position of a later unit is, found by
@@ -146,18 +189,15 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
   if (!check_units_args(qs, kv_pos, n_kv, acc)) return;
   const int hd = qs.head_dim;
   const int C = qs.n_head_kv * hd;
-  std::vector<int64_t> q_end((size_t)qs.n_q);
-  int64_t kv_len = 0;
-  for (int64_t i = 0; i < qs.n_q; ++i) {
-    q_end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[i]) - kv_pos;
-    kv_len = std::max(kv_len, q_end[i]);
-  }
+  const query_ranges ranges(qs, kv_pos, n_kv);
+  const int64_t kv_len = ranges.kv_len;
   if (kv_len == 0) return;
   std::vector<float> q_scaled((size_t)qs.n_q * qs.n_head * hd);
   for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = qs.q[e] * qs.scale;
   const std::vector<int64_t> ub = unit_bounds(kv_pos, kv_len);
   const int64_t n_unit = (int64_t)ub.size() - 1;
   const int threads = omp_get_max_threads();
+  const int sides = ranges.grouped ? 2 : 1;  // unit buffers: near keys, grouped keys
 
   if (qs.n_q < 2 * threads) {
     // Few queries (decode): threads split the units, each deposits into its own accumulator;
@@ -165,9 +205,11 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
 #pragma omp parallel if (n_unit > 1 && threads > 1)
     {
       std::unique_ptr<unit_loader> ld = make_loader();
-      query_runner qr(qs, q_scaled, q_end, 1);
-      thread_local std::vector<float> kbuf, vbuf;  // [kAttnUnit, C] each, reused across calls
-      kbuf.resize((size_t)kAttnUnit * C), vbuf.resize((size_t)kAttnUnit * C);
+      query_runner qr(qs, q_scaled, ranges, 1);
+      thread_local std::vector<float> kbuf, vbuf;  // [sides, kAttnUnit, C] each, reused across calls
+      kbuf.resize((size_t)sides * kAttnUnit * C), vbuf.resize((size_t)sides * kAttnUnit * C);
+      float* kfar = kbuf.data() + (size_t)(sides - 1) * kAttnUnit * C;
+      float* vfar = vbuf.data() + (size_t)(sides - 1) * kAttnUnit * C;
       thread_local softmax_acc mine;
       mine.reset(acc.rows(), acc.width());
       // Contiguous ranges: each thread streams one run of the cache front to back.
@@ -176,8 +218,10 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
         const int64_t s0 = ub[u];
         const int n = (int)(ub[u + 1] - s0);
         if (u + 1 < n_unit) ld->prefetch(ub[u + 1], (int)(ub[u + 2 > n_unit ? n_unit : u + 2] - ub[u + 1]));
-        const unit_kv kv = ld->load(s0, n, kbuf.data(), vbuf.data());
-        for (int64_t i = 0; i < qs.n_q; ++i) qr.run(i, kv, s0, n, mine);
+        unit_kv kv, kv_far;
+        if (ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data(), vbuf.data());
+        if (ranges.any_far(s0, n)) kv_far = ld->load_grouped(s0, n, kfar, vfar);
+        for (int64_t i = 0; i < qs.n_q; ++i) qr.run_both(i, kv, kv_far, s0, n, mine);
       }
 #pragma omp critical(xctx_attend_units_merge)
       acc.merge(mine);
@@ -187,19 +231,25 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
 
   // Many queries (prefill): load a batch of units together, then threads split the queries
   // (each query's rows belong to one thread, so deposits go straight into acc).
-  std::vector<float> kbuf((size_t)kUnitBatch * kAttnUnit * C), vbuf((size_t)kUnitBatch * kAttnUnit * C);
-  std::vector<unit_kv> kvs(kUnitBatch);
+  const size_t unit_elems = (size_t)kAttnUnit * C;
+  std::vector<float> kbuf((size_t)sides * kUnitBatch * unit_elems), vbuf(kbuf.size());
+  std::vector<unit_kv> kvs((size_t)sides * kUnitBatch);  // near of unit b at b, grouped at kUnitBatch + b
 #pragma omp parallel
   {
     std::unique_ptr<unit_loader> ld = make_loader();
-    query_runner qr(qs, q_scaled, q_end, kQueryBlock);
+    query_runner qr(qs, q_scaled, ranges, kQueryBlock);
     for (int64_t u0 = 0; u0 < n_unit; u0 += kUnitBatch) {
       const int nb = (int)std::min<int64_t>(kUnitBatch, n_unit - u0);
 #pragma omp for schedule(static)
-      for (int b = 0; b < nb; ++b) {
+      for (int w = 0; w < sides * nb; ++w) {
+        const int b = w % nb, side = w / nb;
         const int64_t s0 = ub[u0 + b];
-        const size_t off = (size_t)b * kAttnUnit * C;
-        kvs[b] = ld->load(s0, (int)(ub[u0 + b + 1] - s0), kbuf.data() + off, vbuf.data() + off);
+        const int n = (int)(ub[u0 + b + 1] - s0);
+        const size_t off = ((size_t)side * kUnitBatch + b) * unit_elems;
+        unit_kv& kv = kvs[(size_t)side * kUnitBatch + b];
+        kv = unit_kv{};
+        if (side == 0 && ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data() + off, vbuf.data() + off);
+        if (side == 1 && ranges.any_far(s0, n)) kv = ld->load_grouped(s0, n, kbuf.data() + off, vbuf.data() + off);
       }
       if (qr.can_block()) {
         const int64_t n_qb = (qs.n_q + kQueryBlock - 1) / kQueryBlock;
@@ -216,7 +266,8 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
         for (int64_t i = 0; i < qs.n_q; ++i)
           for (int b = 0; b < nb; ++b) {
             const int64_t s0 = ub[u0 + b];
-            qr.run(i, kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+            const unit_kv& far = kvs[(size_t)(sides - 1) * kUnitBatch + b];
+            qr.run_both(i, kvs[b], far, s0, (int)(ub[u0 + b + 1] - s0), acc);
           }
       }
     }
@@ -227,12 +278,12 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
                             const std::function<std::unique_ptr<unit_kernel>()>& make_kernel, softmax_acc& acc) {
   XCTX_CHECK(qs.n_q <= 1, "attention: the one-query path got ", qs.n_q, " queries");
   if (!check_units_args(qs, kv_pos, n_kv, acc)) return;
-  const int64_t kv_len = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[0]) - kv_pos;
-  if (kv_len == 0) return;
+  const query_ranges ranges(qs, kv_pos, n_kv);
+  if (ranges.kv_len == 0) return;
   const int hd = qs.head_dim;
   std::vector<float> q_scaled((size_t)qs.n_head * hd);
   for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = qs.q[e] * qs.scale;
-  const std::vector<int64_t> ub = unit_bounds(kv_pos, kv_len);
+  const std::vector<int64_t> ub = unit_bounds(kv_pos, ranges.kv_len);
   const int64_t n_unit = (int64_t)ub.size() - 1;
   const int threads = omp_get_max_threads();
 #pragma omp parallel if (n_unit > 1 && threads > 1)
@@ -242,10 +293,19 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
     o.resize((size_t)qs.n_head * hd), lse.resize((size_t)qs.n_head);
     thread_local softmax_acc mine;
     mine.reset(acc.rows(), acc.width());
+    const auto deposit = [&] {
+      for (int h = 0; h < qs.n_head; ++h) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
+    };
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < n_unit; ++u) {
-      kernel->attend(q_scaled.data(), ub[u], (int)(ub[u + 1] - ub[u]), o.data(), lse.data());
-      for (int h = 0; h < qs.n_head; ++h) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
+      const int64_t s0 = ub[u];
+      const int n = (int)(ub[u + 1] - s0);
+      const auto [nb, ne] = ranges.near(0, s0, n);
+      if (nb < ne) kernel->attend(q_scaled.data(), s0 + nb, (int)(ne - nb), false, o.data(), lse.data()), deposit();
+      if (ranges.grouped) {
+        const auto [fb, fe] = ranges.far(0, s0, n);
+        if (fb < fe) kernel->attend(ranges.q_far.data(), s0 + fb, (int)(fe - fb), true, o.data(), lse.data()), deposit();
+      }
     }
 #pragma omp critical(xctx_attend_units_merge)
     acc.merge(mine);

@@ -11,9 +11,11 @@
 // every split sees the same visible keys of it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -35,6 +37,9 @@ class unit_loader {
  public:
   virtual ~unit_loader() = default;
   virtual unit_kv load(int64_t s0, int n, float* kbuf, float* vbuf) = 0;
+  // The same slots with keys rotated to SelfExtend's grouped positions (rope_config::se_group),
+  // decoded to f32 into the buffers. Only called when the queries' rope has SelfExtend on.
+  virtual unit_kv load_grouped(int64_t s0, int n, float* kbuf, float* vbuf) = 0;
   // Called with the next unit before the current one runs: a loader reading a stream from
   // memory can request its first rows early (the decode kernel prefetches only inside a unit).
   virtual void prefetch(int64_t /*s0*/, int /*n*/) {}
@@ -46,6 +51,33 @@ struct unit_queries {
   int64_t n_q = 0;
   int n_head = 0, n_head_kv = 0, head_dim = 0;
   float scale = 0.0f;
+  // The keys' rope. With SelfExtend on (self_extend_on), a query's keys at or before
+  // self_extend_last_grouped are attended through the loaders' grouped keys and the query
+  // turned to its grouped position (kernels/ops.h), the rest as usual: up to two deposits per
+  // (query, unit), each a function of the query and the unit alone, so invariance holds.
+  const rope_config* rope = nullptr;
+};
+
+// Which cached slots each query sees, and on which side: everything near unless the rope has
+// SelfExtend on, when slots at positions <= self_extend_last_grouped(q_pos) are on the
+// grouped side (keys at grouped positions, the query turned: q_far).
+struct query_ranges {
+  std::vector<int64_t> end;    // [n_q] visible slots are [0, end)
+  std::vector<int64_t> split;  // [n_q] slots [0, split) are on the grouped side, [split, end) near
+  int64_t kv_len = 0;          // max end
+  bool grouped = false;        // SelfExtend on
+  std::vector<float> q_far;    // [n_q, n_head, head_dim] grouped-side queries times the scale
+
+  query_ranges(const unit_queries& qs, const int32_t* kv_pos /*[n_kv] ascending*/, int64_t n_kv);
+  // Query i's near / grouped slots in the unit [s0, s0 + n), relative to s0 (empty when b >= e).
+  std::pair<int64_t, int64_t> near(int64_t i, int64_t s0, int n) const {
+    return {std::max<int64_t>(split[i] - s0, 0), std::min<int64_t>(end[i] - s0, n)};
+  }
+  std::pair<int64_t, int64_t> far(int64_t i, int64_t s0, int n) const {
+    return {0, std::min<int64_t>(std::min(split[i], end[i]) - s0, n)};
+  }
+  bool any_near(int64_t s0, int n) const;  // some query needs the unit's keys
+  bool any_far(int64_t s0, int n) const;   // ... its grouped keys
 };
 
 // Slot ranges of the units of slots [0, n) with ascending positions pos: a new unit starts
@@ -58,8 +90,9 @@ class unit_kernel {
  public:
   virtual ~unit_kernel() = default;
   // Partial of q ([n_head, head_dim], multiplied by the softmax scale) over slots [s0, s0 + n),
-  // all visible: o [n_head, head_dim] normalised, lse [n_head] natural log.
-  virtual void attend(const float* q, int64_t s0, int n, float* o, float* lse) = 0;
+  // all visible, inside one unit: o [n_head, head_dim] normalised, lse [n_head] natural log.
+  // grouped: keys at SelfExtend's grouped positions (q is then the grouped-side query).
+  virtual void attend(const float* q, int64_t s0, int n, bool grouped, float* o, float* lse) = 0;
 };
 
 // Deposits into acc rows i * n_head + h (acc must have n_q * n_head rows of width head_dim) the

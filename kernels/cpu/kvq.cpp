@@ -186,9 +186,11 @@ void convert_f16_rows(const uint16_t* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
 }
 
-// Slots [s0, s0 + nt) of the layer, decoded, outliers patched, keys rotated.
+// Slots [s0, s0 + nt) of the layer, decoded, outliers patched, keys rotated to rot_pos (the
+// slots' positions, or SelfExtend's grouped ones).
 void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, int64_t s0, int nt,
-                 float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, impl::rope_cursor& cur) {
+                 float* kt /*[nt, C]*/, float* vt /*[nt, C]*/, group_scales& gs, impl::rope_cursor& cur,
+                 const int32_t* rot_pos /*[nt]*/) {
   const int C = L.channels();
   // The AVX2 row decoders take the KV formats' widths (2..4 bits, keys and values alike).
   const bool fast = v == isa::isa_avx2 && L.bits >= 2 && L.value_bits() == L.bits;
@@ -238,7 +240,7 @@ void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, in
     }
     r += (int)run;
   }
-  impl::rope_tile(v, kt, L.pos + s0, nt, L.n_head_kv, tab, cur);
+  impl::rope_tile(v, kt, rot_pos, nt, L.n_head_kv, tab, cur);
 }
 
 void check_args(const kvq_attn_args& a) {
@@ -310,7 +312,7 @@ void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64
       const int64_t end = std::min(kv_len, (ch + 1) * chunk);
       for (int64_t s0 = ch * chunk; s0 < end; s0 += kTile) {
         const int nt = (int)std::min<int64_t>(kTile, end - s0);
-        decode_tile(v, L, tab, s0, nt, kt.data(), vt.data(), gs, cur);
+        decode_tile(v, L, tab, s0, nt, kt.data(), vt.data(), gs, cur, L.pos + s0);
         for (int r = 0; r < R; ++r) rel[r] = std::clamp<int64_t>(row_end[r] - s0, 0, nt);
         impl::decode_job jb;
         jb.q = qs.data(), jb.row_end = rel.data(), jb.R = R, jb.n_kvh = L.n_head_kv, jb.hd = hd;
@@ -351,7 +353,7 @@ void attention_kvq_prefill(isa v, const kvq_attn_args& a, int64_t kv_len) {
       for (int64_t b = 0; b < n_sub; ++b) {
         const int64_t s0 = t0 + b * kTile;
         const int n = (int)std::min<int64_t>(kTile, t0 + nt - s0);
-        decode_tile(v, L, tab, s0, n, kbuf.data() + (s0 - t0) * C, vbuf.data() + (s0 - t0) * C, gs, cur);
+        decode_tile(v, L, tab, s0, n, kbuf.data() + (s0 - t0) * C, vbuf.data() + (s0 - t0) * C, gs, cur, L.pos + s0);
       }
     }
     acc.add(kbuf.data(), vbuf.data(), L.pos + t0, nt);
@@ -367,7 +369,19 @@ class kvq_loader final : public unit_loader {
     const int C = a_.kv.channels();
     for (int h = 0; h < n; h += kTile) {
       const int nt = std::min(kTile, n - h);
-      decode_tile(impl::best_isa(), a_.kv, tab_, s0 + h, nt, kbuf + (size_t)h * C, vbuf + (size_t)h * C, gs_, cur_);
+      decode_tile(impl::best_isa(), a_.kv, tab_, s0 + h, nt, kbuf + (size_t)h * C, vbuf + (size_t)h * C, gs_, cur_,
+                  a_.kv.pos + s0 + h);
+    }
+    return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, C};
+  }
+  unit_kv load_grouped(int64_t s0, int n, float* kbuf, float* vbuf) override {
+    const int C = a_.kv.channels();
+    int32_t gpos[kTile];
+    for (int h = 0; h < n; h += kTile) {
+      const int nt = std::min(kTile, n - h);
+      for (int j = 0; j < nt; ++j) gpos[j] = (int32_t)self_extend_key_pos(a_.rope, a_.kv.pos[s0 + h + j]);
+      decode_tile(impl::best_isa(), a_.kv, tab_, s0 + h, nt, kbuf + (size_t)h * C, vbuf + (size_t)h * C, gs_, cur_,
+                  gpos);
     }
     return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, C};
   }
@@ -390,10 +404,11 @@ class kvq_fused_kernel final : public unit_kernel {
     if (scratch_.size() < need) scratch_.resize(need);
     if (angles_.size() < (size_t)a.kv.head_dim) angles_.resize((size_t)a.kv.head_dim);
   }
-  void attend(const float* q, int64_t s0, int n, float* o, float* lse) override {
+  void attend(const float* q, int64_t s0, int n, bool grouped, float* o, float* lse) override {
     impl::kvq_fused_args f;
     f.kv = &a_.kv, f.q = q, f.n_head = a_.n_head, f.n_rot = a_.rope.n_rot;
     f.s0 = s0, f.n = n;
+    f.pos_group = grouped ? a_.rope.se_group : 1;
     f.off_cos2 = tab_.unit_cos2.data(), f.off_sin2 = tab_.unit_sin2.data();
     f.angles = angles_of, f.angle_table = &tab_;
     f.scratch = scratch_.data(), f.angle_scratch = angles_.data();
@@ -428,7 +443,7 @@ void attention_kvq(const kvq_attn_args& a) {
   check_args(a);
   const kvq_layer_view& L = a.kv;
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale, &a.rope};
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     if (a.decode_step && a.n_q == 1 && impl::best_isa() == isa::isa_avx2 &&
         impl::kvq_fused_supported(L, a.n_head, a.rope.n_rot)) {
@@ -438,6 +453,7 @@ void attention_kvq(const kvq_attn_args& a) {
     attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
     return;
   }
+  XCTX_CHECK(!self_extend_on(a.rope), "attention_kvq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end((size_t)a.n_q);
   int64_t kv_len = 0;

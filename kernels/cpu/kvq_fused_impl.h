@@ -462,8 +462,10 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   for (int64_t& sg : slot_group) sg = -1;
 
   // RoPE (n_rot = hd): the query rotated back by the unit's first position, keys by their offset.
-  const int32_t p0 = L.pos[a.s0];
-  XCTX_ASSERT((int64_t)L.pos[a.s0 + a.n - 1] - p0 < kAttnUnit, "kvq fused: slots ", a.s0, "..", a.s0 + a.n,
+  const int G = a.pos_group;
+  const auto rot_pos = [G](int32_t p) { return (int32_t)floor_div(p, G); };
+  const int32_t p0 = rot_pos(L.pos[a.s0]);
+  XCTX_ASSERT((int64_t)rot_pos(L.pos[a.s0 + a.n - 1]) - p0 < kAttnUnit, "kvq fused: slots ", a.s0, "..", a.s0 + a.n,
               " are not one attention unit");
   a.angles(a.angle_table, p0, ac, as);
   for (int i = 0; i < hd / 2; ++i) {
@@ -487,7 +489,7 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   for (int64_t t0 = a.s0; t0 < a.s0 + a.n; t0 += kT) {
     const int nt = (int)(a.s0 + a.n - t0 < kT ? a.s0 + a.n - t0 : kT);
     t.nt = nt;
-    for (int j = 0; j < nt; ++j) t.rot[j] = (L.pos[t0 + j] - p0) * hd;
+    for (int j = 0; j < nt; ++j) t.rot[j] = (rot_pos(L.pos[t0 + j]) - p0) * hd;
     // Runs: fp16 sink rows, quantized rows (split at uniform key groups), fp16 window rows.
     t.n_runs = 0;
     for (int j = 0; j < nt;) {

@@ -1,6 +1,7 @@
 // On-the-fly RoPE for tiles of pre-RoPE keys (see rope_tile.h).
 #include "kernels/cpu/rope_tile.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -103,9 +104,13 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
   const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
   if (np == 0 || nt == 0) return;
   float cos2[kMaxRot], sin2[kMaxRot];  // [n_rot] interleaved as rope_rotate wants them
-  const int64_t p0 = pos[0];
-  const bool consecutive = (int64_t)pos[nt - 1] - p0 == nt - 1;
-  if (!consecutive) {
+  int64_t p0 = pos[0], p_max = pos[0];
+  for (int j = 1; j < nt; ++j) p0 = std::min<int64_t>(p0, pos[j]), p_max = std::max<int64_t>(p_max, pos[j]);
+  const bool consecutive = pos[0] == p0 && (int64_t)pos[nt - 1] - p0 == nt - 1 && p_max - p0 == nt - 1;
+  // Positions spanning less than a tile (SelfExtend's grouped positions floor(p / G), or the
+  // turns floor(p / G) - p of post-RoPE keys) still take the offset table, at pos - min.
+  const bool in_one_tile = p_max - p0 < kRopeTile;
+  if (!in_one_tile) {
     double dc[kMaxRot / 2], ds[kMaxRot / 2];
     for (int j = 0; j < nt; ++j) {
       rope_angles(tab, pos[j], dc, ds);
@@ -130,13 +135,13 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
   }
   float bc[kMaxRot / 2], bs[kMaxRot / 2];
   for (int i = 0; i < np; ++i) bc[i] = (float)cur.c[i], bs[i] = (float)cur.s[i];
-  if (v == isa::isa_avx2 && n_rot % 16 == 0) {
+  if (consecutive && v == isa::isa_avx2 && n_rot % 16 == 0) {
     impl::avx2::rope_tile_tokens(kt, nt, n_kvh, hd, n_rot, bc, bs, tab.off_cos.data(), tab.off_sin.data());
     return;
   }
   for (int j = 0; j < nt; ++j) {
-    const float* oc = tab.off_cos.data() + (size_t)j * np;
-    const float* os = tab.off_sin.data() + (size_t)j * np;
+    const float* oc = tab.off_cos.data() + (size_t)(pos[j] - p0) * np;
+    const float* os = tab.off_sin.data() + (size_t)(pos[j] - p0) * np;
     for (int i = 0; i < np; ++i) {
       const float c = bc[i] * oc[i] - bs[i] * os[i], s = bs[i] * oc[i] + bc[i] * os[i];
       cos2[2 * i] = cos2[2 * i + 1] = c;
@@ -144,6 +149,32 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
     }
     rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
   }
+}
+
+void rotate_rows(isa v, float* x, const int64_t* turn, int64_t n, int n_head, const rope_table& tab) {
+  const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
+  if (np == 0) return;
+  float cos2[kMaxRot], sin2[kMaxRot];
+  double dc[kMaxRot / 2], ds[kMaxRot / 2];
+  for (int64_t t = 0; t < n; ++t) {
+    rope_angles(tab, turn[t], dc, ds);
+    for (int i = 0; i < np; ++i) {
+      const float c = (float)dc[i], s = (float)ds[i];
+      cos2[2 * i] = cos2[2 * i + 1] = c;
+      sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+    }
+    rotate_token(v, x + (size_t)t * n_head * hd, n_head, hd, n_rot, cos2, sin2);
+  }
+}
+
+std::vector<float> self_extend_queries(const float* q, const int32_t* q_pos, int64_t n_q, int n_head,
+                                       const rope_config& cfg) {
+  const int hd = cfg.head_dim;
+  std::vector<float> out(q, q + (size_t)n_q * n_head * hd);
+  std::vector<int64_t> turn((size_t)n_q);
+  for (int64_t i = 0; i < n_q; ++i) turn[(size_t)i] = self_extend_query_pos(cfg, q_pos[i]) - q_pos[i];
+  rotate_rows(best_isa(), out.data(), turn.data(), n_q, n_head, rope_table_for(cfg));
+  return out;
 }
 
 }  // namespace xctx::cpu::impl

@@ -6,8 +6,8 @@
 // token inside the tile derives from them and a table of cos/sin(j·θ), j < kRopeTile (one float
 // complex multiply). A key's rotation is thus a function of its position and its
 // tile's first position only -- never of where a run of tiles started -- which the
-// rank-count-invariant attention relies on. Positions that are not consecutive inside a tile
-// fall back to exact per-token angles.
+// rank-count-invariant attention relies on. Positions that span more than a tile fall back to
+// exact per-token angles.
 #pragma once
 
 #include <cstdint>
@@ -50,5 +50,14 @@ struct rope_cursor {
 // Rotates nt <= kRopeTile tokens of keys [nt, n_kvh, head_dim] to positions pos.
 void rope_tile(isa v, float* k, const int32_t* pos /*[nt]*/, int nt, int n_kvh, const rope_table& tab,
                rope_cursor& cur);
+
+// Rotates each row t of x [n, n_head, head_dim] further by the angle of position turn[t]
+// (exact angles, any sign): rotations compose, so a row rotated to i and turned by d is at i + d.
+void rotate_rows(isa v, float* x, const int64_t* turn /*[n]*/, int64_t n, int n_head, const rope_table& tab);
+
+// SelfExtend's grouped-side queries: q [n_q, n_head, head_dim], rotated to q_pos, turned to
+// self_extend_query_pos (kernels/ops.h). A function of each query and its position alone.
+std::vector<float> self_extend_queries(const float* q, const int32_t* q_pos, int64_t n_q, int n_head,
+                                       const rope_config& cfg);
 
 }  // namespace xctx::cpu::impl

@@ -340,12 +340,19 @@ struct unit_rebuilder {
     zk.resize((size_t)kTile * ck), zv.resize((size_t)kTile * cv);
   }
   // kt: [nt, kv]; vt: [nt, kv] rebuilt V, or null; zvt: [nt, cv] latent values, or null.
-  void rows(int64_t t0, int nt, float* kt, float* vt, float* zvt) {
+  // grouped: keys rotated to SelfExtend's grouped positions floor(pos / G).
+  void rows(int64_t t0, int nt, float* kt, float* vt, float* zvt, bool grouped = false) {
+    int32_t gpos[kTile];
     for (int h = 0; h < nt; h += kTile) {
       const int m = std::min(kTile, nt - h);
       decode_rows(a.zk, t0 + h, m, zk.data(), sc, zc);
       rebuild_fixed(zk.data(), m, ck, a.m_k, a.ld_mk, a.b_k, kt + (size_t)h * kv);
-      impl::rope_tile(impl::best_isa(), kt + (size_t)h * kv, a.pos + t0 + h, m, a.n_head_kv, tab, cur);
+      const int32_t* rot = a.pos + t0 + h;
+      if (grouped) {
+        for (int j = 0; j < m; ++j) gpos[j] = (int32_t)self_extend_key_pos(a.rope, rot[j]);
+        rot = gpos;
+      }
+      impl::rope_tile(impl::best_isa(), kt + (size_t)h * kv, rot, m, a.n_head_kv, tab, cur);
       const float* zvp = zk.data();
       if (!a.same_stream) {
         decode_rows(a.zv, t0 + h, m, zv.data(), sc, zc);
@@ -382,6 +389,10 @@ class xq_unit_loader final : public unit_loader {
     rb_.rows(s0, n, kbuf, vbuf, nullptr);
     return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, rb_.kv};
   }
+  unit_kv load_grouped(int64_t s0, int n, float* kbuf, float* vbuf) override {
+    rb_.rows(s0, n, kbuf, vbuf, nullptr, true);
+    return unit_kv{kbuf, vbuf, kv_dtype::kv_f32, rb_.kv};
+  }
 
  private:
   unit_rebuilder rb_;
@@ -395,14 +406,10 @@ class xq_unit_loader final : public unit_loader {
 void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv, kv = a.n_head_kv * hd, cv = a.zv.channels;
   const int vw = a.m_v != nullptr ? cv : hd;  // values each query row accumulates
-  std::vector<int64_t> q_end((size_t)a.n_q);
-  int64_t kv_len = 0;
-  for (int64_t i = 0; i < a.n_q; ++i) {
-    q_end[i] = std::upper_bound(a.pos, a.pos + a.n, a.q_pos[i]) - a.pos;
-    kv_len = std::max(kv_len, q_end[i]);
-  }
-  if (kv_len == 0) return;
-  const std::vector<int64_t> ub = unit_bounds(a.pos, kv_len);
+  const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, hd, a.scale, &a.rope};
+  const query_ranges ranges(qs, a.pos, a.n);
+  if (ranges.kv_len == 0) return;
+  const std::vector<int64_t> ub = unit_bounds(a.pos, ranges.kv_len);
   const int64_t n_unit = (int64_t)ub.size() - 1;
   const impl::rope_table& tab = impl::rope_table_for(a.rope);
   std::vector<float> q_scaled((size_t)a.n_q * a.n_head * hd);  // [n_q, n_head, hd]
@@ -418,34 +425,45 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
 #pragma omp parallel if (n_unit > 1)
   {
     unit_rebuilder rb(a, tab);
-    std::vector<float> kt((size_t)kAttnUnit * kv), zvt((size_t)kAttnUnit * cv);  // [unit, kv], [unit, cv]
+    // [unit, kv] keys (near side, grouped side), [unit, cv] latent values
+    std::vector<float> kt((size_t)kAttnUnit * kv), kt_far(ranges.grouped ? kt.size() : 0), zvt((size_t)kAttnUnit * cv);
     std::vector<float> ol((size_t)a.n_head * vw), lse((size_t)a.n_head), proj((size_t)a.n_head * kv), o(hd);
     std::vector<float> scratch((size_t)impl::decode_scratch_floats(a.n_head, hd));
     std::vector<int64_t> row_end((size_t)a.n_head);
     softmax_acc mine(acc.rows(), acc.width());
+    // Query i over the unit's slots [b, e) with keys k (near or grouped) and query rows qi.
+    const auto run = [&](int64_t i, const float* qi, const float* k, int64_t b, int64_t e, int n) {
+      if (b >= e) return;
+      std::fill(row_end.begin(), row_end.end(), e);
+      impl::decode_job jb;
+      jb.q = qi, jb.row_end = row_end.data();
+      jb.R = a.n_head, jb.n_kvh = a.n_head_kv, jb.hd = hd;
+      jb.k = k, jb.v = zvt.data(), jb.type = kv_dtype::kv_f32, jb.ld = kv;
+      if (a.m_v != nullptr) jb.v_width = cv, jb.v_ld = cv, jb.v_head_stride = 0;  // every head reads the latent
+      jb.j0 = b, jb.j1 = e;
+      jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+      impl::decode_block(isa, jb);
+      if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
+      for (int h = 0; h < a.n_head; ++h) {
+        const int col0 = (h / g) * hd;
+        const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
+        for (int c = 0; c < hd; ++c) o[c] = src[c] + (a.b_v ? a.b_v[col0 + c] : 0.0f);
+        mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
+      }
+    };
 #pragma omp for schedule(dynamic, 2)
     for (int64_t un = 0; un < n_unit; ++un) {
       const int64_t s0 = ub[un];
       const int n = (int)(ub[un + 1] - s0);
-      rb.rows(s0, n, kt.data(), nullptr, zvt.data());
+      const bool near = ranges.any_near(s0, n), far = ranges.any_far(s0, n);
+      if (near) rb.rows(s0, n, kt.data(), nullptr, zvt.data());
+      if (far) rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
       for (int64_t i = 0; i < a.n_q; ++i) {
-        const int vis = (int)std::min<int64_t>(n, q_end[i] - s0);
-        if (vis <= 0) continue;
-        std::fill(row_end.begin(), row_end.end(), (int64_t)vis);
-        impl::decode_job jb;
-        jb.q = q_scaled.data() + (size_t)i * a.n_head * hd, jb.row_end = row_end.data();
-        jb.R = a.n_head, jb.n_kvh = a.n_head_kv, jb.hd = hd;
-        jb.k = kt.data(), jb.v = zvt.data(), jb.type = kv_dtype::kv_f32, jb.ld = kv;
-        if (a.m_v != nullptr) jb.v_width = cv, jb.v_ld = cv, jb.v_head_stride = 0;  // every head reads the latent
-        jb.j0 = 0, jb.j1 = vis;
-        jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
-        impl::decode_block(isa, jb);
-        if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
-        for (int h = 0; h < a.n_head; ++h) {
-          const int col0 = (h / g) * hd;
-          const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
-          for (int e = 0; e < hd; ++e) o[e] = src[e] + (a.b_v ? a.b_v[col0 + e] : 0.0f);
-          mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
+        const auto [nb, ne] = ranges.near(i, s0, n);
+        run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne, n);
+        if (ranges.grouped) {
+          const auto [fb, fe] = ranges.far(i, s0, n);
+          run(i, ranges.q_far.data() + (size_t)i * a.n_head * hd, kt_far.data(), fb, fe, n);
         }
       }
     }
@@ -501,7 +519,7 @@ void attention_xq(const xq_attn_args& a) {
       if (!attend_decode_as_kvq(a)) attention_absorbed_units(a, *a.acc);
       return;
     }
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope};
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     const int blas_threads = openblas_get_num_threads();
     openblas_set_num_threads(1);
@@ -509,6 +527,7 @@ void attention_xq(const xq_attn_args& a) {
     openblas_set_num_threads(blas_threads);
     return;
   }
+  XCTX_CHECK(!self_extend_on(a.rope), "attention_xq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end((size_t)a.n_q);
   int64_t kv_len = 0;

@@ -267,6 +267,7 @@ void xq_encode(context& ctx, const xq_encode_job& j) {
 
 void attention_xq(context& ctx, const xq_attn_args& a) {
   check_attn_args(a);
+  XCTX_CHECK(!self_extend_on(a.rope), "cuda attention_xq: SelfExtend grouped positions run on the CPU backend only");
   if (a.n_q == 0) return;
   const int wv = a.m_v != nullptr ? a.zv.channels : a.head_dim;
   attn_params prm{};

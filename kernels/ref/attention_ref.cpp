@@ -36,6 +36,23 @@ std::vector<double> kv_as_double(const void* base, kv_dtype type, int64_t n) {
 
 }  // namespace
 
+double rope_score(const float* q, const double* k, const rope_config& cfg, int32_t q_pos, int32_t k_pos) {
+  double s = 0.0;
+  if (!self_extend_on(cfg) || (int64_t)q_pos - k_pos < cfg.se_window) {
+    for (int d = 0; d < cfg.head_dim; ++d) s += (double)q[d] * k[d];
+    return s;
+  }
+  // (R(a) q)·(R(b) k) = q·(R(b - a) k): the key turned by the difference of the two turns.
+  const int64_t turn = (self_extend_key_pos(cfg, k_pos) - k_pos) - (self_extend_query_pos(cfg, q_pos) - q_pos);
+  for (int i = 0; i < cfg.n_rot / 2; ++i) {
+    const double th = rope_theta(cfg, (int32_t)turn, i), c = std::cos(th), sn = std::sin(th);
+    const double k0 = k[2 * i] * c - k[2 * i + 1] * sn, k1 = k[2 * i] * sn + k[2 * i + 1] * c;
+    s += (double)q[2 * i] * k0 + (double)q[2 * i + 1] * k1;
+  }
+  for (int d = cfg.n_rot; d < cfg.head_dim; ++d) s += (double)q[d] * k[d];
+  return s;
+}
+
 void attention_partial(const attn_args& a) {
   if (a.acc != nullptr) {  // the oracle deposits its whole partial at once
     with_accumulator(a, a.n_q * a.n_head, a.head_dim, [](const attn_args& b) { attention_partial(b); });
@@ -47,6 +64,11 @@ void attention_partial(const attn_args& a) {
   const int64_t n_elem = a.n_kv * a.n_head_kv * hd;
   const std::vector<double> k = kv_as_double(a.k, a.kv_type, n_elem);  // [n_kv, n_head_kv, head_dim]
   const std::vector<double> v = kv_as_double(a.v, a.kv_type, n_elem);  // [n_kv, n_head_kv, head_dim]
+  rope_config rope = a.rope;  // only SelfExtend's fields matter; the head size is the call's
+  rope.head_dim = hd;
+  if (self_extend_on(rope))
+    XCTX_CHECK(rope.n_rot <= hd && rope.n_rot % 2 == 0, "attention: SelfExtend rope n_rot=", rope.n_rot,
+               " does not fit head_dim=", hd);
   std::vector<double> score((size_t)a.n_kv);  // [n_kv]
   std::vector<double> acc((size_t)hd);        // [head_dim]
   for (int64_t i = 0; i < a.n_q; ++i) {
@@ -58,9 +80,7 @@ void attention_partial(const attn_args& a) {
       for (int64_t j = 0; j < a.n_kv; ++j) {
         if (a.kv_pos[j] > a.q_pos[i]) continue;
         const double* kr = k.data() + (j * a.n_head_kv + kvh) * hd;
-        double s = 0.0;
-        for (int d = 0; d < hd; ++d) s += (double)q[d] * kr[d];
-        score[j] = s * (double)a.scale;
+        score[j] = rope_score(q, kr, rope, a.q_pos[i], a.kv_pos[j]) * (double)a.scale;
         m = std::max(m, score[j]);
       }
       if (m == -std::numeric_limits<double>::infinity()) {

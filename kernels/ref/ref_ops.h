@@ -45,6 +45,11 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void add(float* y, const float* x, int64_t n);
 
 // ---- attention (kernels/ref/attention_ref.cpp) -------------------------------------------
+// q·k for a query rotated to q_pos and a key rotated to k_pos (k_pos <= q_pos), in double. With
+// SelfExtend on (kernels/ops.h) and q_pos - k_pos >= W, both as if rotated to their grouped
+// positions instead: k turned by floor(k_pos / G) - k_pos, q by its grouped shift.
+double rope_score(const float* q /*[head_dim]*/, const double* k /*[head_dim]*/, const rope_config& cfg,
+                  int32_t q_pos, int32_t k_pos);
 void attention_partial(const attn_args& a);
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                     float* o, float* lse);

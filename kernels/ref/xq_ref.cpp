@@ -128,13 +128,13 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
     at.q = a.q, at.q_pos = a.q_pos, at.n_q = a.n_q;
     at.k = k.data(), at.v = v.data(), at.kv_pos = a.pos, at.n_kv = n, at.kv_type = kv_dtype::kv_f32;
     at.n_head = a.n_head, at.n_head_kv = a.n_head_kv, at.head_dim = a.head_dim, at.scale = a.scale;
-    at.o = a.o, at.lse = a.lse;
+    at.o = a.o, at.lse = a.lse, at.rope = a.rope;
     attention_partial(at);
     return;
   }
   // Absorbed: o = (Σ p_t z_v,t)·M_v[:, head] / Σ p_t + b_v, all in double.
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv;
-  std::vector<double> s((size_t)n), u((size_t)cv);
+  std::vector<double> s((size_t)n), u((size_t)cv), kd((size_t)hd);
   for (int64_t i = 0; i < a.n_q; ++i)
     for (int h = 0; h < a.n_head; ++h) {
       const int kvh = h / g;
@@ -142,9 +142,8 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
       double m = -std::numeric_limits<double>::infinity();
       int64_t vis = 0;
       for (int64_t t = 0; t < n && a.pos[t] <= a.q_pos[i]; ++t, ++vis) {
-        double d = 0.0;
-        for (int e = 0; e < hd; ++e) d += (double)q[e] * k[t * kv + kvh * hd + e];
-        s[t] = d * a.scale;
+        for (int e = 0; e < hd; ++e) kd[e] = k[t * kv + kvh * hd + e];
+        s[t] = rope_score(q, kd.data(), a.rope, a.q_pos[i], a.pos[t]) * a.scale;
         m = std::max(m, s[t]);
       }
       float* o = a.o + (i * a.n_head + h) * hd;

@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/half.h"
 #include "kernels/ref/ref_ops.h"
+#include "test_util.h"
 
 namespace xctx {
 namespace {
@@ -45,56 +46,68 @@ TEST_P(fp_cache_test, attention_over_cache_equals_reference) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   auto be = make_backend(backend_kind::backend_cpu);
-  const cache_geometry g = small_geometry(64);
-  auto c = make_cache(GetParam(), g, *be);
-  const int64_t n = 37;
-  const int kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
-  std::vector<float> k(n * kv), v(n * kv), q(n * qd);
-  for (auto* vec : {&k, &v, &q})
-    for (float& x : *vec) x = nd(rng);
-  std::vector<int32_t> pos(n);
-  for (int i = 0; i < n; ++i) pos[i] = 100 + i;
-  // Append in two pieces to cross the boundary between calls.
-  for (int l = 0; l < g.n_layer; ++l) {
-    layer_input a{nullptr, k.data(), v.data(), pos.data(), 20};
-    layer_input b{nullptr, k.data() + 20 * kv, v.data() + 20 * kv, pos.data() + 20, n - 20};
-    c->append(l, a);
-    c->append(l, b);
-  }
-  EXPECT_EQ(c->n_tokens(1), n);
-  EXPECT_EQ(c->bytes_used(), cache_bytes_for(GetParam(), g, n, 0, 0).total());
+  // SelfExtend: 37 keys leave both sides small, so the window and group are scaled down alike.
+  for (const test::self_extend_case se : {test::self_extend_case{1, 0}, {3, 5}, {2, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "selfextend G " << se.group << " W " << se.window);
+    cache_geometry g = small_geometry(64);
+    g.rope = test::with_self_extend(g.rope, se);
+    auto c = make_cache(GetParam(), g, *be);
+    const int64_t n = 37;
+    const int kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+    std::vector<float> k(n * kv), v(n * kv), q(n * qd);
+    for (auto* vec : {&k, &v, &q})
+      for (float& x : *vec) x = nd(rng);
+    std::vector<int32_t> pos(n);
+    for (int i = 0; i < n; ++i) pos[i] = 100 + i;
+    // Append in two pieces to cross the boundary between calls.
+    for (int l = 0; l < g.n_layer; ++l) {
+      layer_input a{nullptr, k.data(), v.data(), pos.data(), 20};
+      layer_input b{nullptr, k.data() + 20 * kv, v.data() + 20 * kv, pos.data() + 20, n - 20};
+      c->append(l, a);
+      c->append(l, b);
+    }
+    EXPECT_EQ(c->n_tokens(1), n);
+    EXPECT_EQ(c->bytes_used(), cache_bytes_for(GetParam(), g, n, 0, 0).total());
 
-  std::vector<float> o(n * qd), lse(n * g.n_head);
-  c->attend(1, q.data(), pos.data(), n, o.data(), lse.data());
+    std::vector<float> o(n * qd), lse(n * g.n_head);
+    c->attend(1, q.data(), pos.data(), n, o.data(), lse.data());
 
-  // Reference: rotate keys, round K and V as the format stores them, plain attention.
-  std::vector<float> kr = k;
-  ref::rope(kr.data(), pos.data(), n, g.n_head_kv, g.rope);
-  std::vector<float> vr = v;
-  if (GetParam() == cache_format::cache_fp16) {
-    for (float& x : kr) x = fp16_to_fp32(fp32_to_fp16(x));
-    for (float& x : vr) x = fp16_to_fp32(fp32_to_fp16(x));
+    // Reference: rotate keys, round K and V as the format stores them, plain attention.
+    std::vector<float> kr = k;
+    ref::rope(kr.data(), pos.data(), n, g.n_head_kv, g.rope);
+    std::vector<float> vr = v;
+    if (GetParam() == cache_format::cache_fp16) {
+      for (float& x : kr) x = fp16_to_fp32(fp32_to_fp16(x));
+      for (float& x : vr) x = fp16_to_fp32(fp32_to_fp16(x));
+    }
+    std::vector<float> o_ref(n * qd), lse_ref(n * g.n_head);
+    attn_args a;
+    a.q = q.data();
+    a.q_pos = pos.data();
+    a.n_q = n;
+    a.k = kr.data();
+    a.v = vr.data();
+    a.kv_pos = pos.data();
+    a.n_kv = n;
+    a.n_head = g.n_head;
+    a.n_head_kv = g.n_head_kv;
+    a.head_dim = g.head_dim;
+    a.scale = 0.25f;
+    a.o = o_ref.data();
+    a.lse = lse_ref.data();
+    a.rope = g.rope;
+    ref::attention_partial(a);
+    // Float rounding of the rotation (cos/sin in float) and of the sums over <= 37 keys.
+    const float tol = 1e-4f;
+    for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], tol) << i;
+    for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], lse_ref[i], tol) << i;
+    // One query alone (the few-query driver: threads split the units).
+    const int64_t last = n - 1;
+    std::vector<float> o1(qd), l1(g.n_head);
+    c->attend(1, q.data() + last * qd, pos.data() + last, 1, o1.data(), l1.data(), attend_path::attend_decode);
+    for (int i = 0; i < qd; ++i) ASSERT_NEAR(o1[i], o_ref[last * qd + i], tol) << i;
+    for (int h = 0; h < g.n_head; ++h) ASSERT_NEAR(l1[h], lse_ref[last * g.n_head + h], tol) << h;
   }
-  std::vector<float> o_ref(n * qd), lse_ref(n * g.n_head);
-  attn_args a;
-  a.q = q.data();
-  a.q_pos = pos.data();
-  a.n_q = n;
-  a.k = kr.data();
-  a.v = vr.data();
-  a.kv_pos = pos.data();
-  a.n_kv = n;
-  a.n_head = g.n_head;
-  a.n_head_kv = g.n_head_kv;
-  a.head_dim = g.head_dim;
-  a.scale = 0.25f;
-  a.o = o_ref.data();
-  a.lse = lse_ref.data();
-  ref::attention_partial(a);
-  // Float rounding of the rotation (cos/sin in float) and of the sums over <= 37 keys.
-  const float tol = 1e-4f;
-  for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], tol) << i;
-  for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], lse_ref[i], tol) << i;
 }
 
 TEST_P(fp_cache_test, capacity_overflow_is_a_clear_error) {

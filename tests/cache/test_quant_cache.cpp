@@ -9,6 +9,7 @@
 #include <random>
 
 #include "cache/quant_test_util.h"
+#include "test_util.h"
 #include "common/error.h"
 #include "common/half.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -193,68 +194,74 @@ TEST_P(quant_cache_test, chunking_does_not_change_the_codes) {
 // The fused CPU attention (AVX2 and scalar paths; decode and prefill drivers) equals the
 // reference attention over the decoded cache. Positions with gaps exercise the exact-angle
 // RoPE fallback, consecutive runs the tile-table one.
+// With SelfExtend on, the same over both sides (near keys, grouped keys and turned queries).
 TEST_P(quant_cache_test, fused_attention_equals_reference) {
   const cache_format f = GetParam();
   auto be = make_backend(backend_kind::backend_cpu);
   const int64_t n = 1100;  // more than one prefill tile (1024) and many decode tiles (64)
-  const cache_geometry g = quant_geometry(n);
-  const int qd = g.n_head * g.head_dim;
-  std::mt19937 rng(17);
-  std::normal_distribution<float> nd;
-  for (int32_t step : {1, 3}) {
-    filled_cache fc = fill(*be, f, g, n, 0, step, {512, 100}, 23);
-    const kvq_layer_view v = quant_cache_view(*fc.cache, 1);
-    float max_v = 0.0f;
-    double max_k2 = 0.0;  // largest L2 norm of one head's key (RoPE keeps it)
-    {
-      std::vector<float> k(n * g.n_head_kv * g.head_dim), val(k.size());
-      ref::kvq_decode_layer(v, k.data(), val.data());
-      for (float x : val) max_v = std::max(max_v, std::fabs(x));
-      for (size_t h = 0; h < k.size(); h += g.head_dim) {
-        double s2 = 0;
-        for (int d = 0; d < g.head_dim; ++d) s2 += (double)k[h + d] * k[h + d];
-        max_k2 = std::max(max_k2, std::sqrt(s2));
-      }
-    }
-    for (int64_t n_q : {int64_t(1), int64_t(3), int64_t(9), int64_t(40)}) {
-      std::vector<float> q(n_q * qd);
-      for (float& x : q) x = 0.3f * nd(rng);
-      std::vector<int32_t> q_pos(n_q);
-      for (int64_t i = 0; i < n_q; ++i) q_pos[i] = fc.pos[(i * 997 + 50) % n] + (i % 2);  // some see everything
-      q_pos[0] = fc.pos[n - 1] + 1;
-      std::vector<float> o_ref(n_q * qd), l_ref(n_q * g.n_head);
-      kvq_attn_args a;
-      a.kv = v, a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = n_q, a.n_head = g.n_head;
-      a.scale = 1.0f / std::sqrt((float)g.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
-      ref::attention_kvq(a);
-      // A decode step (one query) takes the fused kernel on AVX2 machines, the tiled one otherwise.
-      for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
-      for (bool scalar : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << format_traits(f).name << " step " << step << " n_q " << n_q
-                                          << (scalar ? " scalar" : " avx2")
-                                          << (path == attend_path::attend_decode ? " decode" : " prefill")
-                                          << " seed 17/23");
-        cpu::set_force_scalar(scalar);
-        std::vector<float> o(n_q * qd), l(n_q * g.n_head);
-        fc.cache->attend(1, q.data(), q_pos.data(), n_q, o.data(), l.data(), path);
-        cpu::set_force_scalar(false);
-        // Score error: the rotated key is off by a few ulps relative (float cos/sin from a tile
-        // base times an offset table, vs double in the reference), the dot product by ~hd/2
-        // roundings: delta <= kScoreRel |q| |k| scale. Probabilities then move by <= delta
-        // relative, the output by <= 2 delta max|v|, lse by <= delta.
-        constexpr double kScoreRel = 16.0 * FLT_EPSILON;
-        double max_q2 = 0;
-        for (size_t h = 0; h < q.size(); h += g.head_dim) {
+  for (const test::self_extend_case se : test::self_extend_cases()) {
+    cache_geometry g = quant_geometry(n);
+    g.rope = test::with_self_extend(g.rope, se);
+    const int qd = g.n_head * g.head_dim;
+    std::mt19937 rng(17);
+    std::normal_distribution<float> nd;
+    for (int32_t step : {1, 3}) {
+      filled_cache fc = fill(*be, f, g, n, 0, step, {512, 100}, 23);
+      const kvq_layer_view v = quant_cache_view(*fc.cache, 1);
+      float max_v = 0.0f;
+      double max_k2 = 0.0;  // largest L2 norm of one head's key (RoPE keeps it)
+      {
+        std::vector<float> k(n * g.n_head_kv * g.head_dim), val(k.size());
+        ref::kvq_decode_layer(v, k.data(), val.data());
+        for (float x : val) max_v = std::max(max_v, std::fabs(x));
+        for (size_t h = 0; h < k.size(); h += g.head_dim) {
           double s2 = 0;
-          for (int d = 0; d < g.head_dim; ++d) s2 += (double)q[h + d] * q[h + d];
-          max_q2 = std::max(max_q2, std::sqrt(s2));
+          for (int d = 0; d < g.head_dim; ++d) s2 += (double)k[h + d] * k[h + d];
+          max_k2 = std::max(max_k2, std::sqrt(s2));
         }
-        const double delta = kScoreRel * max_q2 * max_k2 * a.scale;
-        for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
-        for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], l_ref[i], delta + 1e-5 * std::fabs(l_ref[i])) << i;
       }
-    }
+      for (int64_t n_q : {int64_t(1), int64_t(3), int64_t(9), int64_t(40)}) {
+        std::vector<float> q(n_q * qd);
+        for (float& x : q) x = 0.3f * nd(rng);
+        std::vector<int32_t> q_pos(n_q);
+        for (int64_t i = 0; i < n_q; ++i) q_pos[i] = fc.pos[(i * 997 + 50) % n] + (i % 2);  // some see everything
+        q_pos[0] = fc.pos[n - 1] + 1;
+        std::vector<float> o_ref(n_q * qd), l_ref(n_q * g.n_head);
+        kvq_attn_args a;
+        a.kv = v, a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = n_q, a.n_head = g.n_head;
+        a.scale = 1.0f / std::sqrt((float)g.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
+        ref::attention_kvq(a);
+        // A decode step (one query) takes the fused kernel on AVX2 machines, the tiled one otherwise.
+        for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
+        for (bool scalar : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << format_traits(f).name << " step " << step << " n_q " << n_q
+                                            << " selfextend G " << se.group << " W " << se.window
+                                            << (scalar ? " scalar" : " avx2")
+                                            << (path == attend_path::attend_decode ? " decode" : " prefill")
+                                            << " seed 17/23");
+          cpu::set_force_scalar(scalar);
+          std::vector<float> o(n_q * qd), l(n_q * g.n_head);
+          fc.cache->attend(1, q.data(), q_pos.data(), n_q, o.data(), l.data(), path);
+          cpu::set_force_scalar(false);
+          // Score error: the rotated key is off by a few ulps relative (float cos/sin from a tile
+          // base times an offset table, vs double in the reference), the dot product by ~hd/2
+          // roundings: delta <= kScoreRel |q| |k| scale. Probabilities then move by <= delta
+          // relative, the output by <= 2 delta max|v|, lse by <= delta. SelfExtend's grouped side
+          // turns the query once more (float cos/sin of exact angles): a few ulps more.
+          const double kScoreRel = (se.group > 1 ? 24.0 : 16.0) * FLT_EPSILON;
+          double max_q2 = 0;
+          for (size_t h = 0; h < q.size(); h += g.head_dim) {
+            double s2 = 0;
+            for (int d = 0; d < g.head_dim; ++d) s2 += (double)q[h + d] * q[h + d];
+            max_q2 = std::max(max_q2, std::sqrt(s2));
+          }
+          const double delta = kScoreRel * max_q2 * max_k2 * a.scale;
+          for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
+          for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], l_ref[i], delta + 1e-5 * std::fabs(l_ref[i])) << i;
+        }
+      }
   }
+}
 }
 
 // kivi: the residual window holds exactly the tokens of the open group; nuq: position 0 is the

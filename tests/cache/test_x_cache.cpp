@@ -248,51 +248,56 @@ TEST_P(x_cache_test, fused_attention_equals_reference) {
   auto be = make_backend(backend_kind::backend_cpu);
   auto rbe = make_backend(backend_kind::backend_ref);
   const int64_t n = 700;  // > one prefill block (512), many decode tiles (64)
-  const cache_geometry g = x_geometry(c.gqa, n);
-  const int qd = g.n_head * g.head_dim;
-  std::mt19937 rng(17);
-  std::normal_distribution<float> nd;
-  for (int32_t step : {1, 3}) {
-    filled f = fill(*be, c, g, n, step, {512, 100}, 23);
-    const int layer = g.n_layer - 1;
-    // Magnitudes for the bound, from the reference's own view of K and V: run it once with
-    // unit queries is not needed; |K|,|V| are bounded through the input K/V plus the step.
-    double max_k = 0, max_v = 0;
-    for (float x : f.k[layer]) max_k = std::max(max_k, (double)std::fabs(x));
-    for (float x : f.v[layer]) max_v = std::max(max_v, (double)std::fabs(x));
-    max_k *= 2, max_v *= 2;  // quantized rebuilds stay within twice the input range here
-    const int ck = g.n_embd;  // longest latent sum (the cl accumulator: n_embd terms)
-    const double k_err = (ck + 8) * kEps * max_k * 4, v_err = (ck + 8) * kEps * max_v * 4;
-    for (int64_t n_q : {int64_t(1), int64_t(3), int64_t(40)}) {
-      std::vector<float> q(n_q * qd);
-      for (float& x : q) x = 0.3f * nd(rng);
-      std::vector<int32_t> q_pos(n_q);
-      for (int64_t i = 0; i < n_q; ++i) q_pos[i] = f.pos[(i * 997 + 50) % n] + (int32_t)(i % 2);
-      q_pos[0] = f.pos[n - 1] + 1;
-      double max_q = 0;
-      for (float x : q) max_q = std::max(max_q, (double)std::fabs(x));
-      const double scale = 1.0 / std::sqrt((double)g.head_dim);
-      const double delta = scale * g.head_dim * max_q * (k_err + 16 * kEps * max_k);
-      std::vector<float> o_r(n_q * qd), l_r(n_q * g.n_head);
-      // The same cache content through the reference kernels: a ref-backend cache fed alike.
-      filled fr = fill(*rbe, c, g, n, step, {512, 100}, 23);
-      fr.cache->attend(layer, q.data(), q_pos.data(), n_q, o_r.data(), l_r.data());
-      // Both CPU kernels: prefill (K and V rebuilt per unit) and decode (V absorbed; clkv's one
-      // query: the fused quantized-KV kernel, AVX2 and scalar machines alike).
-      for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
-        for (bool scalar : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << case_name(c) << " step " << step << " n_q " << n_q
-                                            << (path == attend_path::attend_decode ? " decode" : " prefill")
-                                            << (scalar ? " scalar" : " avx2") << " seeds 17/23");
-          cpu::set_force_scalar(scalar);
-          std::vector<float> o(n_q * qd), l(n_q * g.n_head);
-          f.cache->attend(layer, q.data(), q_pos.data(), n_q, o.data(), l.data(), path);
-          cpu::set_force_scalar(false);
-          for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_r[i], 2 * delta * max_v + v_err + 1e-6) << i;
-          for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], l_r[i], delta + 1e-5 * std::fabs(l_r[i])) << i;
-        }
-    }
+  for (const test::self_extend_case se : test::self_extend_cases()) {
+    cache_geometry g = x_geometry(c.gqa, n);
+    g.rope = test::with_self_extend(g.rope, se);
+    const int qd = g.n_head * g.head_dim;
+    std::mt19937 rng(17);
+    std::normal_distribution<float> nd;
+    for (int32_t step : {1, 3}) {
+      filled f = fill(*be, c, g, n, step, {512, 100}, 23);
+      const int layer = g.n_layer - 1;
+      // Magnitudes for the bound, from the reference's own view of K and V: run it once with
+      // unit queries is not needed; |K|,|V| are bounded through the input K/V plus the step.
+      double max_k = 0, max_v = 0;
+      for (float x : f.k[layer]) max_k = std::max(max_k, (double)std::fabs(x));
+      for (float x : f.v[layer]) max_v = std::max(max_v, (double)std::fabs(x));
+      max_k *= 2, max_v *= 2;  // quantized rebuilds stay within twice the input range here
+      const int ck = g.n_embd;  // longest latent sum (the cl accumulator: n_embd terms)
+      const double k_err = (ck + 8) * kEps * max_k * 4, v_err = (ck + 8) * kEps * max_v * 4;
+      for (int64_t n_q : {int64_t(1), int64_t(3), int64_t(40)}) {
+        std::vector<float> q(n_q * qd);
+        for (float& x : q) x = 0.3f * nd(rng);
+        std::vector<int32_t> q_pos(n_q);
+        for (int64_t i = 0; i < n_q; ++i) q_pos[i] = f.pos[(i * 997 + 50) % n] + (int32_t)(i % 2);
+        q_pos[0] = f.pos[n - 1] + 1;
+        double max_q = 0;
+        for (float x : q) max_q = std::max(max_q, (double)std::fabs(x));
+        const double scale = 1.0 / std::sqrt((double)g.head_dim);
+        // SelfExtend's grouped side turns the query once more: a few ulps more per score.
+        const double delta = scale * g.head_dim * max_q * (k_err + (se.group > 1 ? 24 : 16) * kEps * max_k);
+        std::vector<float> o_r(n_q * qd), l_r(n_q * g.n_head);
+        // The same cache content through the reference kernels: a ref-backend cache fed alike.
+        filled fr = fill(*rbe, c, g, n, step, {512, 100}, 23);
+        fr.cache->attend(layer, q.data(), q_pos.data(), n_q, o_r.data(), l_r.data());
+        // Both CPU kernels: prefill (K and V rebuilt per unit) and decode (V absorbed; clkv's one
+        // query: the fused quantized-KV kernel, AVX2 and scalar machines alike).
+        for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
+          for (bool scalar : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << case_name(c) << " step " << step << " n_q " << n_q
+                                              << " selfextend G " << se.group << " W " << se.window
+                                              << (path == attend_path::attend_decode ? " decode" : " prefill")
+                                              << (scalar ? " scalar" : " avx2") << " seeds 17/23");
+            cpu::set_force_scalar(scalar);
+            std::vector<float> o(n_q * qd), l(n_q * g.n_head);
+            f.cache->attend(layer, q.data(), q_pos.data(), n_q, o.data(), l.data(), path);
+            cpu::set_force_scalar(false);
+            for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_r[i], 2 * delta * max_v + v_err + 1e-6) << i;
+            for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], l_r[i], delta + 1e-5 * std::fabs(l_r[i])) << i;
+          }
+      }
   }
+}
 }
 
 // export_layer / attend_exported: the ring's compressed blocks give the cache's own answer
