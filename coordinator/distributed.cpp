@@ -61,15 +61,22 @@ void broadcast_tokens(communicator& comm, std::vector<int32_t>& ids) {
   if (n > 0) comm.broadcast(ids.data(), n * sizeof(int32_t), 0);
 }
 
-void report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt) {
+nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt,
+                             size_t base_rss) {
   struct shard_report {
     int64_t tokens;
-    uint64_t used, allocated, ring_sent, gather_sent, gather_recv;
+    uint64_t used, allocated, ring_sent, gather_sent, gather_recv, peak_rss, base_rss, planned;
   } mine{runner.cache().n_tokens(0), runner.cache().bytes_used(), runner.cache().bytes_allocated(),
-         runner.stats().ring_bytes_sent, runner.stats().gather_bytes_sent, runner.stats().gather_bytes_recv};
+         runner.stats().ring_bytes_sent, runner.stats().gather_bytes_sent, runner.stats().gather_bytes_recv,
+         peak_rss_bytes(), base_rss, runner.planned_bytes()};
   std::vector<shard_report> all(comm.size());
   comm.all_gather(&mine, all.data(), sizeof mine);
-  if (comm.rank() != 0) return;
+  nlohmann::json out = nlohmann::json::array();
+  if (comm.rank() != 0) return out;
+  for (const shard_report& s : all)
+    out.push_back({{"tokens", s.tokens}, {"cache_used", s.used}, {"cache_allocated", s.allocated},
+                   {"ring_sent", s.ring_sent}, {"peak_rss_bytes", s.peak_rss}, {"base_rss_bytes", s.base_rss},
+                   {"planned_bytes", s.planned}});
   std::fprintf(stderr, "[xctx] %-5s %10s %12s %12s %12s %14s\n", "rank", "tokens", "cache used", "allocated",
                "ring sent", "partials sent");
   uint64_t total = 0;
@@ -82,6 +89,7 @@ void report_shards(communicator& comm, const sequence_parallel_runner& runner, c
   }
   std::fprintf(stderr, "[xctx] cache %s, %d ranks, %s in all\n", format_traits(fmt).name, comm.size(),
                format_bytes((double)total).c_str());
+  return out;
 }
 
 }  // namespace xctx

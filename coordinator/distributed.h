@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "comm/communicator.h"
 #include "common/sys.h"
 #include "worker/sequence_parallel.h"
@@ -36,6 +38,11 @@ void broadcast_tokens(communicator& comm, std::vector<int32_t>& ids);
 
 // One line per rank on rank 0: tokens held and cache bytes (used / allocated), plus the bytes
 // the rank moved. Collective.
-void report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt);
+// Collective: the per-rank table (tokens, cache bytes, traffic) on rank 0's stderr. Returns, on
+// rank 0, per rank: tokens, cache_used/allocated bytes, peak_rss_bytes, base_rss_bytes (the
+// caller's RSS before the sequence: weights and code) and planned_bytes (the memory plan);
+// an empty array elsewhere.
+nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt,
+                             size_t base_rss = 0);
 
 }  // namespace xctx

@@ -431,13 +431,14 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                  (long long)opt.context, hp.n_ctx_train, opt.run.rope_factor);
 
   llama_engine engine(s.weights, *s.be, opt.run);
+  const size_t base_rss = current_rss_bytes();  // weights and code: what the memory plan leaves out
   sequence_options seq = opt.seq;
   seq.max_new_tokens = opt.max_answer_tokens + 1;
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   if (!coordinator) {
     driver.follow();
-    report_shards(comm, runner, opt.run.cache);
+    report_shards(comm, runner, opt.run.cache, base_rss);
     return 0;
   }
 
@@ -488,6 +489,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   std::fflush(stdout);  // the table before the memory and shard lines on stderr
   std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
                prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());
+  const nlohmann::json shards = report_shards(comm, runner, opt.run.cache, base_rss);
   if (!opt.json_path.empty()) {
     const nlohmann::json out = {{"model", hp.name},
                                 {"context", opt.context},
@@ -499,14 +501,14 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                                 {"ranks", comm.size()},
                                 {"seed", opt.seed},
                                 {"trials", trials},
-                                {"summary", summary}};
+                                {"summary", summary},
+                                {"shards", shards}};
     std::ofstream f(opt.json_path);
     XCTX_CHECK(f.good(), "--json: cannot write ", opt.json_path);
     // Answers of a broken cache can hold invalid UTF-8: replace it rather than fail the run.
     f << out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     XCTX_CHECK(f.good(), "--json: write failed on ", opt.json_path);
   }
-  report_shards(comm, runner, opt.run.cache);
   return 0;
 }
 

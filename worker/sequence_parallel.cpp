@@ -217,7 +217,9 @@ void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tok
   if (cap <= 0) {
     // Every rank refuses together, before allocating, when some rank lacks the memory.
     cache_spec spec = resolve_ring_mode(spec_, hp, opt_, n_context, comm_.size());
+    cache_.reset();  // the previous sequence's cache goes before the check and the new allocation
     check_sequence_fits(comm_, hp, spec, opt_, n_batch, n_context, extra_on_tail);
+    planned_bytes_ = estimate_rank_memory(hp, spec, opt_, n_batch, n_context, extra_on_tail, comm_.size()).total();
     cache_ = make_cache(spec, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
     return;
   }
@@ -236,6 +238,7 @@ void sequence_parallel_runner::reserve() {
   const int64_t longest = cap * comm_.size();
   const cache_spec spec = resolve_ring_mode(spec_, hp, opt_, longest, comm_.size());
   check_sequence_fits(comm_, hp, spec, opt_, engine_.params().n_batch, longest, 0);
+  planned_bytes_ = estimate_rank_memory(hp, spec, opt_, engine_.params().n_batch, longest, 0, comm_.size()).total();
   cache_ = make_cache(spec, engine_.cache_geometry_for(cap), be_);
 }
 

@@ -114,6 +114,9 @@ class sequence_parallel_runner {
   prefill_mode mode() const { return mode_; }  // the current sequence's (auto resolved)
   const kv_cache& cache() const { return *cache_; }
   const sequence_comm_stats& stats() const { return stats_; }
+  // The memory plan's estimate for the sequence the cache was last sized for (worker/memory_plan.h):
+  // the most any rank needs, the figure the fit check compares against the node's memory.
+  size_t planned_bytes() const { return planned_bytes_; }
 
  private:
   llama_engine& engine_;
@@ -130,6 +133,7 @@ class sequence_parallel_runner {
   void prepare_cache(int64_t own_tokens, int64_t max_tokens, int64_t n_context, int64_t extra_on_tail);
 
   std::unique_ptr<kv_cache> cache_;
+  size_t planned_bytes_ = 0;
   bool active_ = false;  // a sequence was prefilled and not reset
   prefill_mode mode_ = prefill_mode::prefill_exact;  // of the current sequence (auto resolved)
   int64_t next_pos_ = 0;

@@ -85,12 +85,14 @@ std::shared_ptr<const x_factors> factors_for(const model_weights& w, x_factor_ki
 struct sp_case {
   cache_format format;
   cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl only
+  bool self_extend = false;  // SelfExtend G 4, W 200: both sides in every rank's attention
 };
 
 std::string sp_case_name(const sp_case& c) {
   std::string s = format_traits(c.format).name;
   for (char& ch : s)
     if (ch == '-' || ch == '%') ch = '_';
+  if (c.self_extend) s += "_selfextend";
   return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
 }
 
@@ -121,6 +123,7 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
     run_params rp;
     rp.cache = format;
     rp.n_batch = n_batch;
+    if (GetParam().self_extend) rp.se_group = 4, rp.se_window = 200;
     llama_engine engine(w, *be, rp);
     sequence_options opt;
     opt.mode = prefill_mode::prefill_exact;
@@ -266,6 +269,12 @@ std::vector<sp_case> cases() {
                                     cache_family::family_xquant_cl, cache_family::family_clkv}))
     out.push_back({f});
   out.push_back({cache_format::cache_xquant_cl2, cl_ring_mode::cl_ring_latent});
+  // SelfExtend: one format per attention path (post-RoPE fp keys turned, the unit tiles and
+  // fused decode of the quantized KV formats, xquant's rebuild and absorbed decode, xquant-cl's
+  // accumulators, clkv through the fused kernel).
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_kivi2, cache_format::cache_nuq3_1pct,
+                         cache_format::cache_xquant2, cache_format::cache_xquant_cl3, cache_format::cache_clkv})
+    out.push_back({f, cl_ring_mode::cl_ring_deltas, true});
   return out;
 }
 

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Long contexts over many ranks on this machine: passkey accuracy, prefill time, decode speed,
+cache bytes per rank and peak RSS per rank against the memory plan, per context and cache format.
+CSV + Markdown + PNG in benchmarks/results/.
+
+    benchmarks/long_context.py --np 8 --contexts 32K,128K,512K,1M \\
+        --formats fp16,nuq3-1%,kivi2,xquant-cl3,xquant2 --depths 0.5 --trials 1
+
+Every run is `xctx passkey` under launch/xctx-mpirun with --json. Contexts past the model's
+trained window use SelfExtend (--rope-scaling selfextend) with --window W and the smallest
+power-of-two group whose reach covers the prompt (worker/llama_engine.h, rope_reach); the run
+header in the JSON records what ran. A format the node cannot hold is refused up front by the
+fit check: the row says "refused" with the check's message. nuq formats need a calibration:
+one is made with `xctx calibrate` when --calib does not exist.
+
+Columns: prefill tok/s = prompt tokens / prefill seconds (mean over trials); decode tok/s =
+answer tokens / decode seconds; cache/rank = largest allocated shard cache; peak RSS/rank =
+largest VmHWM; "over base" = peak RSS minus the rank's RSS after loading the model (weights and
+code, which the plan leaves out), compared with the plan's estimate (docs/sequence_parallel.md,
+"Memory").
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINED = 8192  # SmolLM2-135M's trained context
+
+
+def parse_count(s):
+    s = s.strip().upper()
+    for suffix, mult in (("K", 1024), ("M", 1024 * 1024)):
+        if s.endswith(suffix):
+            return int(float(s[:-1]) * mult)
+    return int(s)
+
+
+def label(n):
+    if n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def cpu_description():
+    model, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", ""):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if x in flags]
+    return f"{model}, {os.cpu_count()} cores, {'/'.join(isa) or 'no AVX2'}"
+
+
+def self_extend_group(ctx, window):
+    """The smallest power-of-two group whose reach covers ctx tokens (rope_reach's formula)."""
+    g = 2
+    while (TRAINED - 1 - (window - window // g) + 1) * g < ctx:
+        g *= 2
+    return g
+
+
+def ensure_calib(args):
+    if os.path.exists(args.calib):
+        return
+    print(f"making the nuq calibration {args.calib} (xctx calibrate)", file=sys.stderr)
+    subprocess.run([args.xctx, "calibrate", "--text", "austen:emma", "--out", args.calib], check=True)
+
+
+def run(args, fmt, ctx):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out = tmp.name
+    cmd = [os.path.join(ROOT, "launch", "xctx-mpirun"), "-np", str(args.np), args.xctx, "passkey",
+           "--context", str(ctx), "--trials", str(args.trials), "--depths", args.depths, "--seed", str(args.seed),
+           "--filler", args.filler, "--cache", fmt, "--json", out, "--prefill", args.prefill,
+           "--ctx", str(ctx + 1024)]
+    if fmt.startswith("nuq"):
+        cmd += ["--calib", args.calib]
+    if ctx + 64 > TRAINED:
+        g = self_extend_group(ctx + 1024, args.window)
+        cmd += ["--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=args.timeout)
+    wall = time.time() - t0
+    row = {"context": ctx, "format": fmt, "ranks": args.np, "wall_s": round(wall, 1)}
+    if p.returncode != 0:
+        lines = [x for x in p.stderr.strip().splitlines() if "error" in x.lower()] or p.stderr.strip().splitlines()
+        msg = (lines or ["?"])[0]
+        row["status"] = "refused" if "does not fit" in p.stderr or "cannot hold" in p.stderr else "failed"
+        row["message"] = msg[:300]
+        print(f"  {fmt:10s} {label(ctx):>5s}: {row['status']}: {msg[:160]}", file=sys.stderr)
+        return row
+    with open(out) as f:
+        j = json.load(f)
+    os.unlink(out)
+    s, trials, shards = j["summary"], j["trials"], j.get("shards", [])
+    prefill_s = sum(t["prefill_s"] for t in trials) / len(trials)
+    prompt = sum(t["prompt_tokens"] for t in trials) / len(trials)
+    dec_tok = sum(t["answer_tokens"] for t in trials)
+    dec_s = sum(t["decode_s"] for t in trials)
+    row.update({
+        "status": "ok", "rope": j.get("rope", ""), "prefill": j.get("prefill", ""),
+        "correct": s["correct"], "total": s["total"], "accuracy": s["accuracy"],
+        "ci95_lo": s["ci95"][0], "ci95_hi": s["ci95"][1],
+        "prefill_s": round(prefill_s, 2), "prefill_tok_s": round(prompt / prefill_s, 1),
+        "decode_tok_s": round(dec_tok / dec_s, 2) if dec_s > 0 else 0.0,
+    })
+    if shards:
+        row["cache_bytes_rank_max"] = max(x["cache_allocated"] for x in shards)
+        row["peak_rss_rank_max"] = max(x["peak_rss_bytes"] for x in shards)
+        over = [x["peak_rss_bytes"] - x["base_rss_bytes"] for x in shards]
+        row["over_base_rank_max"] = max(over)
+        row["planned_bytes"] = max(x["planned_bytes"] for x in shards)
+        row["over_base_vs_plan"] = round(max(over) / row["planned_bytes"], 3) if row["planned_bytes"] else 0.0
+    print(f"  {fmt:10s} {label(ctx):>5s}: {s['correct']}/{s['total']}, prefill {prefill_s:.0f} s "
+          f"({row['prefill_tok_s']} tok/s), decode {row['decode_tok_s']} tok/s", file=sys.stderr)
+    return row
+
+
+def mib(x):
+    return f"{x / 2**20:.0f} MiB" if x != "" and x is not None else ""
+
+
+def write_outputs(rows, out, cpu, args):
+    keys = ["context", "format", "ranks", "status", "correct", "total", "accuracy", "ci95_lo", "ci95_hi",
+            "prefill_s", "prefill_tok_s", "decode_tok_s", "cache_bytes_rank_max", "peak_rss_rank_max",
+            "over_base_rank_max", "planned_bytes", "over_base_vs_plan", "rope", "prefill", "wall_s", "message"]
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    with open(out + ".md", "w") as f:
+        f.write(f"# Long contexts: passkey over {args.np} ranks\n\n")
+        f.write(f"Machine: {cpu}. Build: {args.build_note}. Command: `{' '.join(sys.argv)}`; "
+                f"{time.strftime('%Y-%m-%d')}.\n\n")
+        f.write("| context | format | passkey | 95% interval | prefill s | prefill tok/s | decode tok/s | "
+                "cache/rank | peak RSS/rank | over base / plan | rope |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            if r["status"] != "ok":
+                f.write(f"| {label(r['context'])} | {r['format']} | {r['status']} | | | | | | | | "
+                        f"{r.get('message', '')[:120]} |\n")
+                continue
+            f.write(f"| {label(r['context'])} | {r['format']} | {r['correct']}/{r['total']} | "
+                    f"[{100 * r['ci95_lo']:.0f}%, {100 * r['ci95_hi']:.0f}%] | {r['prefill_s']} | {r['prefill_tok_s']} | "
+                    f"{r['decode_tok_s']} | {mib(r.get('cache_bytes_rank_max'))} | {mib(r.get('peak_rss_rank_max'))} | "
+                    f"{mib(r.get('over_base_rank_max'))} / {mib(r.get('planned_bytes'))} "
+                    f"({r.get('over_base_vs_plan', '')}) | {r['rope']} |\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install matplotlib): no PNG", file=sys.stderr)
+        return
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    for fmt in sorted({r["format"] for r in ok}):
+        rs = sorted((r for r in ok if r["format"] == fmt), key=lambda r: r["context"])
+        x = [r["context"] for r in rs]
+        ax[0].plot(x, [r["prefill_tok_s"] for r in rs], "o-", label=fmt)
+        ax[1].plot(x, [r["decode_tok_s"] for r in rs], "o-", label=fmt)
+        ax[2].plot(x, [r.get("cache_bytes_rank_max", 0) / 2**20 for r in rs], "o-", label=fmt)
+    for a, t in zip(ax, ["prefill tokens/s", "decode tokens/s", "cache MiB per rank"]):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context tokens")
+        a.set_title(t)
+    ax[0].legend(fontsize=7)
+    fig.suptitle(f"{args.np} ranks, {cpu}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--xctx", default=os.path.join(ROOT, "build", "xctx"))
+    ap.add_argument("--calib", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.calib"))
+    ap.add_argument("--np", type=int, default=8)
+    ap.add_argument("--contexts", default="32K,128K,512K,1M")
+    ap.add_argument("--formats", default="fp16,nuq3-1%,kivi2,xquant-cl3,xquant2")
+    ap.add_argument("--depths", default="0.5")
+    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=4000)
+    ap.add_argument("--filler", default="classic")
+    ap.add_argument("--prefill", default="auto", help="exact | star | auto (the CLI's default)")
+    ap.add_argument("--window", type=int, default=1024, help="SelfExtend neighbour window past the trained context")
+    ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per run")
+    ap.add_argument("--build-note", default="Release (-O3 -DNDEBUG), portable x86-64 with run-time AVX2/AVX-512 dispatch (launch/build)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))
+    ap.add_argument("--append", action="store_true", help="keep the rows of an existing CSV (other contexts/formats)")
+    args = ap.parse_args()
+    formats = args.formats.split(",")
+    contexts = [parse_count(c) for c in args.contexts.split(",")]
+    if any(f.startswith("nuq") for f in formats):
+        ensure_calib(args)
+    rows = []
+    if args.append and os.path.exists(args.out + ".csv"):
+        with open(args.out + ".csv") as f:
+            for r in csv.DictReader(f):
+                r = {k: (v if v != "" else None) for k, v in r.items()}
+                for k in ("context", "ranks", "correct", "total", "cache_bytes_rank_max", "peak_rss_rank_max",
+                          "over_base_rank_max", "planned_bytes"):
+                    if r.get(k) is not None:
+                        r[k] = int(float(r[k]))
+                for k in ("accuracy", "ci95_lo", "ci95_hi", "prefill_s", "prefill_tok_s", "decode_tok_s",
+                          "over_base_vs_plan", "wall_s"):
+                    if r.get(k) is not None:
+                        r[k] = float(r[k])
+                r["message"] = r.get("message") or ""
+                rows.append(r)
+    cpu = cpu_description()
+    print(f"{cpu}; {args.np} ranks", file=sys.stderr)
+    for ctx in contexts:
+        for fmt in formats:
+            rows = [r for r in rows if not (r["context"] == ctx and r["format"] == fmt)]
+            rows.append(run(args, fmt, ctx))
+            rows.sort(key=lambda r: (r["context"], formats.index(r["format"]) if r["format"] in formats else 99))
+            write_outputs(rows, args.out, cpu, args)  # after every run: a long sweep keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
