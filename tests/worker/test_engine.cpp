@@ -120,6 +120,36 @@ INSTANTIATE_TEST_SUITE_P(models, engine_test,
                                            engine_case{"f16", ggml_type::ggml_f16, false, false}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// SelfExtend's options reach the rope config, bad values are refused, and the reach is the
+// docs' formula: the farthest pair (query L - 1, key 0) at relative distance
+// floor((L - 1) / G) + W - floor(W / G) <= T - 1.
+TEST(rope, selfextend_options_and_reach) {
+  model_hparams hp;
+  hp.head_dim = 64, hp.n_rot = 64, hp.n_ctx_train = 8192, hp.rope_freq_base = 1e5f;
+  run_params rp;
+  EXPECT_EQ(rope_reach(make_rope_config(hp, rp), hp.n_ctx_train), 8192);
+  rp.rope_scale = rope_scaling::rope_scaling_linear, rp.rope_factor = 2.0f;
+  EXPECT_EQ(rope_reach(make_rope_config(hp, rp), hp.n_ctx_train), 16384);
+  rp = run_params{};
+  rp.se_group = 4, rp.se_window = 1024;
+  const rope_config r = make_rope_config(hp, rp);
+  EXPECT_EQ(r.se_group, 4);
+  EXPECT_EQ(r.se_window, 1024);
+  const int64_t reach = rope_reach(r, hp.n_ctx_train);
+  EXPECT_EQ(reach, 29696);
+  for (int64_t L : {reach, reach + 1}) {
+    const int64_t farthest = self_extend_query_pos(r, L - 1) - self_extend_key_pos(r, 0);
+    EXPECT_EQ(farthest <= hp.n_ctx_train - 1, L == reach) << L;
+  }
+  EXPECT_EQ(describe_rope(r, hp.n_ctx_train), "selfextend G 4 W 1024 (reaches 29696 tokens)");
+  rp.se_group = 1000000;
+  EXPECT_THROW(make_rope_config(hp, rp), Error);
+  rp.se_group = 4, rp.se_window = 8192;  // the window must leave room for groups
+  EXPECT_THROW(make_rope_config(hp, rp), Error);
+  rp.se_window = 0;
+  EXPECT_THROW(make_rope_config(hp, rp), Error);
+}
+
 TEST(engine, rejects_tokens_outside_vocabulary_and_full_cache) {
   const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_f32, 1);
   auto be = make_backend(backend_kind::backend_cpu);
