@@ -28,16 +28,17 @@ struct query_runner {
   // Per-thread scratch, kept between calls (a decode step calls this 30 times per token; fresh
   // zeroed buffers per call cost more than the attention over a short cache).
   struct scratch_space {
-    std::vector<float> o, lse, scratch, q_block;  // [R, hd], [R], decode scratch, [R, hd]
-    std::vector<int64_t> row_end, row_of;         // [R]
+    std::vector<float> o, lse, scratch, q_block, q_block_far;  // [R, hd], [R], decode scratch, [R, hd] x2
+    std::vector<int64_t> row_end, row_of;                      // [R]
   };
   scratch_space& sp;
   std::vector<float>& o;
   std::vector<float>& lse;
   std::vector<float>& scratch;
   std::vector<int64_t>& row_end;
-  std::vector<float>& q_block;   // rows by kv head
-  std::vector<int64_t>& row_of;  // -> (query, head) row of acc
+  std::vector<float>& q_block;      // rows by kv head
+  std::vector<float>& q_block_far;  // the same rows of the grouped-side queries (SelfExtend)
+  std::vector<int64_t>& row_of;     // -> (query, head) row of acc
 
   static scratch_space& thread_scratch() {
     thread_local scratch_space s;
@@ -46,20 +47,21 @@ struct query_runner {
   // max_queries: queries per decode-kernel call (1, or kQueryBlock on the blocked path).
   query_runner(const unit_queries& q, const std::vector<float>& qsc, const query_ranges& r, int max_queries)
       : qs(q), q_scaled(qsc), qr(r), isa(impl::best_isa()), sp(thread_scratch()), o(sp.o), lse(sp.lse),
-        scratch(sp.scratch), row_end(sp.row_end), q_block(sp.q_block), row_of(sp.row_of) {
+        scratch(sp.scratch), row_end(sp.row_end), q_block(sp.q_block), q_block_far(sp.q_block_far),
+        row_of(sp.row_of) {
     const size_t R = (size_t)max_queries * qs.n_head;
     o.resize(R * qs.head_dim);
     lse.resize(R);
     scratch.resize((size_t)impl::decode_scratch_floats((int)R, qs.head_dim));
     row_end.resize(R);
     q_block.resize(R * qs.head_dim);
+    q_block_far.resize(qr.grouped ? R * qs.head_dim : 0);
     row_of.resize(R);
   }
   // Several queries in one decode-kernel call give each row the same arithmetic as a call of
   // its own query alone only if the kernel's 3-row blocks never mix queries: the rows of one kv
   // head are ordered by query, so that holds when a query has a multiple of 3 heads per kv head.
-  // SelfExtend gives queries different key ranges per unit: one query per call then.
-  bool can_block() const { return (qs.n_head / qs.n_head_kv) % 3 == 0 && !qr.grouped; }
+  bool can_block() const { return (qs.n_head / qs.n_head_kv) % 3 == 0; }
   // Rows of queries [i0, i0 + nqb) in the kernel's order r = (kvh * nqb + ii) * g + u.
   void set_block(int64_t i0, int nqb) {
     const int g = qs.n_head / qs.n_head_kv, hd = qs.head_dim;
@@ -70,21 +72,41 @@ struct query_runner {
           row_of[(size_t)r] = (i0 + ii) * qs.n_head + (int64_t)kvh * g + u;
           std::copy(q_scaled.begin() + row_of[(size_t)r] * hd, q_scaled.begin() + (row_of[(size_t)r] + 1) * hd,
                     q_block.begin() + r * hd);
+          if (qr.grouped)
+            std::copy(qr.q_far.begin() + row_of[(size_t)r] * hd, qr.q_far.begin() + (row_of[(size_t)r] + 1) * hd,
+                      q_block_far.begin() + r * hd);
         }
     block_i0 = i0, block_n = nqb;
   }
-  void run_block(const unit_kv& kv, int64_t s0, int n, softmax_acc& acc) {
+  // The block's queries over one unit. Both sides' key ranges are prefixes of the unit [0, e)
+  // -- the grouped side always, the near side when no query's window edge falls inside the unit;
+  // a query whose does is run alone (the kernel's rows are the same arithmetic either way).
+  void run_block_sides(const unit_kv& kv, const unit_kv& kv_far, int64_t s0, int n, softmax_acc& acc) {
+    bool prefix = true;
+    for (int ii = 0; ii < block_n && prefix; ++ii) prefix = qr.near(block_i0 + ii, s0, n).first == 0;
+    if (prefix) {
+      run_block(kv, q_block, false, s0, n, acc);
+    } else {
+      for (int ii = 0; ii < block_n; ++ii) {
+        const auto [b, e] = qr.near(block_i0 + ii, s0, n);
+        run(block_i0 + ii, false, kv, b, e, n, acc);
+      }
+    }
+    if (qr.grouped) run_block(kv_far, q_block_far, true, s0, n, acc);
+  }
+  void run_block(const unit_kv& kv, const std::vector<float>& rows, bool far, int64_t s0, int n, softmax_acc& acc) {
     const int g = qs.n_head / qs.n_head_kv;
     const int R = block_n * qs.n_head;
     bool any = false;
     for (int r = 0; r < R; ++r) {
       const int64_t i = block_i0 + (r / g) % block_n;
-      row_end[(size_t)r] = std::clamp<int64_t>(qr.end[i] - s0, 0, n);
+      row_end[(size_t)r] = far ? qr.far(i, s0, n).second : std::clamp<int64_t>(qr.end[i] - s0, 0, n);
+      row_end[(size_t)r] = std::max<int64_t>(row_end[(size_t)r], 0);
       any = any || row_end[(size_t)r] > 0;
     }
     if (!any) return;
     impl::decode_job jb;
-    jb.q = q_block.data(), jb.row_end = row_end.data(), jb.R = R;
+    jb.q = rows.data(), jb.row_end = row_end.data(), jb.R = R;
     jb.n_kvh = qs.n_head_kv, jb.hd = qs.head_dim;
     jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
     jb.j0 = 0, jb.j1 = n;
@@ -258,7 +280,7 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
           qr.set_block(qb * kQueryBlock, (int)std::min<int64_t>(kQueryBlock, qs.n_q - qb * kQueryBlock));
           for (int b = 0; b < nb; ++b) {
             const int64_t s0 = ub[u0 + b];
-            qr.run_block(kvs[b], s0, (int)(ub[u0 + b + 1] - s0), acc);
+            qr.run_block_sides(kvs[b], kvs[(size_t)(sides - 1) * kUnitBatch + b], s0, (int)(ub[u0 + b + 1] - s0), acc);
           }
         }
       } else {
