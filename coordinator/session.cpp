@@ -28,6 +28,7 @@ std::string default_model_path() {
 model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp) {
   model_session s;
   s.weights = load_model(model_path);
+  make_resident(s.weights);
   std::string vocab_source = tokenizer_path;
   if (vocab_source.empty()) {
     XCTX_CHECK(!std::filesystem::is_directory(model_path), "model ", model_path,

@@ -37,6 +37,11 @@ struct model_weights {
   size_t weight_bytes() const;  // bytes of all matrices and vectors as stored
 };
 
+// Reads one byte of every page of the matrices, so a mapped file's weights are resident before
+// the first forward: the first step is not timed with page faults, and RSS measured after
+// loading includes the weights (what memory plans compare against leaves them out).
+void make_resident(const model_weights& w);
+
 class gguf_file;
 // From a GGUF (llama.* / mistral.* / qwen2.* keys). Checks every tensor's presence, type and
 // shape against the hparams; errors name the file and tensor.
