@@ -14,7 +14,7 @@ fit check: the row says "refused" with the check's message. nuq formats need a c
 one is made with `xctx calibrate` when --calib does not exist.
 
 Columns: prefill tok/s = prompt tokens / prefill seconds (mean over trials); decode tok/s =
-answer tokens / decode seconds; cache/rank = largest allocated shard cache; peak RSS/rank =
+decode steps / their seconds (the answer's tokens after the first); cache/rank = largest allocated shard cache; peak RSS/rank =
 largest VmHWM; "over base" = peak RSS minus the rank's RSS after loading the model (weights and
 code, which the plan leaves out), compared with the plan's estimate (docs/sequence_parallel.md,
 "Memory").
@@ -69,6 +69,14 @@ def cpu_description():
     return f"{model}, {os.cpu_count()} cores, {'/'.join(isa) or 'no AVX2'}"
 
 
+def loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
 def self_extend_group(ctx, window):
     """The smallest power-of-two group whose reach covers ctx tokens (rope_reach's formula)."""
     g = 2
@@ -96,10 +104,14 @@ def run(args, fmt, ctx):
     if ctx + 64 > TRAINED:
         g = self_extend_group(ctx + 1024, args.window)
         cmd += ["--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
+    load_before = loadavg()
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=args.timeout)
     wall = time.time() - t0
-    row = {"context": ctx, "format": fmt, "ranks": args.np, "wall_s": round(wall, 1)}
+    # 1-minute load average before and after: other work on the cores shows up here (8 ranks
+    # alone give about 8 on this 2-core machine).
+    row = {"context": ctx, "format": fmt, "ranks": args.np, "wall_s": round(wall, 1),
+           "load": f"{load_before}->{loadavg()}"}
     if p.returncode != 0:
         lines = [x for x in p.stderr.strip().splitlines() if "error" in x.lower()] or p.stderr.strip().splitlines()
         msg = (lines or ["?"])[0]
@@ -113,7 +125,7 @@ def run(args, fmt, ctx):
     s, trials, shards = j["summary"], j["trials"], j.get("shards", [])
     prefill_s = sum(t["prefill_s"] for t in trials) / len(trials)
     prompt = sum(t["prompt_tokens"] for t in trials) / len(trials)
-    dec_tok = sum(t["answer_tokens"] for t in trials)
+    dec_tok = sum(t.get("decode_steps", t["answer_tokens"]) for t in trials)  # steps run through the model
     dec_s = sum(t["decode_s"] for t in trials)
     row.update({
         "status": "ok", "rope": j.get("rope", ""), "prefill": j.get("prefill", ""),
@@ -141,7 +153,7 @@ def mib(x):
 def write_outputs(rows, out, cpu, args):
     keys = ["context", "format", "ranks", "status", "correct", "total", "accuracy", "ci95_lo", "ci95_hi",
             "prefill_s", "prefill_tok_s", "decode_tok_s", "cache_bytes_rank_max", "peak_rss_rank_max",
-            "over_base_rank_max", "planned_bytes", "over_base_vs_plan", "rope", "prefill", "wall_s", "message"]
+            "over_base_rank_max", "planned_bytes", "over_base_vs_plan", "rope", "prefill", "wall_s", "load", "message"]
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -152,17 +164,17 @@ def write_outputs(rows, out, cpu, args):
         f.write(f"Machine: {cpu}. Build: {args.build_note}. Command: `{' '.join(sys.argv)}`; "
                 f"{time.strftime('%Y-%m-%d')}.\n\n")
         f.write("| context | format | passkey | 95% interval | prefill s | prefill tok/s | decode tok/s | "
-                "cache/rank | peak RSS/rank | over base / plan | rope |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+                "cache/rank | peak RSS/rank | over base / plan | rope | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             if r["status"] != "ok":
                 f.write(f"| {label(r['context'])} | {r['format']} | {r['status']} | | | | | | | | "
-                        f"{r.get('message', '')[:120]} |\n")
+                        f"{r.get('message', '')[:120]} | {r.get('load', '')} |\n")
                 continue
             f.write(f"| {label(r['context'])} | {r['format']} | {r['correct']}/{r['total']} | "
                     f"[{100 * r['ci95_lo']:.0f}%, {100 * r['ci95_hi']:.0f}%] | {r['prefill_s']} | {r['prefill_tok_s']} | "
                     f"{r['decode_tok_s']} | {mib(r.get('cache_bytes_rank_max'))} | {mib(r.get('peak_rss_rank_max'))} | "
                     f"{mib(r.get('over_base_rank_max'))} / {mib(r.get('planned_bytes'))} "
-                    f"({r.get('over_base_vs_plan', '')}) | {r['rope']} |\n")
+                    f"({r.get('over_base_vs_plan', '')}) | {r['rope']} | {r.get('load', '')} |\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -410,7 +410,8 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
                         {"key_token", prompt.key_token},
                         {"build_s", build_s},
                         {"prefill_s", out.prefill_s},
-                        {"decode_s", out.decode_s}});
+                        {"decode_s", out.decode_s},
+                        {"decode_steps", out.decode_steps}});
       if (hooks.on_trial) hooks.on_trial(trials.back());
     }
   }
