@@ -32,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINED = 8192  # SmolLM2-135M's trained context
+DEFAULT_FORMATS = "fp16,nuq3-1%,kivi2,xquant-cl3,xquant2"
 
 
 def parse_count(s):
@@ -206,7 +207,7 @@ def main():
     ap.add_argument("--calib", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.calib"))
     ap.add_argument("--np", type=int, default=8)
     ap.add_argument("--contexts", default="32K,128K,512K,1M")
-    ap.add_argument("--formats", default="fp16,nuq3-1%,kivi2,xquant-cl3,xquant2")
+    ap.add_argument("--formats", default=DEFAULT_FORMATS)
     ap.add_argument("--depths", default="0.5")
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--seed", type=int, default=4000)
@@ -243,7 +244,8 @@ def main():
         for fmt in formats:
             rows = [r for r in rows if not (r["context"] == ctx and r["format"] == fmt)]
             rows.append(run(args, fmt, ctx))
-            rows.sort(key=lambda r: (r["context"], formats.index(r["format"]) if r["format"] in formats else 99))
+            order = formats + [f for f in DEFAULT_FORMATS.split(",") if f not in formats]
+            rows.sort(key=lambda r: (r["context"], order.index(r["format"]) if r["format"] in order else len(order)))
             write_outputs(rows, args.out, cpu, args)  # after every run: a long sweep keeps what it measured
 
 
