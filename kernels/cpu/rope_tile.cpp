@@ -97,6 +97,19 @@ void rotate_token(isa v, float* k /*[n_kvh, hd]*/, int n_kvh, int hd, int n_rot,
   }
 }
 
+// One token's heads rotated by the exact (double) angles of pos, rounded to float once.
+void rotate_exact(isa v, float* x /*[n_head, hd]*/, int64_t pos, int n_head, const rope_table& tab) {
+  float cos2[kMaxRot], sin2[kMaxRot];
+  double dc[kMaxRot / 2], ds[kMaxRot / 2];
+  rope_angles(tab, pos, dc, ds);
+  for (int i = 0; i < tab.n_pair; ++i) {
+    const float c = (float)dc[i], s = (float)ds[i];
+    cos2[2 * i] = cos2[2 * i + 1] = c;
+    sin2[2 * i] = -s, sin2[2 * i + 1] = s;
+  }
+  rotate_token(v, x, n_head, tab.cfg.head_dim, tab.cfg.n_rot, cos2, sin2);
+}
+
 }  // namespace
 
 void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/, int nt, int n_kvh,
@@ -111,16 +124,7 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
   // turns floor(p / G) - p of post-RoPE keys) still take the offset table, at pos - min.
   const bool in_one_tile = p_max - p0 < kRopeTile;
   if (!in_one_tile) {
-    double dc[kMaxRot / 2], ds[kMaxRot / 2];
-    for (int j = 0; j < nt; ++j) {
-      rope_angles(tab, pos[j], dc, ds);
-      for (int i = 0; i < np; ++i) {
-        const float c = (float)dc[i], s = (float)ds[i];
-        cos2[2 * i] = cos2[2 * i + 1] = c;
-        sin2[2 * i] = -s, sin2[2 * i + 1] = s;
-      }
-      rotate_token(v, kt + (size_t)j * n_kvh * hd, n_kvh, hd, n_rot, cos2, sin2);
-    }
+    for (int j = 0; j < nt; ++j) rotate_exact(v, kt + (size_t)j * n_kvh * hd, pos[j], n_kvh, tab);
     cur.valid = false;
     return;
   }
@@ -152,19 +156,8 @@ void rope_tile(isa v, float* kt /*[nt, n_kvh, hd]*/, const int32_t* pos /*[nt]*/
 }
 
 void rotate_rows(isa v, float* x, const int64_t* turn, int64_t n, int n_head, const rope_table& tab) {
-  const int np = tab.n_pair, hd = tab.cfg.head_dim, n_rot = tab.cfg.n_rot;
-  if (np == 0) return;
-  float cos2[kMaxRot], sin2[kMaxRot];
-  double dc[kMaxRot / 2], ds[kMaxRot / 2];
-  for (int64_t t = 0; t < n; ++t) {
-    rope_angles(tab, turn[t], dc, ds);
-    for (int i = 0; i < np; ++i) {
-      const float c = (float)dc[i], s = (float)ds[i];
-      cos2[2 * i] = cos2[2 * i + 1] = c;
-      sin2[2 * i] = -s, sin2[2 * i + 1] = s;
-    }
-    rotate_token(v, x + (size_t)t * n_head * hd, n_head, hd, n_rot, cos2, sin2);
-  }
+  if (tab.n_pair == 0) return;
+  for (int64_t t = 0; t < n; ++t) rotate_exact(v, x + (size_t)t * n_head * tab.cfg.head_dim, turn[t], n_head, tab);
 }
 
 std::vector<float> self_extend_queries(const float* q, const int32_t* q_pos, int64_t n_q, int n_head,
