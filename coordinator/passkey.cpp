@@ -409,6 +409,7 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
                         {"suffix_tokens", prompt.suffix_ids.size()},
                         {"key_token", prompt.key_token},
                         {"build_s", build_s},
+                        {"prefill_mode", prefill_mode_name(out.prefill)},
                         {"prefill_s", out.prefill_s},
                         {"decode_s", out.decode_s},
                         {"decode_steps", out.decode_steps}});
@@ -462,11 +463,12 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   };
   hooks.on_trial = [](const nlohmann::json& tr) {
     std::printf("depth %.2f trial %d key %d | %lld tokens, key at %lld | answer \"%s\" | %s | prompt %.2f s, "
-                "prefill %.2f s, decode %.2f s\n",
+                "prefill (%s) %.2f s, decode %.2f s\n",
                 tr["depth"].get<double>(), tr["trial"].get<int>(), tr["key"].get<int>(),
                 (long long)tr["prompt_tokens"].get<int64_t>(), (long long)tr["key_token"].get<int64_t>(),
                 one_line(tr["answer"].get<std::string>()).c_str(), tr["ok"].get<bool>() ? "ok" : "WRONG",
-                tr["build_s"].get<double>(), tr["prefill_s"].get<double>(), tr["decode_s"].get<double>());
+                tr["build_s"].get<double>(), tr["prefill_mode"].get<std::string>().c_str(), tr["prefill_s"].get<double>(),
+                tr["decode_s"].get<double>());
     std::fflush(stdout);
   };
   const nlohmann::json trials = passkey_trials(opt, *s.tok, s.chat_template, driver, hooks);

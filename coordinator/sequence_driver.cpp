@@ -96,6 +96,7 @@ void sequence_driver::run_sequence(const std::vector<int32_t>& context, const st
   if (progress) progress(0, 1);  // starts the hook's clock before any work
   runner_.prefill(context, suffix, logits_.data(), progress, max_tokens);
   out.prefill_s = prefill_clock.seconds();
+  out.prefill = runner_.mode();
   if (lead && hooks->on_phase) hooks->on_phase(true);
 
   stopwatch decode_clock;

@@ -42,6 +42,7 @@ struct sequence_outcome {
   int64_t prompt_tokens = 0;
   int decode_steps = 0;      // forward passes of one token (the first token comes from prefill)
   double prefill_s = 0.0, decode_s = 0.0;
+  prefill_mode prefill = prefill_mode::prefill_exact;  // what the prefill ran (auto resolved)
   bool stopped = false;      // should_stop ended it
 };
 

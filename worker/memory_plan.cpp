@@ -125,7 +125,7 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
                            ? opt.capacity_per_rank
                            : sequence_tokens_needed_per_rank(n_context, n_suffix, n_new, n_rank, spec, opt);
   m.cache = cache_allocation_bytes(spec, hp, held);
-  const prefill_mode mode = effective_prefill_mode(opt, n_context);
+  const prefill_mode mode = effective_prefill_mode(opt, n_context + n_suffix);
   // The largest shard a rank prefills (the tail's extra tokens go through the decode path).
   const int64_t shard = sequence_tokens_needed_per_rank(n_context, n_suffix, 0, n_rank, spec, opt) - n_suffix;
   const int64_t b = std::max<int64_t>(1, std::min<int64_t>(n_batch, std::max<int64_t>(shard, 1)));
@@ -177,7 +177,7 @@ cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, co
       spec.options.cl_ring != cl_ring_mode::cl_ring_auto)
     return spec;
   cache_spec out = spec;
-  const bool ring = effective_prefill_mode(opt, n_context) == prefill_mode::prefill_exact && n_rank > 1;
+  const bool ring = effective_prefill_mode(opt, n_context + 1) == prefill_mode::prefill_exact && n_rank > 1;  // + the suffix
   const size_t deltas_bytes = (size_t)std::max<int64_t>(0, n_context) * ((size_t)hp.n_embd + 1) * 4;
   out.options.cl_ring = ring && deltas_bytes > kClDeltasBudget ? cl_ring_mode::cl_ring_latent : cl_ring_mode::cl_ring_deltas;
   return out;

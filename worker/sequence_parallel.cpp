@@ -15,9 +15,15 @@ prefill_mode parse_prefill_mode(const std::string& name) {
   fail("unknown prefill mode '", name, "' (exact, star, auto)");
 }
 
-prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_context) {
+prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_prompt) {
   if (opt.mode != prefill_mode::prefill_auto) return opt.mode;
-  return n_context >= opt.star_from_tokens ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
+  return n_prompt >= opt.star_from_tokens ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
+}
+
+sequence_options with_mode_resolved(const sequence_options& opt, int64_t n_prompt) {
+  sequence_options out = opt;
+  out.mode = effective_prefill_mode(opt, n_prompt);
+  return out;
 }
 
 const char* prefill_mode_name(prefill_mode m) {
@@ -29,8 +35,8 @@ const char* prefill_mode_name(prefill_mode m) {
   return "?";
 }
 
-std::string describe_prefill(const sequence_options& opt, int64_t n_context) {
-  const prefill_mode m = effective_prefill_mode(opt, n_context);
+std::string describe_prefill(const sequence_options& opt, int64_t n_prompt) {
+  const prefill_mode m = effective_prefill_mode(opt, n_prompt);
   std::string out;
   if (m == prefill_mode::prefill_exact) {
     out = std::string("exact ring (") + shard_layout_name(opt.layout) + ")";
@@ -40,7 +46,7 @@ std::string describe_prefill(const sequence_options& opt, int64_t n_context) {
     out += opt.anchor_tokens > 0 ? ", anchor " + std::to_string(opt.anchor_tokens) : ", anchor one block";
   }
   if (opt.mode == prefill_mode::prefill_auto)
-    out += m == prefill_mode::prefill_star ? " (auto: context >= " + std::to_string(opt.star_from_tokens) + ")"
+    out += m == prefill_mode::prefill_star ? " (auto: prompt >= " + std::to_string(opt.star_from_tokens) + ")"
                                            : " (auto: star from " + std::to_string(opt.star_from_tokens) + ")";
   return out;
 }
@@ -160,10 +166,12 @@ sequence_parallel_runner::~sequence_parallel_runner() = default;
 
 namespace {
 
-// The plan of a prefill's context; an empty context (short prompt) puts the suffix on rank 0.
+// The plan of a prefill's context (the prompt less its suffix); an empty context (short prompt)
+// puts the suffix on rank 0. opt.mode must be resolved (with_mode_resolved).
 shard_plan prefill_plan(int64_t n_context, int n_rank, const sequence_options& opt, int64_t align) {
+  XCTX_ASSERT(opt.mode != prefill_mode::prefill_auto, "prefill plan: auto mode not resolved");
   shard_plan plan;
-  if (effective_prefill_mode(opt, n_context) == prefill_mode::prefill_exact)
+  if (opt.mode == prefill_mode::prefill_exact)
     plan = make_shard_plan(n_context, n_rank, opt.layout, align, kMinPrefillBatch);
   else if (opt.block_tokens > 0)
     plan = make_block_plan(n_context, n_rank, opt.block_tokens, align, kMinPrefillBatch);
@@ -185,7 +193,7 @@ int64_t max_tokens_of(const shard_plan& plan, int64_t extra_on_tail) {
 int64_t sequence_tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new, int n_rank,
                                         const cache_spec& spec, const sequence_options& opt) {
   if (n_suffix == 0 && n_context > 0) --n_context, n_suffix = 1;  // as prefill moves the last token
-  const shard_plan plan = prefill_plan(n_context, n_rank, opt, cache_alignment(spec));
+  const shard_plan plan = prefill_plan(n_context, n_rank, with_mode_resolved(opt, n_context + n_suffix), cache_alignment(spec));
   return max_tokens_of(plan, n_suffix + n_new);
 }
 
@@ -209,17 +217,17 @@ int64_t sequence_parallel_runner::tokens_needed_per_rank(int64_t n_context, int6
   return sequence_tokens_needed_per_rank(n_context, n_suffix, n_new, comm_.size(), spec_, opt_);
 }
 
-void sequence_parallel_runner::prepare_cache(int64_t own_tokens, int64_t max_tokens, int64_t n_context,
-                                             int64_t extra_on_tail) {
+void sequence_parallel_runner::prepare_cache(const sequence_options& seq, int64_t own_tokens, int64_t max_tokens,
+                                             int64_t n_context, int64_t extra_on_tail) {
   const model_hparams& hp = engine_.hparams();
   const int n_batch = engine_.params().n_batch;
   const int64_t cap = opt_.capacity_per_rank;
   if (cap <= 0) {
     // Every rank refuses together, before allocating, when some rank lacks the memory.
-    cache_spec spec = resolve_ring_mode(spec_, hp, opt_, n_context, comm_.size());
+    cache_spec spec = resolve_ring_mode(spec_, hp, seq, n_context, comm_.size());
     cache_.reset();  // the previous sequence's cache goes before the check and the new allocation
-    check_sequence_fits(comm_, hp, spec, opt_, n_batch, n_context, extra_on_tail);
-    planned_bytes_ = estimate_rank_memory(hp, spec, opt_, n_batch, n_context, extra_on_tail, comm_.size()).total();
+    check_sequence_fits(comm_, hp, spec, seq, n_batch, n_context, extra_on_tail);
+    planned_bytes_ = estimate_rank_memory(hp, spec, seq, n_batch, n_context, extra_on_tail, comm_.size()).total();
     cache_ = make_cache(spec, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
     return;
   }
@@ -260,19 +268,21 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   }
   const int p = comm_.size(), rank = comm_.rank();
   const int64_t n = (int64_t)context.size();
-  plan_ = prefill_plan(n, p, opt_, cache_alignment(spec_));
+  // auto decides on the whole prompt, as the run headers do (describe_prefill).
+  const sequence_options seq = with_mode_resolved(opt_, n + (int64_t)suffix.size());
+  plan_ = prefill_plan(n, p, seq, cache_alignment(spec_));
   const bool tail = rank == plan_.tail_rank;
   XCTX_CHECK(max_new_tokens <= opt_.max_new_tokens, "a sequence asks for ", max_new_tokens,
              " new tokens; this runner allows ", opt_.max_new_tokens);
   const int64_t extra_on_tail = (int64_t)suffix.size() + (max_new_tokens >= 0 ? max_new_tokens : opt_.max_new_tokens);
   const std::vector<int32_t> pos = plan_.positions_of(rank);
-  prepare_cache((int64_t)pos.size() + (tail ? extra_on_tail : 0), max_tokens_of(plan_, extra_on_tail), n,
+  prepare_cache(seq, (int64_t)pos.size() + (tail ? extra_on_tail : 0), max_tokens_of(plan_, extra_on_tail), n,
                 extra_on_tail);
   active_ = true;
 
   std::vector<int32_t> mine(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) mine[i] = context[pos[i]];
-  mode_ = effective_prefill_mode(opt_, n);
+  mode_ = seq.mode;
   if (n > 0) {
     switch (mode_) {
       case prefill_mode::prefill_exact: {
@@ -358,7 +368,9 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
   XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
   plan_ = make_shard_plan(n, comm_.size(), opt_.layout, cache_alignment(spec_), kMinPrefillBatch);
   const std::vector<int32_t> pos = plan_.positions_of(comm_.rank());
-  prepare_cache((int64_t)pos.size(), max_tokens_of(plan_, 0), n, 0);
+  sequence_options exact = opt_;  // scoring always runs the exact ring
+  exact.mode = prefill_mode::prefill_exact;
+  prepare_cache(exact, (int64_t)pos.size(), max_tokens_of(plan_, 0), n, 0);
   active_ = true;
   std::vector<int32_t> mine(pos.size()), targets(pos.size());
   for (size_t i = 0; i < pos.size(); ++i) {

@@ -26,7 +26,7 @@
 
 namespace xctx {
 
-// auto: exact below sequence_options::star_from_tokens context tokens, star (block-local) from there.
+// auto: exact below sequence_options::star_from_tokens prompt tokens, star (block-local) from there.
 enum class prefill_mode : uint8_t { prefill_exact, prefill_star, prefill_auto };
 prefill_mode parse_prefill_mode(const std::string& name);  // exact | star | auto
 const char* prefill_mode_name(prefill_mode m);
@@ -37,7 +37,7 @@ struct sequence_options {
   // star: tokens per block; 0 = each rank's contiguous chunk is one block (rank-level star).
   int64_t block_tokens = 0;
   int64_t anchor_tokens = 0;  // star: 0 = one block (block_tokens, or rank 0's chunk when that is 0)
-  // auto: the context length from which star replaces exact. Measured on the 2-core test machine
+  // auto: the prompt length (context + suffix) from which star replaces exact. Measured on the 2-core test machine
   // (benchmarks/long_context.py, docs/sequence_parallel.md): below it the exact ring costs
   // little more than star, so exactness wins.
   int64_t star_from_tokens = 32768;
@@ -51,12 +51,16 @@ struct sequence_options {
   int64_t capacity_per_rank = 0;
 };
 
-// The mode a prefill of n_context tokens runs with (auto resolved); the same on every rank.
-prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_context);
+// The mode a prefill of a prompt of n_prompt tokens (context + suffix) runs with, auto resolved;
+// the same on every rank.
+prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_prompt);
+// opt with its mode resolved for that prompt: the plan, the fit check and the prefill of one
+// sequence all use this, so they cannot disagree at the threshold.
+sequence_options with_mode_resolved(const sequence_options& opt, int64_t n_prompt);
 
 // For run headers: "exact ring", "star: blocks of 4096 tokens, anchor 4096", with
-// " (auto: context >= 32768)" when auto chose it.
-std::string describe_prefill(const sequence_options& opt, int64_t n_context);
+// " (auto: prompt >= 32768)" when auto chose it.
+std::string describe_prefill(const sequence_options& opt, int64_t n_prompt);
 
 // Bytes this rank moved through the communicator, by purpose.
 struct sequence_comm_stats {
@@ -130,7 +134,9 @@ class sequence_parallel_runner {
   // Makes cache_ ready for a sequence whose largest shard (over all ranks) is max_tokens and of
   // which this rank holds own_tokens: reuses and clears it under capacity_per_rank.
   // Checks the memory first (every rank, collectively) when it allocates.
-  void prepare_cache(int64_t own_tokens, int64_t max_tokens, int64_t n_context, int64_t extra_on_tail);
+  // seq: the sequence's options, mode resolved.
+  void prepare_cache(const sequence_options& seq, int64_t own_tokens, int64_t max_tokens, int64_t n_context,
+                     int64_t extra_on_tail);
 
   std::unique_ptr<kv_cache> cache_;
   size_t planned_bytes_ = 0;

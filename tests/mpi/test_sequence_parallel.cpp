@@ -239,7 +239,9 @@ TEST(star_blocks, match_the_papers_masks) {
 
   sequence_options opt;
   opt.mode = prefill_mode::prefill_auto;
-  opt.star_from_tokens = 1024;  // auto picks star for this context
+  // auto picks star from the prompt's length, suffix included: exactly at the threshold here
+  // (the runner once compared its context, one token short, and ran exact).
+  opt.star_from_tokens = (int64_t)ids.size();
   opt.block_tokens = block;
   opt.anchor_tokens = anchor;
   opt.max_new_tokens = kSteps + 1;

@@ -97,6 +97,22 @@ TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
   EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
 }
 
+TEST(memory_plan, auto_mode_counts_the_suffix_like_the_runner) {
+  // A context one short of the threshold plus its one-token suffix is a prompt at the threshold:
+  // star, in the plan as in the runner and the run header.
+  const model_hparams hp = smollm2_like();
+  sequence_options opt;
+  opt.mode = prefill_mode::prefill_auto;
+  opt.star_from_tokens = 32768;
+  opt.block_tokens = 4096;
+  EXPECT_EQ(with_mode_resolved(opt, 32768).mode, prefill_mode::prefill_star);
+  EXPECT_EQ(with_mode_resolved(opt, 32767).mode, prefill_mode::prefill_exact);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 32767, 32, 8).ring_blocks, 0u);
+  EXPECT_GT(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 32766, 32, 8).ring_blocks, 0u);
+  EXPECT_NE(describe_prefill(opt, 32768).find("star: blocks of 4096 tokens"), std::string::npos);
+  EXPECT_NE(describe_prefill(opt, 32768).find("(auto: prompt >= 32768)"), std::string::npos);
+}
+
 TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
   const model_hparams hp = smollm2_like();
   auto comm = make_local_communicator();
