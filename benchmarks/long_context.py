@@ -94,16 +94,20 @@ def ensure_calib(args):
 
 
 def run(args, fmt, ctx):
+    # Room for the prompt within passkey's tolerance (1% of the context) and the answer.
+    capacity = ctx + ctx // 100 + 1024
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         out = tmp.name
     cmd = [os.path.join(ROOT, "launch", "xctx-mpirun"), "-np", str(args.np), args.xctx, "passkey",
            "--context", str(ctx), "--trials", str(args.trials), "--depths", args.depths, "--seed", str(args.seed),
            "--filler", args.filler, "--cache", fmt, "--json", out, "--prefill", args.prefill,
-           "--ctx", str(ctx + 1024)]
+           "--ctx", str(capacity), "--block", str(args.block)]
+    if args.anchor:
+        cmd += ["--anchor", str(args.anchor)]
     if fmt.startswith("nuq"):
         cmd += ["--calib", args.calib]
     if ctx + 64 > TRAINED:
-        g = self_extend_group(ctx + 1024, args.window)
+        g = self_extend_group(capacity, args.window)
         cmd += ["--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
     load_before = loadavg()
     t0 = time.time()
@@ -129,7 +133,9 @@ def run(args, fmt, ctx):
     dec_tok = sum(t.get("decode_steps", t["answer_tokens"]) for t in trials)  # steps run through the model
     dec_s = sum(t["decode_s"] for t in trials)
     row.update({
-        "status": "ok", "rope": j.get("rope", ""), "prefill": j.get("prefill", ""),
+        # What ran (auto resolved per trial), then the header's description of it.
+        "status": "ok", "rope": j.get("rope", ""),
+        "prefill": "ran " + "/".join(sorted({t.get("prefill_mode", "?") for t in trials})) + "; " + j.get("prefill", ""),
         "correct": s["correct"], "total": s["total"], "accuracy": s["accuracy"],
         "ci95_lo": s["ci95"][0], "ci95_hi": s["ci95"][1],
         "prefill_s": round(prefill_s, 2), "prefill_tok_s": round(prompt / prefill_s, 1),
@@ -165,17 +171,17 @@ def write_outputs(rows, out, cpu, args):
         f.write(f"Machine: {cpu}. Build: {args.build_note}. Command: `{' '.join(sys.argv)}`; "
                 f"{time.strftime('%Y-%m-%d')}.\n\n")
         f.write("| context | format | passkey | 95% interval | prefill s | prefill tok/s | decode tok/s | "
-                "cache/rank | peak RSS/rank | over base / plan | rope | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+                "cache/rank | peak RSS/rank | over base / plan | prefill | rope | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             if r["status"] != "ok":
-                f.write(f"| {label(r['context'])} | {r['format']} | {r['status']} | | | | | | | | "
+                f.write(f"| {label(r['context'])} | {r['format']} | {r['status']} | | | | | | | | | "
                         f"{r.get('message', '')[:120]} | {r.get('load', '')} |\n")
                 continue
             f.write(f"| {label(r['context'])} | {r['format']} | {r['correct']}/{r['total']} | "
                     f"[{100 * r['ci95_lo']:.0f}%, {100 * r['ci95_hi']:.0f}%] | {r['prefill_s']} | {r['prefill_tok_s']} | "
                     f"{r['decode_tok_s']} | {mib(r.get('cache_bytes_rank_max'))} | {mib(r.get('peak_rss_rank_max'))} | "
                     f"{mib(r.get('over_base_rank_max'))} / {mib(r.get('planned_bytes'))} "
-                    f"({r.get('over_base_vs_plan', '')}) | {r['rope']} | {r.get('load', '')} |\n")
+                    f"({r.get('over_base_vs_plan', '')}) | {r.get('prefill', '')} | {r['rope']} | {r.get('load', '')} |\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -213,6 +219,8 @@ def main():
     ap.add_argument("--seed", type=int, default=4000)
     ap.add_argument("--filler", default="classic")
     ap.add_argument("--prefill", default="auto", help="exact | star | auto (the CLI's default)")
+    ap.add_argument("--block", default="1K", help="star prefill: tokens per block (the anchor is one block unless --anchor)")
+    ap.add_argument("--anchor", default="", help="star prefill: anchor tokens")
     ap.add_argument("--window", type=int, default=1024, help="SelfExtend neighbour window past the trained context")
     ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per run")
     ap.add_argument("--build-note", default="Release (-O3 -DNDEBUG), portable x86-64 with run-time AVX2/AVX-512 dispatch (launch/build)")
