@@ -434,7 +434,9 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
 
   llama_engine engine(s.weights, *s.be, opt.run);
   const size_t base_rss = current_rss_bytes();  // weights and code: what the memory plan leaves out
-  sequence_options seq = opt.seq;
+  // auto is decided once from --context, not per prompt: the prompts vary within the tolerance,
+  // and a sweep's trials must all run the prefill its header names.
+  sequence_options seq = with_mode_resolved(opt.seq, opt.context);
   seq.max_new_tokens = opt.max_answer_tokens + 1;
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
@@ -446,7 +448,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
   std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | rope %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
-              hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(seq, opt.context).c_str(),
+              hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(opt.seq, opt.context).c_str(),
               describe_rope(engine.rope(), hp.n_ctx_train).c_str(),
               format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));
@@ -498,7 +500,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
                                 {"context", opt.context},
                                 {"filler", opt.filler},
                                 {"chat", opt.chat},
-                                {"prefill", describe_prefill(seq, opt.context)},
+                                {"prefill", describe_prefill(opt.seq, opt.context)},
                                 {"rope", describe_rope(engine.rope(), hp.n_ctx_train)},
                                 {"cache", format_traits(opt.run.cache).name},
                                 {"ranks", comm.size()},
