@@ -103,7 +103,8 @@ class quant_cache final : public kv_cache {
       if (traits_.outlier_fraction > 0.0) {
         s.ch_lo = cl.k_lo, s.ch_hi = cl.k_hi;
         s.k_out_off.assign((size_t)cap + 1, 0);
-        s.k_out_idx.reserve(nominal_key_outliers(cap)), s.k_out_val.reserve(nominal_key_outliers(cap));
+        const size_t reserve = reserved_key_outliers(traits_.outlier_fraction, C_, cap);
+        s.k_out_idx.reserve(reserve), s.k_out_val.reserve(reserve);
         s.v_out_idx.resize((size_t)cap * 2 * v_side_), s.v_out_val.resize((size_t)cap * 2 * v_side_);
       }
     }
@@ -303,8 +304,13 @@ class quant_cache final : public kv_cache {
   }
 
  private:
-  size_t nominal_key_outliers(int64_t cap) const {
-    return (size_t)std::llround(traits_.outlier_fraction * C_ * (double)cap * 1.25) + 16;
+  // Text denser in outliers than the reserve: grow the key lists by a quarter of the reserve (or
+  // what this append needs), not by doubling, so an overrun costs RSS in proportion to it.
+  void reserve_key_outliers(layer_store& s, size_t more) const {
+    const size_t need = s.k_out_idx.size() + more;
+    if (need <= s.k_out_idx.capacity()) return;
+    const size_t step = std::max(more, reserved_key_outliers(traits_.outlier_fraction, C_, geo_.capacity) / 4);
+    s.k_out_idx.reserve(s.k_out_idx.size() + step), s.k_out_val.reserve(s.k_out_val.size() + step);
   }
 
   size_t block_bytes(int64_t n, int64_t n_sink, int64_t n_tail, int64_t nq, int64_t nk) const {
@@ -364,6 +370,9 @@ class quant_cache final : public kv_cache {
     }
     be_.kvq_encode(j);
     if (outl) {  // compact the per-row scratch into the key's compressed columns
+      size_t more = 0;
+      for (int64_t t = 0; t < n; ++t) more += out_cnt_[t];
+      reserve_key_outliers(s, more);
       for (int64_t t = 0; t < n; ++t) {
         const uint32_t c = out_cnt_[t];
         s.k_out_idx.insert(s.k_out_idx.end(), out_idx_.begin() + t * C_, out_idx_.begin() + t * C_ + c);

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/sys.h"
+#include "kernels/cpu/workspace.h"
 #include "kernels/softmax_acc.h"
 
 namespace xctx {
@@ -24,10 +25,11 @@ cache_geometry geometry_of(const model_hparams& hp, int64_t capacity) {
 double ring_block_bytes_per_token(const cache_spec& spec, const model_hparams& hp) {
   const cache_geometry g = geometry_of(hp, 1);
   const cache_format_traits t = format_traits(spec.format);
-  // Key outliers at up to 3x their nominal fraction: the thresholds are calibrated offline, and
-  // 300-token blocks of real text measured ~2.5x.
+  // Key outliers at the caches' reserve (kKeyOutlierReserve x nominal; cache_bytes_per_token
+  // counts them once): 300-token blocks of real text measured ~2.5x.
   // (cache_bytes_per_token counts the shared positions once; every block carries its own, below.)
-  double most = (cache_bytes_per_token(spec, g) - 4.0) / g.n_layer + 2.0 * t.outlier_fraction * hp.kv_dim() * 4;
+  double most = (cache_bytes_per_token(spec, g) - 4.0) / g.n_layer +
+                (kKeyOutlierReserve - 1.0) * t.outlier_fraction * hp.kv_dim() * 4;
   if (t.family == cache_family::family_xquant_cl) {
     const double G = spec.options.group_size;
     for (int l = 0; l < g.n_layer; ++l) {
@@ -88,7 +90,7 @@ std::string rank_memory::describe() const {
   const std::pair<const char*, size_t> parts[] = {{"cache", cache},           {"residual stream", residual},
                                                   {"scratch", scratch},       {"accumulators", accumulators},
                                                   {"ring blocks", ring_blocks}, {"foreign accumulators", foreign_acc},
-                                                  {"anchor/block caches", star_caches}};
+                                                  {"anchor/block caches", star_caches}, {"kernel workspace", workspace}};
   bool first = true;
   for (const auto& [name, bytes] : parts) {
     if (bytes == 0) continue;
@@ -103,9 +105,8 @@ size_t cache_allocation_bytes(const cache_spec& spec, const model_hparams& hp, i
   const cache_geometry g = geometry_of(hp, capacity);
   const cache_format_traits t = format_traits(spec.format);
   const int64_t C = (int64_t)hp.kv_dim();
-  // quant_cache reserves 1.25x the nominal key outliers (+16) per layer.
-  const int64_t key_out =
-      t.outlier_fraction > 0 ? g.n_layer * ((int64_t)std::llround(t.outlier_fraction * C * (double)capacity * 1.25) + 16) : 0;
+  // quant_cache reserves reserved_key_outliers per layer.
+  const int64_t key_out = g.n_layer * (int64_t)reserved_key_outliers(t.outlier_fraction, C, capacity);
   const bool sink = t.family == cache_family::family_nuq && spec.options.sink;
   size_t window = 0;  // the fp16 residual window is allocated whole, whatever it holds
   const size_t L = (size_t)g.n_layer, G = (size_t)spec.options.group_size;
@@ -118,7 +119,7 @@ size_t cache_allocation_bytes(const cache_spec& spec, const model_hparams& hp, i
 }
 
 rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec, const sequence_options& opt,
-                                 int n_batch, int64_t n_context, int64_t extra_on_tail, int n_rank) {
+                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank) {
   rank_memory m;
   const int64_t n_suffix = 1, n_new = std::max<int64_t>(0, extra_on_tail - n_suffix);
   const int64_t held = opt.capacity_per_rank > 0
@@ -132,6 +133,11 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
   const size_t d = hp.n_embd, q = (size_t)hp.n_head * hp.head_dim, kv = hp.kv_dim(), f = hp.n_ff;
   m.scratch = (size_t)b * (2 * d + 2 * q + 2 * kv + 2 * f) * 4;
   m.accumulators = (size_t)b * hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(double));
+  m.workspace = cpu::kernel_workspace_bytes(std::max(1, n_threads), b, (int64_t)kv, (int64_t)q);
+  // nuq -1%: each cache appended to (own, star's anchor and block) keeps a chunk's per-row
+  // outlier lists before compacting them (index and value, 2 bytes each per channel).
+  if (format_traits(spec.format).outlier_fraction > 0)
+    m.workspace += (size_t)(mode == prefill_mode::prefill_star ? 3 : 1) * b * kv * 4;
   const bool ring = mode == prefill_mode::prefill_exact && n_rank > 1;
   m.residual = (size_t)(ring ? std::max<int64_t>(shard, 0) : b) * d * 4;
   if (ring) {
@@ -184,9 +190,10 @@ cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, co
 }
 
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
-                         const sequence_options& opt, int n_batch, int64_t n_context, int64_t extra_on_tail) {
+                         const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
+                         int64_t extra_on_tail) {
   const int P = comm.size();
-  const rank_memory need = estimate_rank_memory(hp, spec, opt, n_batch, n_context, extra_on_tail, P);
+  const rank_memory need = estimate_rank_memory(hp, spec, opt, n_batch, n_threads, n_context, extra_on_tail, P);
   const uint64_t available = available_memory_bytes();
   const int local_ranks = node_local_ranks();
   struct verdict {
@@ -212,13 +219,13 @@ void check_sequence_fits(communicator& comm, const model_hparams& hp, const cach
   for (cache_format f : all_cache_formats()) {
     cache_spec other(f, spec.options);
     other.options.cl_ring = cl_ring_mode::cl_ring_latent;
-    const size_t b = estimate_rank_memory(hp, other, opt, n_batch, n_context, extra_on_tail, P).total();
+    const size_t b = estimate_rank_memory(hp, other, opt, n_batch, n_threads, n_context, extra_on_tail, P).total();
     if (b <= share) fitting += (fitting.empty() ? "" : ", ") + std::string(format_traits(f).name) + " (" + format_bytes((double)b) + ")";
   }
   msg << " Formats that fit at " << P << " rank(s): " << (fitting.empty() ? "none" : fitting) << ".";
   int fits_from = 0;
   for (int p = P + 1; p <= 4096 && fits_from == 0; p = p < 64 ? p + 1 : p * 2)
-    if (estimate_rank_memory(hp, spec, opt, n_batch, n_context, extra_on_tail, p).total() <= share) fits_from = p;
+    if (estimate_rank_memory(hp, spec, opt, n_batch, n_threads, n_context, extra_on_tail, p).total() <= share) fits_from = p;
   if (fits_from > 0)
     msg << " " << format_traits(spec.format).name << " fits from " << fits_from << " ranks with "
         << format_bytes((double)share) << " each";

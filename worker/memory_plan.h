@@ -26,15 +26,17 @@ namespace xctx {
 
 struct rank_memory {
   size_t cache = 0, residual = 0, scratch = 0, accumulators = 0, ring_blocks = 0, foreign_acc = 0,
-         star_caches = 0;
-  size_t total() const { return cache + residual + scratch + accumulators + ring_blocks + foreign_acc + star_caches; }
+         star_caches = 0, workspace = 0;
+  size_t total() const {
+    return cache + residual + scratch + accumulators + ring_blocks + foreign_acc + star_caches + workspace;
+  }
   std::string describe() const;  // "cache 1.2 GiB + residual ... = 2.0 GiB"
 };
 
 // The most any rank of n_rank needs for a prefill of n_context tokens whose tail rank then
 // holds `extra_on_tail` more (suffix + new tokens); capacity_per_rank > 0 fixes the cache size.
 rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec, const sequence_options& opt,
-                                 int n_batch, int64_t n_context, int64_t extra_on_tail, int n_rank);
+                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank);
 
 // The bytes the cache of this spec allocates for `capacity` tokens (nominal outliers).
 size_t cache_allocation_bytes(const cache_spec& spec, const model_hparams& hp, int64_t capacity);
@@ -53,6 +55,7 @@ cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, co
 // lacks room, every rank throws the same message, naming the rank, what it needs by part, and
 // the formats and rank counts that would fit.
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
-                         const sequence_options& opt, int n_batch, int64_t n_context, int64_t extra_on_tail);
+                         const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
+                         int64_t extra_on_tail);
 
 }  // namespace xctx

@@ -220,14 +220,14 @@ int64_t sequence_parallel_runner::tokens_needed_per_rank(int64_t n_context, int6
 void sequence_parallel_runner::prepare_cache(const sequence_options& seq, int64_t own_tokens, int64_t max_tokens,
                                              int64_t n_context, int64_t extra_on_tail) {
   const model_hparams& hp = engine_.hparams();
-  const int n_batch = engine_.params().n_batch;
+  const int n_batch = engine_.params().n_batch, n_threads = engine_.params().n_threads;
   const int64_t cap = opt_.capacity_per_rank;
   if (cap <= 0) {
     // Every rank refuses together, before allocating, when some rank lacks the memory.
     cache_spec spec = resolve_ring_mode(spec_, hp, seq, n_context, comm_.size());
     cache_.reset();  // the previous sequence's cache goes before the check and the new allocation
-    check_sequence_fits(comm_, hp, spec, seq, n_batch, n_context, extra_on_tail);
-    planned_bytes_ = estimate_rank_memory(hp, spec, seq, n_batch, n_context, extra_on_tail, comm_.size()).total();
+    check_sequence_fits(comm_, hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail);
+    planned_bytes_ = estimate_rank_memory(hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail, comm_.size()).total();
     cache_ = make_cache(spec, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
     return;
   }
@@ -245,8 +245,8 @@ void sequence_parallel_runner::reserve() {
   const model_hparams& hp = engine_.hparams();
   const int64_t longest = cap * comm_.size();
   const cache_spec spec = resolve_ring_mode(spec_, hp, opt_, longest, comm_.size());
-  check_sequence_fits(comm_, hp, spec, opt_, engine_.params().n_batch, longest, 0);
-  planned_bytes_ = estimate_rank_memory(hp, spec, opt_, engine_.params().n_batch, longest, 0, comm_.size()).total();
+  check_sequence_fits(comm_, hp, spec, opt_, engine_.params().n_batch, engine_.params().n_threads, longest, 0);
+  planned_bytes_ = estimate_rank_memory(hp, spec, opt_, engine_.params().n_batch, engine_.params().n_threads, longest, 0, comm_.size()).total();
   cache_ = make_cache(spec, engine_.cache_geometry_for(cap), be_);
 }
 

@@ -8,13 +8,11 @@
 #include "common/error.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/rope_tile.h"
+#include "kernels/cpu/workspace.h"
 
 namespace xctx::cpu {
 namespace {
 
-// Units loaded together on the many-query path (each thread then runs its queries over all of
-// them): enough to amortize the barrier, few enough to stay near L2 (4 x 256 x 192 x 2 x 4 B).
-constexpr int kUnitBatch = 4;
 // Queries per decode-kernel call on the many-query path: the unit's tiles stay in L1 across
 // their rows instead of streaming from L2 once per query.
 constexpr int kQueryBlock = 16;

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_impl.h"
+#include "kernels/cpu/workspace.h"
 
 namespace xctx::cpu {
 
@@ -28,11 +29,10 @@ namespace {
 // 2.47-2.55 ms, 128 KiB 2.39-2.47 ms, 256 KiB 2.53-2.66 ms.
 constexpr size_t k_min_parallel_bytes = 128 * 1024;
 
-// Weights dequantized and packed per panel in prefill_split_rows: 256K floats (1 MiB). With
+// Weights dequantized and packed per panel in prefill_split_rows: kMatmulPanelFloats (1 MiB). With
 // OpenBLAS sgemm it measured (1 thread, n_tok = 512, Q4_1, GFLOP/s for 64K / 128K / 256K / 1M
 // floats) 576x576 128 / 127 / 126 / 123, 576x1536 114 / 121 / 129 / 122; the own GEMM reads a
 // 16-row strip at a time, so the panel only bounds the buffer and the dequantization batch.
-constexpr int64_t k_panel_floats = 256 * 1024;
 
 template <typename F>
 void run_rows(int64_t n_rows, size_t work_bytes, F&& body) {
@@ -464,7 +464,7 @@ void matmul_prefill(const weight_view& w, const float* x, int64_t n_tok, float* 
   switch (mode) {
     case prefill_mode::prefill_split_rows: {
       // Thread row ranges and panels are multiples of 16 rows, so strips never straddle them.
-      const int64_t panel = std::max<int64_t>(k_strip, k_panel_floats / n_cols / k_strip * k_strip);
+      const int64_t panel = std::max<int64_t>(k_strip, kMatmulPanelFloats / n_cols / k_strip * k_strip);
       run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
         thread_local std::vector<float> buf, row;  // [panel / 16, n_cols, 16], [n_cols]
         buf.resize((size_t)(panel * n_cols));

@@ -143,7 +143,7 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
     if (ring_bytes != nullptr) *ring_bytes = runner.stats().ring_bytes_sent;
     if (c.size() > 1) {  // the foreign blocks held for one layer, against the memory plan's bound
       const uint64_t held = runner.stats().ring_held_bytes_peak;
-      const rank_memory m = estimate_rank_memory(w.hp, spec, opt, n_batch, kPrompt - 1, kGreedy + 2, c.size());
+      const rank_memory m = estimate_rank_memory(w.hp, spec, opt, n_batch, 1, kPrompt - 1, kGreedy + 2, c.size());
       // Every rank ends a layer's ring holding all of the layer's blocks: the plan's n tokens at
       // the largest layer's bytes per token, plus each block's fixed part. The plan is a bound:
       // it counts every rank's fp16 residual window full (grouped formats) and 3x the nominal

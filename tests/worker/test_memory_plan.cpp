@@ -53,7 +53,7 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   opt.mode = prefill_mode::prefill_exact;
   const int P = 8, n_batch = 512;
   const int64_t n = 1 << 20;
-  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, n, 32, P);
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, n, 32, P);
   const int64_t s = n / P;  // zigzag shards of a power of two
   EXPECT_NEAR((double)m.residual, (double)s * 576 * 4, 576.0 * 4 * 512);
   EXPECT_EQ(m.scratch, (size_t)512 * (2 * 576 + 2 * 576 + 2 * 192 + 2 * 1536) * 4);
@@ -61,13 +61,16 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   EXPECT_NEAR((double)m.ring_blocks, (double)n * (2 * 192 * 2 + 4) + 512.0 * P, 1.0);  // fp16 K and V + position
   EXPECT_EQ(m.foreign_acc, 0u);
   EXPECT_EQ(m.star_caches, 0u);
+  // Kernel workspace, 1 thread: a 1 MiB weight panel and the decode path's near + grouped K/V
+  // unit tiles (4 x 256 x 192 x 4 B), the prefill path's 4-unit batch of them, the chunk's queries.
+  EXPECT_EQ(m.workspace, (size_t)(1048576 + 786432) + 4 * 786432 + 512 * 576 * 4);
   // Temporaries: the shard's residual stream and one layer of the context's blocks, not the
   // ~21 KB per shard token of holding every query's accumulator and q, o at once (0.41x here
   // for fp16; a 3-bit format holds a quarter of fp16's blocks).
   EXPECT_LT((double)(m.total() - m.cache), 0.45 * (double)s * 21000);
   EXPECT_LT((double)(m.scratch + m.accumulators), 0.01 * (double)s * 21000);
   // One rank runs chunk-major: no shard-sized residual, no ring.
-  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 100000, 32, 1);
+  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, 100000, 32, 1);
   EXPECT_EQ(one.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(one.ring_blocks, 0u);
 }
@@ -83,7 +86,7 @@ TEST(memory_plan, xquant_cl_auto_ring_switches_to_latent_past_the_budget) {
   EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 8).options.cl_ring, cl_ring_mode::cl_ring_latent);
   EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 1).options.cl_ring, cl_ring_mode::cl_ring_deltas) << "no ring";
   const cache_spec deltas = resolve_ring_mode(spec, hp, opt, under, 8);
-  EXPECT_GT(estimate_rank_memory(hp, deltas, opt, 512, under, 1, 8).foreign_acc, 0u);
+  EXPECT_GT(estimate_rank_memory(hp, deltas, opt, 512, 1, under, 1, 8).foreign_acc, 0u);
 }
 
 TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
@@ -91,7 +94,7 @@ TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
   sequence_options opt;
   opt.mode = prefill_mode::prefill_auto;
   opt.block_tokens = 4096;
-  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1 << 20, 32, 8);
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 1 << 20, 32, 8);
   EXPECT_EQ(m.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(m.ring_blocks, 0u);
   EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
@@ -107,8 +110,8 @@ TEST(memory_plan, auto_mode_counts_the_suffix_like_the_runner) {
   opt.block_tokens = 4096;
   EXPECT_EQ(with_mode_resolved(opt, 32768).mode, prefill_mode::prefill_star);
   EXPECT_EQ(with_mode_resolved(opt, 32767).mode, prefill_mode::prefill_exact);
-  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 32767, 32, 8).ring_blocks, 0u);
-  EXPECT_GT(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 32766, 32, 8).ring_blocks, 0u);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32767, 32, 8).ring_blocks, 0u);
+  EXPECT_GT(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32766, 32, 8).ring_blocks, 0u);
   EXPECT_NE(describe_prefill(opt, 32768).find("star: blocks of 4096 tokens"), std::string::npos);
   EXPECT_NE(describe_prefill(opt, 32768).find("(auto: prompt >= 32768)"), std::string::npos);
 }
@@ -120,7 +123,7 @@ TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
   const memory_limit limit("1G");
   // 64K tokens of fp16 on one rank: 64K x 30 layers x 768 B = 1.4 GiB of cache.
   try {
-    check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 65536, 32);
+    check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 65536, 32);
     FAIL() << "expected a refusal";
   } catch (const Error& e) {
     const std::string m = e.what();
@@ -132,7 +135,7 @@ TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
     EXPECT_EQ(m.find("fp32 ("), std::string::npos) << "fp32 does not fit: " << m;
     EXPECT_NE(m.find("fp16 fits from 2 ranks"), std::string::npos) << m;
   }
-  EXPECT_NO_THROW(check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 16384, 32));
+  EXPECT_NO_THROW(check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 16384, 32));
 }
 
 }  // namespace
