@@ -27,7 +27,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,8 +95,10 @@ def ensure_calib(args):
 def run(args, fmt, ctx):
     # Room for the prompt within passkey's tolerance (1% of the context) and the answer.
     capacity = ctx + ctx // 100 + 1024
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out = tmp.name
+    # Each run's passkey JSON (per-trial answers, modes, shards) is kept beside the results.
+    runs_dir = args.out + "_runs"
+    os.makedirs(runs_dir, exist_ok=True)
+    out = os.path.join(runs_dir, f"{label(ctx)}_{fmt.replace('%', 'pct')}.json")
     cmd = [os.path.join(ROOT, "launch", "xctx-mpirun"), "-np", str(args.np), args.xctx, "passkey",
            "--context", str(ctx), "--trials", str(args.trials), "--depths", args.depths, "--seed", str(args.seed),
            "--filler", args.filler, "--cache", fmt, "--json", out, "--prefill", args.prefill,
@@ -126,7 +127,6 @@ def run(args, fmt, ctx):
         return row
     with open(out) as f:
         j = json.load(f)
-    os.unlink(out)
     s, trials, shards = j["summary"], j["trials"], j.get("shards", [])
     prefill_s = sum(t["prefill_s"] for t in trials) / len(trials)
     prompt = sum(t["prompt_tokens"] for t in trials) / len(trials)

@@ -377,9 +377,9 @@ class plain_loader final : public unit_loader {
   void to_f32(const char* base, size_t off, size_t elems, float* dst) const {
     if (a_.kv_type == kv_dtype::kv_f32) {
       std::copy((const float*)base + off, (const float*)base + off + elems, dst);
-    } else {
-      const uint16_t* src = (const uint16_t*)base + off;
-      for (size_t e = 0; e < elems; ++e) dst[e] = fp16_to_fp32(src[e]);
+    } else {  // the grouped side converts every far key and value of every decode step: SIMD
+      const row_ops& ops = impl::best_isa() == isa::isa_avx2 ? avx2::prefill_row_ops() : kScalarRowOps;
+      ops.f16_to_f32((const uint16_t*)base + off, (int64_t)elems, dst);
     }
   }
   const attn_args& a_;
