@@ -182,6 +182,11 @@ def write_outputs(rows, out, cpu, args):
                     f"{r['decode_tok_s']} | {mib(r.get('cache_bytes_rank_max'))} | {mib(r.get('peak_rss_rank_max'))} | "
                     f"{mib(r.get('over_base_rank_max'))} / {mib(r.get('planned_bytes'))} "
                     f"({r.get('over_base_vs_plan', '')}) | {r.get('prefill', '')} | {r['rope']} | {r.get('load', '')} |\n")
+        # Hand-written notes on the rows (which command and commit made which, what they show)
+        # live beside the results and are carried into every rewrite of the table.
+        if os.path.exists(out + "_notes.md"):
+            with open(out + "_notes.md") as notes:
+                f.write("\n" + notes.read())
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -90,7 +90,8 @@ std::string rank_memory::describe() const {
   const std::pair<const char*, size_t> parts[] = {{"cache", cache},           {"residual stream", residual},
                                                   {"scratch", scratch},       {"accumulators", accumulators},
                                                   {"ring blocks", ring_blocks}, {"foreign accumulators", foreign_acc},
-                                                  {"anchor/block caches", star_caches}, {"kernel workspace", workspace}};
+                                                  {"anchor/block caches", star_caches}, {"xquant-cl accumulators", x_accumulator},
+                                                  {"kernel workspace", workspace}};
   bool first = true;
   for (const auto& [name, bytes] : parts) {
     if (bytes == 0) continue;
@@ -147,11 +148,21 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
         spec.options.cl_ring == cl_ring_mode::cl_ring_deltas)
       m.foreign_acc = (size_t)std::max<int64_t>(0, n_context) * (d + 1) * 4;
   }
+  // Star's extra caches: the anchor, and a view of the block being prefilled (none with one
+  // block per rank: the own cache is the block).
+  int64_t star_rows = 0;
   if (mode == prefill_mode::prefill_star && n_context > 0) {
     const int64_t block = opt.block_tokens > 0 ? opt.block_tokens : shard;
     const int64_t anchor = std::min(n_context, opt.anchor_tokens > 0 ? opt.anchor_tokens : block);
-    m.star_caches = cache_allocation_bytes(spec, hp, anchor) + (opt.block_tokens > 0 ? cache_allocation_bytes(spec, hp, block) : 0);
+    const int64_t view = opt.block_tokens > 0 ? block : 0;
+    m.star_caches = cache_allocation_bytes(spec, hp, anchor) + (view > 0 ? cache_allocation_bytes(spec, hp, view) : 0);
+    star_rows = anchor + view;
   }
+  // xquant-cl attends its own tokens from the cross-layer accumulator X̂ ([rows, n_embd] f32 and
+  // a layer tag per row), grown with the rows attended up to the cache's capacity; star's anchor
+  // and block caches keep their own.
+  if (format_traits(spec.format).family == cache_family::family_xquant_cl)
+    m.x_accumulator = (size_t)(held + star_rows) * (d * 4 + 2);
   return m;
 }
 

@@ -26,9 +26,10 @@ namespace xctx {
 
 struct rank_memory {
   size_t cache = 0, residual = 0, scratch = 0, accumulators = 0, ring_blocks = 0, foreign_acc = 0,
-         star_caches = 0, workspace = 0;
+         star_caches = 0, x_accumulator = 0, workspace = 0;
   size_t total() const {
-    return cache + residual + scratch + accumulators + ring_blocks + foreign_acc + star_caches + workspace;
+    return cache + residual + scratch + accumulators + ring_blocks + foreign_acc + star_caches + x_accumulator +
+           workspace;
   }
   std::string describe() const;  // "cache 1.2 GiB + residual ... = 2.0 GiB"
 };

@@ -100,6 +100,23 @@ TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
   EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
 }
 
+// xquant-cl attends from its f32 cross-layer accumulator, one row per token of every cache it
+// keeps (own, star's anchor and block view); the other formats have none.
+TEST(memory_plan, xquant_cl_counts_its_accumulator_rows) {
+  const model_hparams hp = smollm2_like();
+  sequence_options opt;
+  opt.mode = prefill_mode::prefill_star;
+  opt.block_tokens = 4096;
+  const int64_t n = 1 << 20;
+  const int P = 8;
+  const rank_memory cl = estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant-cl3")), opt, 512, 1, n, 32, P);
+  const double row = 576 * 4 + 2;
+  EXPECT_GE((double)cl.x_accumulator, (double)(n / P + 2 * 4096) * row);
+  EXPECT_LE((double)cl.x_accumulator, (double)(n / P + 3 * 4096 + 64) * row);  // a rank may hold one block more
+  EXPECT_EQ(estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant3")), opt, 512, 1, n, 32, P).x_accumulator, 0u);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, n, 32, P).x_accumulator, 0u);
+}
+
 TEST(memory_plan, auto_mode_counts_the_suffix_like_the_runner) {
   // A context one short of the threshold plus its one-token suffix is a prompt at the threshold:
   // star, in the plan as in the runner and the run header.
