@@ -148,13 +148,13 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
         spec.options.cl_ring == cl_ring_mode::cl_ring_deltas)
       m.foreign_acc = (size_t)std::max<int64_t>(0, n_context) * (d + 1) * 4;
   }
-  // Star's extra caches: the anchor, and a view of the block being prefilled (none with one
-  // block per rank: the own cache is the block).
+  // Star's extra caches: the anchor, and a view of the block being prefilled (none while a rank
+  // holds one block: its first block is attended in the own cache).
   int64_t star_rows = 0;
   if (mode == prefill_mode::prefill_star && n_context > 0) {
     const int64_t block = opt.block_tokens > 0 ? opt.block_tokens : shard;
     const int64_t anchor = std::min(n_context, opt.anchor_tokens > 0 ? opt.anchor_tokens : block);
-    const int64_t view = opt.block_tokens > 0 ? block : 0;
+    const int64_t view = opt.block_tokens > 0 && shard > block ? block : 0;
     m.star_caches = cache_allocation_bytes(spec, hp, anchor) + (view > 0 ? cache_allocation_bytes(spec, hp, view) : 0);
     star_rows = anchor + view;
   }

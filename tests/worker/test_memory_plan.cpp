@@ -98,6 +98,9 @@ TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
   EXPECT_EQ(m.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(m.ring_blocks, 0u);
   EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
+  // One block per rank: the block is attended in the own cache, only the anchor is extra.
+  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 8 * 4096 - 1, 32, 8);
+  EXPECT_EQ(one.star_caches, cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
 }
 
 // xquant-cl attends from its f32 cross-layer accumulator, one row per token of every cache it
