@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cmath>
-
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>

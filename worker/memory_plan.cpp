@@ -135,10 +135,6 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
   m.scratch = (size_t)b * (2 * d + 2 * q + 2 * kv + 2 * f) * 4;
   m.accumulators = (size_t)b * hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(double));
   m.workspace = cpu::kernel_workspace_bytes(std::max(1, n_threads), b, (int64_t)kv, (int64_t)q);
-  // nuq -1%: each cache appended to (own, star's anchor and block) keeps a chunk's per-row
-  // outlier lists before compacting them (index and value, 2 bytes each per channel).
-  if (format_traits(spec.format).outlier_fraction > 0)
-    m.workspace += (size_t)(mode == prefill_mode::prefill_star ? 3 : 1) * b * kv * 4;
   const bool ring = mode == prefill_mode::prefill_exact && n_rank > 1;
   m.residual = (size_t)(ring ? std::max<int64_t>(shard, 0) : b) * d * 4;
   if (ring) {
@@ -150,14 +146,18 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
   }
   // Star's extra caches: the anchor, and a view of the block being prefilled (none while a rank
   // holds one block: its first block is attended in the own cache).
-  int64_t star_rows = 0;
+  int64_t star_rows = 0, n_caches = 1;
   if (mode == prefill_mode::prefill_star && n_context > 0) {
     const int64_t block = opt.block_tokens > 0 ? opt.block_tokens : shard;
     const int64_t anchor = std::min(n_context, opt.anchor_tokens > 0 ? opt.anchor_tokens : block);
     const int64_t view = opt.block_tokens > 0 && shard > block ? block : 0;
     m.star_caches = cache_allocation_bytes(spec, hp, anchor) + (view > 0 ? cache_allocation_bytes(spec, hp, view) : 0);
     star_rows = anchor + view;
+    n_caches += 1 + (view > 0);
   }
+  // nuq -1%: each cache appended to keeps a chunk's per-row outlier lists before compacting them
+  // (index and value, 2 bytes each per channel).
+  if (format_traits(spec.format).outlier_fraction > 0) m.workspace += (size_t)n_caches * b * kv * 4;
   // xquant-cl attends its own tokens from the cross-layer accumulator X̂ ([rows, n_embd] f32 and
   // a layer tag per row), grown with the rows attended up to the cache's capacity; star's anchor
   // and block caches keep their own.
