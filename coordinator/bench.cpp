@@ -78,12 +78,13 @@ int run_bench(const bench_options& opt, communicator& comm) {
   // Per-rank figures gathered to rank 0.
   struct rank_figures {
     double peak_rss, cache_used, cache_allocated, ring_sent, gather_sent_decode, gather_recv_decode;
-    double tokens;
+    double tokens, ring_s, gather_s_decode;
   } mine{(double)peak_rss_bytes(), (double)runner.cache().bytes_used(), (double)runner.cache().bytes_allocated(),
          (double)runner.stats().ring_bytes_sent,
          (double)(runner.stats().gather_bytes_sent - after_prefill.gather_bytes_sent),
          (double)(runner.stats().gather_bytes_recv - after_prefill.gather_bytes_recv),
-         (double)runner.cache().n_tokens(0)};
+         (double)runner.cache().n_tokens(0), runner.stats().ring_seconds,
+         runner.stats().gather_seconds - after_prefill.gather_seconds};
   std::vector<rank_figures> all(comm.size());
   comm.all_gather(&mine, all.data(), sizeof mine);
   if (comm.rank() != 0) return 0;
@@ -120,6 +121,8 @@ int run_bench(const bench_options& opt, communicator& comm) {
     r["ring_bytes_sent"] = (uint64_t)f.ring_sent;
     r["decode_gather_bytes_sent"] = (uint64_t)f.gather_sent_decode;
     r["decode_gather_bytes_recv"] = (uint64_t)f.gather_recv_decode;
+    r["prefill_ring_s"] = f.ring_s;          // in the ring's transfers (and waits)
+    r["decode_gather_s"] = f.gather_s_decode;  // in the decode all-gathers (and waits)
     j["per_rank"].push_back(r);
   }
   std::printf("%s\n", j.dump().c_str());

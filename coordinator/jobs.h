@@ -36,6 +36,21 @@ struct info_options {
 };
 int run_info(const info_options& opt);
 
+// `xctx plan` (coordinator/cluster_plan.h): a model's needs and projected speed per cache format
+// at a context on a cluster, before anything runs.
+struct plan_options {
+  std::string model = "llama-3-8b";  // preset, .gguf or HF directory
+  int64_t context = 1 << 20;
+  int gpus = 8;
+  std::string gpu = "h100", network = "nvlink4";
+  std::string formats = "fp16,kivi2,nuq4-1%,nuq3-1%,nuq2-1%,xquant2,xquant-cl3,xquant-cl2,clkv";
+  double weight_bits = 16;
+  int64_t block = 4096;
+  double memory_gib = 0, bandwidth_gbs = 0, tflops = 0;  // > 0: override the device table
+  bool json = false;
+};
+int run_plan(const plan_options& opt);
+
 }  // namespace xctx
 
 namespace xctx {

@@ -142,6 +142,22 @@ int main(int argc, char** argv) {
 
   xctx::info_options info;
   std::string info_ctx;
+  xctx::plan_options plan;
+  std::string plan_ctx = "1M", plan_block = "4K";
+  auto* pl = app.add_subcommand("plan", "cache bytes, fit, longest context and projected speed per cache format on a cluster");
+  pl->add_option("--model", plan.model, "preset (llama-2-7b, llama-3-8b, llama-3.1-8b, llama-3-70b, smollm2-135m), GGUF or HF directory")
+      ->default_val("llama-3-8b");
+  pl->add_option("--context", plan_ctx, "tokens of the sequence (e.g. 128K, 10M)")->default_val("1M");
+  pl->add_option("--gpus", plan.gpus, "ranks, one per GPU")->default_val(8);
+  pl->add_option("--gpu", plan.gpu, "h100 | h100-pcie | h200 | a100-80gb")->default_val("h100");
+  pl->add_option("--network", plan.network, "nvlink4 | nvlink3 | ib-ndr | ib-hdr | eth-100g | eth-10g")->default_val("nvlink4");
+  pl->add_option("--formats", plan.formats, "comma-separated cache formats");
+  pl->add_option("--weight-bits", plan.weight_bits, "bits per weight as the devices hold them")->default_val(16);
+  pl->add_option("--block", plan_block, "star prefill block (= anchor) tokens")->default_val("4K");
+  pl->add_option("--memory-gib", plan.memory_gib, "override the device's memory (GiB)");
+  pl->add_option("--bandwidth-gbs", plan.bandwidth_gbs, "override the device's memory bandwidth (GB/s)");
+  pl->add_option("--tflops", plan.tflops, "override the device's dense 16-bit TFLOP/s");
+  pl->add_flag("--json", plan.json, "one JSON object instead of the table");
   auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
   i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
   i->add_option("--cache", info.cache, "also print the byte breakdown of this cache format");
@@ -354,6 +370,11 @@ int main(int argc, char** argv) {
       ppl.stride = ppl_stride.empty() ? ppl.ctx : xctx::parse_count(ppl_stride, "--stride");
       if (!ppl_max_tokens.empty()) ppl.max_tokens = xctx::parse_count(ppl_max_tokens, "--max-tokens");
       return xctx::run_ppl(ppl, *comm);
+    }
+    if (*pl) {
+      plan.context = xctx::parse_count(plan_ctx, "--context");
+      plan.block = xctx::parse_count(plan_block, "--block");
+      return xctx::run_plan(plan);
     }
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");

@@ -354,16 +354,20 @@ class hf_builder {
 
 }  // namespace
 
-model_weights load_hf_weights(const std::string& dir_str) {
+model_hparams read_hf_config(const std::string& dir_str) {
   const fs::path dir(dir_str);
   XCTX_CHECK(fs::is_directory(dir), dir_str, ": not a checkpoint directory");
   const fs::path config_path = dir / "config.json";
   XCTX_CHECK(fs::exists(config_path), dir_str, ": no config.json in the checkpoint directory");
   const json config = read_json_file(config_path, "config");
   XCTX_CHECK(config.is_object(), config_path.string(), ": must hold a JSON object");
+  return read_hf_hparams(config_reader(config, config_path.string()), dir);
+}
 
+model_weights load_hf_weights(const std::string& dir_str) {
+  const fs::path dir(dir_str);
   model_weights mw;
-  mw.hp = read_hf_hparams(config_reader(config, config_path.string()), dir);
+  mw.hp = read_hf_config(dir_str);
   mw.source = dir_str;
   const model_hparams& hp = mw.hp;
 

@@ -53,6 +53,8 @@ model_hparams read_gguf_hparams(const gguf_file& file);
 // Q/K rows are permuted from HF's rotate-half layout into the adjacent-pair layout the rope
 // kernels use (what llama.cpp's converter does), so both paths share one forward.
 model_weights load_hf_weights(const std::string& dir);
+// Only the hyper-parameters of such a directory (its config.json), checked.
+model_hparams read_hf_config(const std::string& dir);
 
 // Dispatches on what `path` is: a .gguf file or a checkpoint directory.
 model_weights load_model(const std::string& path);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/sys.h"
 #include "worker/memory_plan.h"
 
 namespace xctx {
@@ -76,12 +77,14 @@ void ring_attention::layer_stored(int layer) {
   // accumulators for every query of the shard (docs/sequence_parallel.md, "Prefill memory").
   const std::vector<uint8_t>* out = &own;
   for (int step = 1; step < p; ++step) {
+    const stopwatch clock;
     uint64_t out_bytes = out->size(), in_bytes = 0;
     comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
     std::vector<uint8_t>& in = held_[step - 1];
     in.resize(in_bytes);
     comm_.sendrecv(out->data(), out->size(), next, in.data(), in.size(), prev, 2 * step + 1);
     stats_.ring_bytes_sent += out_bytes;
+    stats_.ring_seconds += clock.seconds();
     held_bytes_ += in_bytes;
     out = &in;
   }
@@ -126,7 +129,9 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
     packed_.resize(bytes);
     acc_.serialize(packed_.data());
     gathered_.resize(bytes * p);
+    const stopwatch clock;
     comm_.all_gather(packed_.data(), gathered_.data(), bytes);
+    stats_.gather_seconds += clock.seconds();
     stats_.gather_bytes_sent += bytes;
     stats_.gather_bytes_recv += bytes * p;
     acc_.reset(n_q * g.n_head, g.head_dim);

@@ -69,6 +69,9 @@ struct sequence_comm_stats {
   uint64_t gather_bytes_sent = 0;    // decode/suffix: serialized exact partials contributed
   uint64_t gather_bytes_recv = 0;    // decode/suffix: partials received (all ranks')
   uint64_t decode_tokens = 0;        // tokens run through the merged path
+  // Wall seconds inside the communicator's calls: the transfer plus any wait for a slower rank.
+  double ring_seconds = 0;           // exact prefill's ring steps
+  double gather_seconds = 0;         // decode/suffix all-gathers
 };
 
 // Bytes of the serialized exact partial (kernels/softmax_acc.h) one rank contributes per token

@@ -1,0 +1,105 @@
+// `xctx plan`: what a model, a context and a cluster add up to before anything runs -- per cache
+// format the bytes per token, the cache and weights per GPU, whether it fits, the longest
+// context that would, and a roofline projection of the decode step and the prefill
+// (docs/scaling.md, "Planning"). Pure arithmetic on tables; nothing here touches a device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache/format.h"
+#include "model/hparams.h"
+
+namespace xctx {
+
+// One accelerator (or CPU) kind: memory, bandwidth and dense 16-bit peak, with where the
+// figures come from.
+struct device_spec {
+  std::string name;
+  double memory_bytes = 0;   // per device
+  double bandwidth = 0;      // memory read bandwidth, bytes/s
+  double peak_flops = 0;     // dense fp16/bf16 tensor FLOP/s (no sparsity)
+  std::string source;
+};
+// One interconnect between the ranks: bandwidth per rank and direction, and the latency of one
+// small collective step (assumed, see network_table's sources).
+struct network_spec {
+  std::string name;
+  double bandwidth = 0;  // bytes/s
+  double latency_s = 0;
+  std::string source;
+};
+const std::vector<device_spec>& device_table();
+const std::vector<network_spec>& network_table();
+device_spec find_device(const std::string& name);    // throws listing the known names
+network_spec find_network(const std::string& name);  // throws listing the known names
+
+// Published model geometries (llama-2-7b = LLaMA-7B's shape; llama-3-8b; llama-3-70b;
+// smollm2-135m, the embedded default).
+struct model_preset {
+  std::string name;
+  model_hparams hp;
+  std::string source;
+};
+const std::vector<model_preset>& model_presets();
+// A preset name, a .gguf file (metadata only), or a Hugging Face directory / its config.json.
+model_hparams plan_model_hparams(const std::string& model);
+
+// Parameters of the dense transformer (embeddings and output included; norms and biases left
+// out: < 0.1%).
+double model_parameters(const model_hparams& hp);
+
+struct plan_inputs {
+  model_hparams hp;
+  int64_t context = 0;  // tokens of the whole sequence
+  int ranks = 1;        // one per device
+  device_spec device;
+  network_spec network;
+  double weight_bits = 16;          // per parameter as the devices hold them
+  double usable_fraction = 0.9;     // of device memory for weights + cache (the rest: runtime,
+                                    // activations, workspaces)
+  double bandwidth_efficiency = 0.8;  // achieved / peak memory bandwidth in the decode step
+  double flops_efficiency = 0.5;      // achieved / peak FLOP/s in prefill GEMMs and rebuilds
+  int64_t star_block = 4096;         // star prefill block (= anchor) tokens
+};
+
+// One cache format's plan. Times are projections (roofline), not measurements.
+struct format_plan {
+  cache_format format;
+  double bytes_per_token = 0;      // cache_bytes_per_token: K and V (or X), every layer
+  int64_t tokens_per_rank = 0;
+  double cache_bytes_per_rank = 0;
+  double weight_bytes = 0;         // every rank holds the whole model
+  bool fits = false;
+  int64_t max_context = 0;         // longest sequence that fits on `ranks` devices
+  // Decode step: weights and the rank's cache streamed once, K/V rebuild FLOPs (X formats)
+  // hidden under the stream when smaller, plus one all-gather per layer.
+  double decode_memory_s = 0, decode_rebuild_s = 0, decode_merge_s = 0, decode_s = 0;
+  // Prefill: ring (exact) = local FLOPs + P-1 cache blocks passed per layer; star = local FLOPs
+  // over [anchor | block] + the anchor recomputed on every rank.
+  double prefill_ring_s = 0, prefill_star_s = 0;
+};
+format_plan plan_format(const plan_inputs& in, cache_format f);
+
+// Bytes one rank contributes per token and layer to the decode merge: xctx's exact accumulator
+// (worker/sequence_parallel.h) and a plain (o, lse) merge of fp32.
+double merge_bytes_exact(const model_hparams& hp);
+double merge_bytes_o_lse(const model_hparams& hp);
+
+// ---- the papers' own arithmetic, reproduced ---------------------------------------------------
+
+// KVQuant (Hooper et al. 2024) Tables 1 and 6, GiB for n tokens: the tables count n_layer x
+// n_embd elements per token -- one of K or V, half the K+V cache -- at `bits` each, plus, with
+// outliers, 32 bits per sparse element (fp16 value + 16-bit index) and 16 bits per
+// n_embd-vector; 1M = 10^6 tokens, GB = 2^30 bytes. Matches every LLaMA-7B entry of Table 6.
+double kvquant_table_gib(const model_hparams& hp, int bits, double outlier_fraction, int64_t n);
+
+// XQuant (Tomar et al. 2025) §3.4: the longest sequence whose K/V rematerialization stays under
+// the ridge point P = peak FLOP/s / bandwidth, with the weights' memory traffic overlapping it.
+// MHA (eq. 3): 4·l·d² / (e/8·l·d + 24·d²) = P. GQA (eq. 4, g query heads per kv head):
+// 4·l·(d/g)² / (e/8·l·d/g + 26·d² + 4·(d/g)²) = P.
+double xquant_ridge_length_mha(double ridge, double d, double e_bits);
+double xquant_ridge_length_gqa(double ridge, double d, double g, double e_bits);
+
+}  // namespace xctx
