@@ -108,6 +108,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["peak_rss_bytes"] = (uint64_t)all[0].peak_rss;
   j["cache_bytes"] = (uint64_t)all[0].cache_allocated;
   j["partial_bytes_per_token_layer"] = partial_bytes_per_token_layer(hp);
+  j["o_lse_bytes_per_token_layer"] = (uint64_t)hp.n_head * (hp.head_dim + 1) * sizeof(float);  // a plain merge's
   j["n_layer"] = hp.n_layer;
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)digest.h);
