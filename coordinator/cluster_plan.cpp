@@ -1,8 +1,11 @@
 #include "coordinator/cluster_plan.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "model/gguf.h"
@@ -152,10 +155,79 @@ double model_parameters(const model_hparams& hp) {
 double merge_bytes_exact(const model_hparams& hp) { return (double)partial_bytes_per_token_layer(hp); }
 double merge_bytes_o_lse(const model_hparams& hp) { return (double)hp.n_head * (hp.head_dim + 1) * sizeof(float); }
 
+const cpu_format_costs& cpu_format_profile::at(int threads) const {
+  XCTX_ASSERT(!by_threads.empty());
+  const auto* best = &by_threads.front();
+  for (const auto& e : by_threads)
+    if (e.first <= threads) best = &e;
+  return best->second;
+}
+
+const cpu_format_profile& cpu_profile::costs(cache_format f) const {
+  for (const auto& [fmt, c] : formats)
+    if (fmt == f) return c;
+  std::string have;
+  for (const auto& e : formats) have += (have.empty() ? "" : ", ") + std::string(format_traits(e.first).name);
+  fail("the CPU profile (", source, ") has no measurements for ", format_traits(f).name, " (it has: ", have, ")");
+}
+
+cpu_profile read_cpu_profile(const std::string& path) {
+  std::ifstream in(path);
+  XCTX_CHECK(in.good(), path, ": cannot open the CPU profile (benchmarks/scaling.py writes one)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": not valid JSON: ", e.what());
+  }
+  const auto num = [&](const nlohmann::json& o, const char* key, const std::string& where) {
+    XCTX_CHECK(o.is_object() && o.contains(key) && o[key].is_number() && o[key].get<double>() >= 0, path, ": ",
+               where, key, " must be a non-negative number");
+    return o[key].get<double>();
+  };
+  cpu_profile p;
+  p.source = path;
+  p.machine = j.value("machine", "CPU");
+  p.cores = (int)num(j, "cores", "");
+  p.memory_bytes = num(j, "memory_bytes", "");
+  p.n_layer = (int)num(j, "n_layer", ""), p.n_embd = (int)num(j, "n_embd", "");
+  XCTX_CHECK(p.cores >= 1 && p.memory_bytes > 0, path, ": cores and memory_bytes must be positive");
+  if (j.contains("collective_s")) p.collective_s = num(j, "collective_s", "");
+  if (j.contains("oversubscribed")) {
+    p.oversubscribed_decode_factor = num(j["oversubscribed"], "decode_factor", "oversubscribed.");
+    p.oversubscribed_prefill_factor = num(j["oversubscribed"], "prefill_factor", "oversubscribed.");
+    XCTX_CHECK(p.oversubscribed_decode_factor >= 1 && p.oversubscribed_prefill_factor >= 1, path,
+               ": the oversubscribed factors are measured time over conserved work (>= 1)");
+  }
+  XCTX_CHECK(j.contains("formats") && j["formats"].is_object() && !j["formats"].empty(), path,
+             ": 'formats' must map cache formats to their costs by thread count");
+  for (const auto& [name, by_threads] : j["formats"].items()) {
+    XCTX_CHECK(by_threads.is_object() && !by_threads.empty(), path, ": formats.", name,
+               " must map thread counts (\"1\", \"2\", ...) to costs");
+    cpu_format_profile fp;
+    for (const auto& [threads, o] : by_threads.items()) {
+      const std::string where = "formats." + name + "." + threads + ".";
+      int t = 0;
+      const auto [end, err] = std::from_chars(threads.data(), threads.data() + threads.size(), t);
+      XCTX_CHECK(err == std::errc() && end == threads.data() + threads.size() && t >= 1, path, ": formats.", name, ": '", threads, "' is not a thread count");
+      cpu_format_costs c;
+      c.decode_fixed_core_s = num(o, "decode_fixed_core_s", where);
+      c.decode_core_s_per_token = num(o, "decode_core_s_per_token", where);
+      c.prefill_core_s_per_token = num(o, "prefill_core_s_per_token", where);
+      c.prefill_core_s_per_token2 = num(o, "prefill_core_s_per_token2", where);
+      fp.by_threads.emplace_back(t, c);
+    }
+    std::sort(fp.by_threads.begin(), fp.by_threads.end(),
+              [](const auto& x, const auto& y) { return x.first < y.first; });
+    p.formats.emplace_back(parse_cache_format(name), fp);
+  }
+  return p;
+}
+
 format_plan plan_format(const plan_inputs& in, cache_format f) {
   const model_hparams& hp = in.hp;
   XCTX_CHECK(in.context > 0 && in.ranks > 0, "plan: context and ranks must be positive");
-  XCTX_CHECK(in.device.bandwidth > 0 && in.device.peak_flops > 0 && in.device.memory_bytes > 0,
+  XCTX_CHECK(in.cpu != nullptr || (in.device.bandwidth > 0 && in.device.peak_flops > 0 && in.device.memory_bytes > 0),
              "plan: the device needs memory, bandwidth and FLOP/s");
   format_plan p;
   p.format = f;
@@ -163,18 +235,51 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
   p.tokens_per_rank = tokens_per_rank(in.context, in.ranks);
   p.cache_bytes_per_rank = cache_bytes_at(hp, f, p.tokens_per_rank);
   p.weight_bytes = model_parameters(hp) * in.weight_bits / 8.0;
-  const double usable = in.device.memory_bytes * in.usable_fraction;
-  p.fits = p.weight_bytes + p.cache_bytes_per_rank <= usable;
+  // A device holds the weights and one rank's cache. A CPU machine holds every rank's cache and
+  // the weights once (the ranks map the same file).
+  const int caches_per_memory = in.cpu != nullptr ? in.ranks : 1;
+  const double usable = (in.cpu != nullptr ? in.cpu->memory_bytes : in.device.memory_bytes) * in.usable_fraction;
+  const auto fits_at = [&](int64_t n_rank) {
+    return p.weight_bytes + caches_per_memory * cache_bytes_at(hp, f, n_rank) <= usable;
+  };
+  p.fits = fits_at(p.tokens_per_rank);
 
   // Longest context: the largest per-rank count that fits (bytes grow with n), times ranks.
   if (p.weight_bytes < usable) {
     int64_t lo = 0, hi = 1;
-    while (hi < ((int64_t)1 << 40) && p.weight_bytes + cache_bytes_at(hp, f, hi) <= usable) lo = hi, hi *= 2;
+    while (hi < ((int64_t)1 << 40) && fits_at(hi)) lo = hi, hi *= 2;
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
-      (p.weight_bytes + cache_bytes_at(hp, f, mid) <= usable ? lo : hi) = mid;
+      (fits_at(mid) ? lo : hi) = mid;
     }
     p.max_context = lo * in.ranks;
+  }
+  if (in.cpu != nullptr) {
+    // Measured costs (cpu_profile): work conserved across ranks at the core seconds measured
+    // with the rank's thread count. Each rank runs max(1, C / P) threads (default_threads), so
+    // min(C, P x that) cores work at once: all C of them for a single rank too. Collectives
+    // cost their measured price each: n_layer merges per decode step, P-1 ring steps per layer.
+    // Ranks taking turns on the cores (P > C) lose the measured share of their time to it.
+    const cpu_profile& cpu = *in.cpu;
+    const int threads_per_rank = std::max(1, cpu.cores / in.ranks);
+    const cpu_format_costs& c = cpu.costs(f).at(threads_per_rank);
+    const double par = std::min(cpu.cores, in.ranks * threads_per_rank), n = (double)in.context;
+    const bool turns = in.ranks > cpu.cores;
+    const double collective = in.ranks == 1 ? 0.0 : cpu.collective_s;
+    p.decode_rebuild_s = (in.ranks * c.decode_fixed_core_s + n * c.decode_core_s_per_token) / par *
+                         (turns ? cpu.oversubscribed_decode_factor : 1.0);
+    p.decode_merge_s = hp.n_layer * collective;
+    p.decode_s = p.decode_rebuild_s + p.decode_merge_s;
+    p.prefill_ring_s = (n * c.prefill_core_s_per_token + n * n * c.prefill_core_s_per_token2) / par *
+                           (turns ? cpu.oversubscribed_prefill_factor : 1.0) +
+                       hp.n_layer * (in.ranks - 1) * collective;
+    // Star: the anchor's tokens again on every rank past the first; the attention square shrinks
+    // to the blocks' [anchor | block] rectangles.
+    const double b = (double)std::min<int64_t>(in.star_block, p.tokens_per_rank);
+    const double rect = in.ranks * ((double)p.tokens_per_rank / b * (b * b + b * b / 2.0) + b * b / 2.0);
+    p.prefill_star_s = ((n + (in.ranks - 1) * b) * c.prefill_core_s_per_token +
+                        std::min(rect, n * n / 2.0) * 2.0 * c.prefill_core_s_per_token2) / par;
+    return p;
   }
 
   // Decode step on the slowest (fullest) rank.

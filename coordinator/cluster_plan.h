@@ -50,6 +50,38 @@ model_hparams plan_model_hparams(const std::string& model);
 // out: < 0.1%).
 double model_parameters(const model_hparams& hp);
 
+// A CPU machine measured by benchmarks/scaling.py (one rank, at 1 thread and on all cores;
+// docs/scaling.md). All ranks share its C cores. Per format and measured thread count t, as core
+// seconds (wall x t): the decode step costs fixed + n·per_token per rank (n: that rank's tokens),
+// the exact ring prefill lin·n + att·n² in all. A rank runs max(1, C / P) threads
+// (default_threads) at the costs of the largest measured t not above that (ideal scaling past
+// it), and min(C, P x threads) cores work at once. Each collective (a decode step's n_layer
+// merges, the ring's P-1 steps per layer) adds the measured price of one. More ranks than cores
+// take turns on them and lose time to it (waiting ranks polling, caches refilled after every
+// switch): their work is multiplied by factors measured at P = 2C.
+struct cpu_format_costs {
+  double decode_fixed_core_s = 0;      // per rank and step: the weights' matvecs, norms, logits
+  double decode_core_s_per_token = 0;  // per cached token and step: attention over the cache
+  double prefill_core_s_per_token = 0;
+  double prefill_core_s_per_token2 = 0;
+};
+struct cpu_format_profile {
+  std::vector<std::pair<int, cpu_format_costs>> by_threads;  // ascending thread counts
+  const cpu_format_costs& at(int threads) const;  // the largest measured count <= threads (else the smallest)
+};
+struct cpu_profile {
+  std::string machine, source;
+  int cores = 0;
+  double memory_bytes = 0;  // the machine's, shared by all its ranks
+  int n_layer = 0, n_embd = 0;  // the model it was measured with
+  double collective_s = 0;  // seconds per collective beyond the conserved work (optional)
+  // P > C: measured time over conserved work, decode step and prefill (optional, >= 1).
+  double oversubscribed_decode_factor = 1, oversubscribed_prefill_factor = 1;
+  std::vector<std::pair<cache_format, cpu_format_profile>> formats;
+  const cpu_format_profile& costs(cache_format f) const;  // throws naming the formats it has
+};
+cpu_profile read_cpu_profile(const std::string& path);  // throws naming the file and field
+
 struct plan_inputs {
   model_hparams hp;
   int64_t context = 0;  // tokens of the whole sequence
@@ -62,6 +94,7 @@ struct plan_inputs {
   double bandwidth_efficiency = 0.8;  // achieved / peak memory bandwidth in the decode step
   double flops_efficiency = 0.5;      // achieved / peak FLOP/s in prefill GEMMs and rebuilds
   int64_t star_block = 4096;         // star prefill block (= anchor) tokens
+  const cpu_profile* cpu = nullptr;  // set: project for this measured CPU machine instead of `device`
 };
 
 // One cache format's plan. Times are projections (roofline), not measurements.

@@ -65,6 +65,14 @@ int run_plan(const plan_options& opt) {
   for (const std::string& name : split_list(opt.formats)) formats.push_back(parse_cache_format(name));
   XCTX_CHECK(!formats.empty(), "--formats names no format");
 
+  cpu_profile cpu;
+  if (!opt.cpu_profile.empty()) {
+    cpu = read_cpu_profile(opt.cpu_profile);
+    XCTX_CHECK(cpu.n_layer == in.hp.n_layer && cpu.n_embd == in.hp.n_embd, opt.cpu_profile, ": measured with a model of ",
+               cpu.n_layer, " layers and width ", cpu.n_embd, ", not ", in.hp.name, " (", in.hp.n_layer, ", ",
+               in.hp.n_embd, ")");
+    in.cpu = &cpu;
+  }
   std::vector<format_plan> plans;
   for (cache_format f : formats) plans.push_back(plan_format(in, f));
   const model_hparams& hp = in.hp;
@@ -74,7 +82,8 @@ int run_plan(const plan_options& opt) {
   if (opt.json) {
     nlohmann::json j;
     j["model"] = hp.name, j["context"] = in.context, j["ranks"] = in.ranks;
-    j["device"] = in.device.name, j["network"] = in.network.name;
+    j["device"] = in.cpu != nullptr ? "cpu:" + cpu.machine : in.device.name;
+    j["network"] = in.cpu != nullptr ? "shared memory" : in.network.name;
     j["weight_bytes"] = model_parameters(hp) * in.weight_bits / 8.0;
     j["merge_bytes_per_token_layer"] = {{"exact", merge_bytes_exact(hp)}, {"o_lse", merge_bytes_o_lse(hp)}};
     for (const format_plan& p : plans)
@@ -97,13 +106,22 @@ int run_plan(const plan_options& opt) {
   std::printf("plan: %s (%d layers, %d/%d heads, head_dim %d, %.2fB parameters at %g bits = %s per rank)\n",
               hp.name.c_str(), hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, model_parameters(hp) / 1e9,
               in.weight_bits, format_bytes(plans[0].weight_bytes).c_str());
-  std::printf("      %s tokens over %d x %s (%s, %.2f TB/s, %.0f TFLOP/s) linked by %s (%.1f GB/s, %.0f us/step)\n",
-              tokens_text(in.context).c_str(), in.ranks, in.device.name.c_str(),
-              format_bytes(in.device.memory_bytes).c_str(), in.device.bandwidth / 1e12, in.device.peak_flops / 1e12,
-              in.network.name.c_str(), in.network.bandwidth / 1e9, in.network.latency_s * 1e6);
-  std::printf("      budget per rank: %.0f%% of memory for weights + cache; projections assume %.0f%% of peak bandwidth "
-              "and %.0f%% of peak FLOP/s\n\n",
-              100 * in.usable_fraction, 100 * in.bandwidth_efficiency, 100 * in.flops_efficiency);
+  if (in.cpu != nullptr) {
+    std::printf("      %s tokens over %d ranks sharing one %s (%d cores, %s), costs measured by %s\n",
+                tokens_text(in.context).c_str(), in.ranks, cpu.machine.c_str(), cpu.cores,
+                format_bytes(cpu.memory_bytes).c_str(), cpu.source.c_str());
+    std::printf("      budget: %.0f%% of the machine's memory for the weights once + every rank's cache; times are "
+                "the profile's core-seconds over min(ranks, cores); merge and ring transfers left out\n\n",
+                100 * in.usable_fraction);
+  } else {
+    std::printf("      %s tokens over %d x %s (%s, %.2f TB/s, %.0f TFLOP/s) linked by %s (%.1f GB/s, %.0f us/step)\n",
+                tokens_text(in.context).c_str(), in.ranks, in.device.name.c_str(),
+                format_bytes(in.device.memory_bytes).c_str(), in.device.bandwidth / 1e12, in.device.peak_flops / 1e12,
+                in.network.name.c_str(), in.network.bandwidth / 1e9, in.network.latency_s * 1e6);
+    std::printf("      budget per rank: %.0f%% of memory for weights + cache; projections assume %.0f%% of peak "
+                "bandwidth and %.0f%% of peak FLOP/s\n\n",
+                100 * in.usable_fraction, 100 * in.bandwidth_efficiency, 100 * in.flops_efficiency);
+  }
   std::printf("| format | B/token | cache/rank | fits | max context | decode step (memory / compute / merge) | tok/s | "
               "prefill ring | prefill star (%s blocks) |\n|---|---|---|---|---|---|---|---|---|\n",
               tokens_text(std::min<int64_t>(in.star_block, plans[0].tokens_per_rank)).c_str());
@@ -117,6 +135,7 @@ int run_plan(const plan_options& opt) {
   std::printf("\nmerge per token and layer: %.0f B per rank (exact accumulator), %.0f B for a plain (o, lse) merge; "
               "each rank receives %d times that\n",
               merge_bytes_exact(hp), merge_bytes_o_lse(hp), in.ranks);
+  if (in.cpu != nullptr) return 0;
   std::printf("XQuant 3.4 on %s (ridge %.0f FLOP/B): K/V rebuild stays under the weights' stream up to %s tokens "
               "per rank at 2-bit X (%s formula)\n",
               in.device.name.c_str(), ridge,

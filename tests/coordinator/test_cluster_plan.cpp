@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "cache/format.h"
 #include "common/error.h"
@@ -151,6 +152,73 @@ TEST(cluster_plan, cache_per_rank_is_the_exact_layout) {
   cache_geometry g;
   g.n_layer = 30, g.n_head = 9, g.n_head_kv = 3, g.head_dim = 64, g.n_embd = 576, g.capacity = 125001;
   EXPECT_DOUBLE_EQ(p.cache_bytes_per_rank, (double)cache_bytes_for(cache_format::cache_kivi2, g, 125001, 0, 0).total());
+}
+
+// A measured CPU machine (benchmarks/scaling.py's profile): ranks share its cores, work is
+// conserved at the core seconds of the rank's thread count (max(1, cores / P)); its cores all
+// work unless P single-thread ranks leave some idle (3 ranks on 4 cores); all ranks' caches
+// share its memory.
+TEST(cluster_plan, cpu_profile_projection_shares_the_cores) {
+  const std::string path = ::testing::TempDir() + "/xctx_cpu_profile.json";
+  {
+    std::ofstream f(path);
+    f << R"({"machine": "test CPU", "cores": 2, "memory_bytes": 1e9, "n_layer": 30, "n_embd": 576,
+             "formats": {"fp16": {
+               "2": {"decode_fixed_core_s": 0.03, "decode_core_s_per_token": 2e-6,
+                     "prefill_core_s_per_token": 0.005, "prefill_core_s_per_token2": 2e-7},
+               "1": {"decode_fixed_core_s": 0.02, "decode_core_s_per_token": 1e-6,
+                     "prefill_core_s_per_token": 0.004, "prefill_core_s_per_token2": 1e-7}}}})";
+  }
+  const cpu_profile prof = read_cpu_profile(path);
+  ASSERT_EQ(prof.costs(cache_format::cache_fp16).by_threads.front().first, 1);  // sorted
+  plan_inputs in;
+  in.hp = preset("smollm2-135m"), in.context = 8192, in.cpu = &prof, in.weight_bits = 5;
+  for (int P : {1, 2, 4, 8}) {
+    in.ranks = P;
+    const format_plan p = plan_format(in, cache_format::cache_fp16);
+    // One rank runs 2 threads at the 2-thread costs; more ranks run one thread each.
+    const double fixed = P == 1 ? 0.03 : 0.02, per_tok = P == 1 ? 2e-6 : 1e-6;
+    const double lin = P == 1 ? 0.005 : 0.004, att = P == 1 ? 2e-7 : 1e-7;
+    EXPECT_DOUBLE_EQ(p.decode_s, (P * fixed + 8192 * per_tok) / 2) << P;
+    EXPECT_DOUBLE_EQ(p.prefill_ring_s, (8192 * lin + 8192.0 * 8192.0 * att) / 2) << P;
+    // Every rank's cache and the weights once fit in 90% of the machine.
+    EXPECT_EQ(p.fits, p.weight_bytes + P * p.cache_bytes_per_rank <= 0.9e9) << P;
+  }
+  // A collective's price (n_layer merges per step, P-1 ring steps per layer) and the work lost
+  // by ranks taking turns on the cores (P > C only).
+  cpu_profile sync = prof;
+  sync.collective_s = 1e-4, sync.oversubscribed_decode_factor = 1.3, sync.oversubscribed_prefill_factor = 1.1;
+  in.cpu = &sync;
+  for (int P : {1, 2, 4}) {
+    in.ranks = P;
+    const double each = P == 1 ? 0 : 1e-4, fixed = P == 1 ? 0.03 : 0.02, tok = P == 1 ? 2e-6 : 1e-6;
+    const double lin = P == 1 ? 0.005 : 0.004, att = P == 1 ? 2e-7 : 1e-7;
+    const format_plan p = plan_format(in, cache_format::cache_fp16);
+    EXPECT_DOUBLE_EQ(p.decode_merge_s, 30 * each) << P;
+    EXPECT_DOUBLE_EQ(p.decode_s, (P * fixed + 8192 * tok) / 2 * (P > 2 ? 1.3 : 1.0) + 30 * each) << P;
+    EXPECT_DOUBLE_EQ(p.prefill_ring_s,
+                     (8192 * lin + 8192.0 * 8192.0 * att) / 2 * (P > 2 ? 1.1 : 1.0) + 30 * (P - 1) * each) << P;
+  }
+  cpu_profile four = prof;  // 4 cores: 3 single-thread ranks leave one idle; 1 rank's 4 threads
+  four.cores = 4, in.cpu = &four, in.ranks = 3;  // run at the 2-thread costs, scaled ideally
+  EXPECT_DOUBLE_EQ(plan_format(in, cache_format::cache_fp16).decode_s, (3 * 0.02 + 8192 * 1e-6) / 3);
+  in.ranks = 1;
+  EXPECT_DOUBLE_EQ(plan_format(in, cache_format::cache_fp16).decode_s, (0.03 + 8192 * 2e-6) / 4);
+  in.cpu = &prof;
+  EXPECT_NE(error_of([&] { plan_format(in, cache_format::cache_kivi2); }).find("has: fp16"), std::string::npos);
+  const auto refusal = [&](const char* formats) {
+    std::ofstream(path) << R"({"cores": 2, "memory_bytes": 1e9, "n_layer": 30, "n_embd": 576, "formats": )" << formats
+                        << "}";
+    return error_of([&] { read_cpu_profile(path); });
+  };
+  EXPECT_NE(refusal(R"({"fp16": {"1": {"decode_fixed_core_s": -1}}})").find("formats.fp16.1.decode_fixed_core_s"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"fp16": {"one": {}}})").find("'one' is not a thread count"), std::string::npos);
+  EXPECT_NE(refusal(R"({"fp16": {}})").find("must map thread counts"), std::string::npos);
+  EXPECT_NE(refusal(R"({"fp16": {"1": {"decode_fixed_core_s": 0, "decode_core_s_per_token": 0,
+      "prefill_core_s_per_token": 0, "prefill_core_s_per_token2": 0}}}, "oversubscribed":
+      {"decode_factor": 0.5, "prefill_factor": 1})").find("(>= 1)"), std::string::npos);
+  EXPECT_NE(error_of([] { read_cpu_profile("/nonexistent/profile.json"); }).find("cannot open"), std::string::npos);
 }
 
 }  // namespace
