@@ -163,6 +163,20 @@ const cpu_format_costs& cpu_format_profile::at(int threads) const {
   return best->second;
 }
 
+cpu_profile::turns_factors cpu_profile::turns_at(double ranks_per_core) const {
+  turns_factors out;
+  out.ranks_per_core = ranks_per_core;
+  if (ranks_per_core <= 1 || oversubscribed.empty()) return out;
+  // The segment holding ranks_per_core (the last one past the end), from the point (1, 1, 1).
+  turns_factors lo, hi = oversubscribed.front();
+  for (size_t i = 1; i < oversubscribed.size() && hi.ranks_per_core < ranks_per_core; ++i)
+    lo = hi, hi = oversubscribed[i];
+  const double w = (ranks_per_core - lo.ranks_per_core) / (hi.ranks_per_core - lo.ranks_per_core);
+  out.decode = std::max(1.0, lo.decode + w * (hi.decode - lo.decode));
+  out.prefill = std::max(1.0, lo.prefill + w * (hi.prefill - lo.prefill));
+  return out;
+}
+
 const cpu_format_profile& cpu_profile::costs(cache_format f) const {
   for (const auto& [fmt, c] : formats)
     if (fmt == f) return c;
@@ -194,10 +208,21 @@ cpu_profile read_cpu_profile(const std::string& path) {
   XCTX_CHECK(p.cores >= 1 && p.memory_bytes > 0, path, ": cores and memory_bytes must be positive");
   if (j.contains("collective_s")) p.collective_s = num(j, "collective_s", "");
   if (j.contains("oversubscribed")) {
-    p.oversubscribed_decode_factor = num(j["oversubscribed"], "decode_factor", "oversubscribed.");
-    p.oversubscribed_prefill_factor = num(j["oversubscribed"], "prefill_factor", "oversubscribed.");
-    XCTX_CHECK(p.oversubscribed_decode_factor >= 1 && p.oversubscribed_prefill_factor >= 1, path,
-               ": the oversubscribed factors are measured time over conserved work (>= 1)");
+    const nlohmann::json& o = j["oversubscribed"];
+    XCTX_CHECK(o.is_object(), path, ": 'oversubscribed' must map ranks per core (\"2\", \"4\", ...) to factors");
+    for (const auto& [key, f] : o.items()) {
+      const std::string where = "oversubscribed." + key + ".";
+      double r = 0;
+      const auto [end, err] = std::from_chars(key.data(), key.data() + key.size(), r);
+      XCTX_CHECK(err == std::errc() && end == key.data() + key.size() && r > 1, path, ": oversubscribed: '", key,
+                 "' is not a count of ranks per core above 1");
+      cpu_profile::turns_factors t{r, num(f, "decode_factor", where), num(f, "prefill_factor", where)};
+      XCTX_CHECK(t.decode >= 1 && t.prefill >= 1, path, ": ", where,
+                 "*: the factors are measured time over conserved work (>= 1)");
+      p.oversubscribed.push_back(t);
+    }
+    std::sort(p.oversubscribed.begin(), p.oversubscribed.end(),
+              [](const auto& a, const auto& b) { return a.ranks_per_core < b.ranks_per_core; });
   }
   XCTX_CHECK(j.contains("formats") && j["formats"].is_object() && !j["formats"].empty(), path,
              ": 'formats' must map cache formats to their costs by thread count");
@@ -259,19 +284,20 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
     // with the rank's thread count. Each rank runs max(1, C / P) threads (default_threads), so
     // min(C, P x that) cores work at once: all C of them for a single rank too. Collectives
     // cost their measured price each: n_layer merges per decode step, P-1 ring steps per layer.
-    // Ranks taking turns on the cores (P > C) lose the measured share of their time to it.
+    // Ranks taking turns on the cores (P > C) lose the measured share of their time to it, by
+    // how many take turns on each core.
     const cpu_profile& cpu = *in.cpu;
     const int threads_per_rank = std::max(1, cpu.cores / in.ranks);
     const cpu_format_costs& c = cpu.costs(f).at(threads_per_rank);
     const double par = std::min(cpu.cores, in.ranks * threads_per_rank), n = (double)in.context;
-    const bool turns = in.ranks > cpu.cores;
+    const cpu_profile::turns_factors turns = cpu.turns_at((double)in.ranks / cpu.cores);
     const double collective = in.ranks == 1 ? 0.0 : cpu.collective_s;
     p.decode_rebuild_s = (in.ranks * c.decode_fixed_core_s + n * c.decode_core_s_per_token) / par *
-                         (turns ? cpu.oversubscribed_decode_factor : 1.0);
+                         turns.decode;
     p.decode_merge_s = hp.n_layer * collective;
     p.decode_s = p.decode_rebuild_s + p.decode_merge_s;
     p.prefill_ring_s = (n * c.prefill_core_s_per_token + n * n * c.prefill_core_s_per_token2) / par *
-                           (turns ? cpu.oversubscribed_prefill_factor : 1.0) +
+                           turns.prefill +
                        hp.n_layer * (in.ranks - 1) * collective;
     // Star: the anchor's tokens again on every rank past the first; the attention square shrinks
     // to the blocks' [anchor | block] rectangles.

@@ -57,8 +57,10 @@ double model_parameters(const model_hparams& hp);
 // (default_threads) at the costs of the largest measured t not above that (ideal scaling past
 // it), and min(C, P x threads) cores work at once. Each collective (a decode step's n_layer
 // merges, the ring's P-1 steps per layer) adds the measured price of one. More ranks than cores
-// take turns on them and lose time to it (waiting ranks polling, caches refilled after every
-// switch): their work is multiplied by factors measured at P = 2C.
+// take turns on them and lose time to it (waiting ranks polling, every collective step waiting
+// for its peers to be scheduled, caches refilled after each switch): their work is multiplied by
+// factors measured at some ranks per core (P / C), linear between those points and from 1 at
+// P = C, extended past the last point along the last segment's slope.
 struct cpu_format_costs {
   double decode_fixed_core_s = 0;      // per rank and step: the weights' matvecs, norms, logits
   double decode_core_s_per_token = 0;  // per cached token and step: attention over the cache
@@ -75,8 +77,13 @@ struct cpu_profile {
   double memory_bytes = 0;  // the machine's, shared by all its ranks
   int n_layer = 0, n_embd = 0;  // the model it was measured with
   double collective_s = 0;  // seconds per collective beyond the conserved work (optional)
-  // P > C: measured time over conserved work, decode step and prefill (optional, >= 1).
-  double oversubscribed_decode_factor = 1, oversubscribed_prefill_factor = 1;
+  // P > C: measured time over conserved work, decode step and prefill (>= 1), at ranks per
+  // core > 1, ascending (optional).
+  struct turns_factors {
+    double ranks_per_core = 1, decode = 1, prefill = 1;
+  };
+  std::vector<turns_factors> oversubscribed;
+  turns_factors turns_at(double ranks_per_core) const;  // interpolated as above; 1s when P <= C
   std::vector<std::pair<cache_format, cpu_format_profile>> formats;
   const cpu_format_profile& costs(cache_format f) const;  // throws naming the formats it has
 };

@@ -110,9 +110,12 @@ int run_plan(const plan_options& opt) {
     std::printf("      %s tokens over %d ranks sharing one %s (%d cores, %s), costs measured by %s\n",
                 tokens_text(in.context).c_str(), in.ranks, cpu.machine.c_str(), cpu.cores,
                 format_bytes(cpu.memory_bytes).c_str(), cpu.source.c_str());
+    const cpu_profile::turns_factors turns = cpu.turns_at((double)in.ranks / cpu.cores);
     std::printf("      budget: %.0f%% of the machine's memory for the weights once + every rank's cache; times are "
-                "the profile's core-seconds over min(ranks, cores); merge and ring transfers left out\n\n",
-                100 * in.usable_fraction);
+                "the profile's core-seconds over min(ranks, cores) x %.3g (decode) / %.3g (prefill) for %.3g ranks "
+                "per core, + %.3g ms per collective\n\n",
+                100 * in.usable_fraction, turns.decode, turns.prefill, (double)in.ranks / cpu.cores,
+                1e3 * cpu.collective_s);
   } else {
     std::printf("      %s tokens over %d x %s (%s, %.2f TB/s, %.0f TFLOP/s) linked by %s (%.1f GB/s, %.0f us/step)\n",
                 tokens_text(in.context).c_str(), in.ranks, in.device.name.c_str(),

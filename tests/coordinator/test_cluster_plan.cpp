@@ -2,9 +2,11 @@
 // and the plan's fit, longest context and decode projection consistent with the cache layout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "cache/format.h"
 #include "common/error.h"
@@ -185,19 +187,30 @@ TEST(cluster_plan, cpu_profile_projection_shares_the_cores) {
     EXPECT_EQ(p.fits, p.weight_bytes + P * p.cache_bytes_per_rank <= 0.9e9) << P;
   }
   // A collective's price (n_layer merges per step, P-1 ring steps per layer) and the work lost
-  // by ranks taking turns on the cores (P > C only).
+  // by ranks taking turns on the cores (P > C only), by ranks per core: measured at 2 and 4,
+  // linear from 1 at P = C, and past 4 along the last segment.
   cpu_profile sync = prof;
-  sync.collective_s = 1e-4, sync.oversubscribed_decode_factor = 1.3, sync.oversubscribed_prefill_factor = 1.1;
+  sync.collective_s = 1e-4;
+  sync.oversubscribed = {{4, 1.9, 1.3}, {2, 1.3, 1.1}};  // read_cpu_profile sorts; turns_at needs it
+  std::sort(sync.oversubscribed.begin(), sync.oversubscribed.end(),
+            [](const auto& a, const auto& b) { return a.ranks_per_core < b.ranks_per_core; });
+  const std::map<double, std::pair<double, double>> expect_turns = {
+      {0.5, {1, 1}}, {1, {1, 1}}, {1.5, {1.15, 1.05}}, {2, {1.3, 1.1}}, {3, {1.6, 1.2}}, {4, {1.9, 1.3}},
+      {8, {3.1, 1.7}}};
+  for (const auto& [rpc, f] : expect_turns) {
+    EXPECT_NEAR(sync.turns_at(rpc).decode, f.first, 1e-12) << rpc;
+    EXPECT_NEAR(sync.turns_at(rpc).prefill, f.second, 1e-12) << rpc;
+  }
   in.cpu = &sync;
-  for (int P : {1, 2, 4}) {
+  for (int P : {1, 2, 4, 8, 16}) {
     in.ranks = P;
     const double each = P == 1 ? 0 : 1e-4, fixed = P == 1 ? 0.03 : 0.02, tok = P == 1 ? 2e-6 : 1e-6;
     const double lin = P == 1 ? 0.005 : 0.004, att = P == 1 ? 2e-7 : 1e-7;
+    const auto [fd, fp] = expect_turns.at(P / 2.0);
     const format_plan p = plan_format(in, cache_format::cache_fp16);
     EXPECT_DOUBLE_EQ(p.decode_merge_s, 30 * each) << P;
-    EXPECT_DOUBLE_EQ(p.decode_s, (P * fixed + 8192 * tok) / 2 * (P > 2 ? 1.3 : 1.0) + 30 * each) << P;
-    EXPECT_DOUBLE_EQ(p.prefill_ring_s,
-                     (8192 * lin + 8192.0 * 8192.0 * att) / 2 * (P > 2 ? 1.1 : 1.0) + 30 * (P - 1) * each) << P;
+    EXPECT_NEAR(p.decode_s, (P * fixed + 8192 * tok) / 2 * fd + 30 * each, 1e-12) << P;
+    EXPECT_NEAR(p.prefill_ring_s, (8192 * lin + 8192.0 * 8192.0 * att) / 2 * fp + 30 * (P - 1) * each, 1e-9) << P;
   }
   cpu_profile four = prof;  // 4 cores: 3 single-thread ranks leave one idle; 1 rank's 4 threads
   four.cores = 4, in.cpu = &four, in.ranks = 3;  // run at the 2-thread costs, scaled ideally
@@ -217,7 +230,12 @@ TEST(cluster_plan, cpu_profile_projection_shares_the_cores) {
   EXPECT_NE(refusal(R"({"fp16": {}})").find("must map thread counts"), std::string::npos);
   EXPECT_NE(refusal(R"({"fp16": {"1": {"decode_fixed_core_s": 0, "decode_core_s_per_token": 0,
       "prefill_core_s_per_token": 0, "prefill_core_s_per_token2": 0}}}, "oversubscribed":
-      {"decode_factor": 0.5, "prefill_factor": 1})").find("(>= 1)"), std::string::npos);
+      {"2": {"decode_factor": 0.5, "prefill_factor": 1}})").find("oversubscribed.2.*: the factors are measured time over conserved work (>= 1)"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"fp16": {"1": {"decode_fixed_core_s": 0, "decode_core_s_per_token": 0,
+      "prefill_core_s_per_token": 0, "prefill_core_s_per_token2": 0}}}, "oversubscribed":
+      {"1": {"decode_factor": 2, "prefill_factor": 1}})").find("'1' is not a count of ranks per core above 1"),
+            std::string::npos);
   EXPECT_NE(error_of([] { read_cpu_profile("/nonexistent/profile.json"); }).find("cannot open"), std::string::npos);
 }
 
