@@ -63,6 +63,9 @@ int run_bench(const bench_options& opt, communicator& comm) {
   comm.barrier();
   const double prefill_s = prefill_clock.seconds();
   const sequence_comm_stats after_prefill = runner.stats();
+  // What one ring block of this shard weighs, summed over layers (the ring's bytes formula).
+  double exported_after_prefill = 0;
+  for (int l = 0; l < hp.n_layer; ++l) exported_after_prefill += (double)runner.cache().exported_bytes(l);
   logits_digest digest;
   digest.add(logits.data(), logits.size());
   stopwatch decode_clock;
@@ -78,13 +81,13 @@ int run_bench(const bench_options& opt, communicator& comm) {
   // Per-rank figures gathered to rank 0.
   struct rank_figures {
     double peak_rss, cache_used, cache_allocated, ring_sent, gather_sent_decode, gather_recv_decode;
-    double tokens, ring_s, gather_s_decode;
+    double tokens, ring_s, gather_s_decode, exported;
   } mine{(double)peak_rss_bytes(), (double)runner.cache().bytes_used(), (double)runner.cache().bytes_allocated(),
          (double)runner.stats().ring_bytes_sent,
          (double)(runner.stats().gather_bytes_sent - after_prefill.gather_bytes_sent),
          (double)(runner.stats().gather_bytes_recv - after_prefill.gather_bytes_recv),
          (double)runner.cache().n_tokens(0), runner.stats().ring_seconds,
-         runner.stats().gather_seconds - after_prefill.gather_seconds};
+         runner.stats().gather_seconds - after_prefill.gather_seconds, exported_after_prefill};
   std::vector<rank_figures> all(comm.size());
   comm.all_gather(&mine, all.data(), sizeof mine);
   if (comm.rank() != 0) return 0;
@@ -117,6 +120,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
     nlohmann::json r;
     r["peak_rss_bytes"] = (uint64_t)f.peak_rss;
     r["cache_used_bytes"] = (uint64_t)f.cache_used;
+    r["prefill_exported_bytes"] = (uint64_t)f.exported;  // the shard as ring blocks, all layers
     r["cache_allocated_bytes"] = (uint64_t)f.cache_allocated;
     r["tokens"] = (int64_t)f.tokens;
     r["ring_bytes_sent"] = (uint64_t)f.ring_sent;
