@@ -54,6 +54,15 @@ class kv_cache {
                                const float* q,        // [n_q, n_head, head_dim]
                                const int32_t* q_pos,  // [n_q]
                                int64_t n_q, attend_path path, softmax_acc& out) = 0;
+  // Save and restore (worker/cache_snapshot.h): a layer as the cache stores it. snapshot_layer
+  // writes exactly snapshot_bytes(layer) bytes; restore_layer fills an empty layer from such a
+  // snapshot made by a cache of the same spec and geometry, checking it as attend_exported
+  // checks a block (a damaged one throws xctx::Error naming the layer). Layers are restored in
+  // order: clkv's shared codes and xquant-cl's deltas build on the layer below. Most formats
+  // snapshot their ring block; xquant-cl snapshots its codes whatever its ring mode.
+  virtual size_t snapshot_bytes(int layer) const { return exported_bytes(layer); }
+  virtual void snapshot_layer(int layer, void* dst) const { export_layer(layer, dst); }
+  virtual void restore_layer(int layer, const void* block, size_t bytes) = 0;
   // Drops working memory that only the exact ring prefill needs (xquant-cl in deltas mode: the
   // f32 accumulators of foreign tokens, n_foreign * n_embd * 4 bytes). The sequence runner calls
   // it once the ring prefill / scoring is over; clear() drops it too. No-op for other formats.

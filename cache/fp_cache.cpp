@@ -85,18 +85,39 @@ class fp_cache final : public kv_cache {
   }
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
+    const int64_t n = block_tokens(layer, block, bytes);
     const auto* in = static_cast<const uint8_t*>(block);
-    XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
-    int64_t n = 0;
-    std::memcpy(&n, in, sizeof n);
-    XCTX_CHECK(n >= 0 && block_bytes(n) == bytes, "cache block for layer ", layer, " claims ", n, " tokens but holds ",
-               bytes, " bytes (expected ", n >= 0 ? block_bytes(n) : 0, ")");
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     const uint8_t* k = in + 8 + padded_pos_bytes(n);
     run_attention(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q, path, out);
   }
 
+  void restore_layer(int layer, const void* block, size_t bytes) override {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer && n_[layer] == 0, "cache snapshot: layer ", layer,
+               " is not an empty layer of this ", geo_.n_layer, "-layer cache");
+    const int64_t n = block_tokens(layer, block, bytes);
+    XCTX_CHECK(n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", n, " tokens; the cache has room for ",
+               geo_.capacity);
+    const auto* in = static_cast<const uint8_t*>(block);
+    restore_slot_positions(pos_, n_max_written_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
+    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
+    std::memcpy(k_[layer], in + 8 + padded_pos_bytes(n), kv);
+    std::memcpy(v_[layer], in + 8 + padded_pos_bytes(n) + kv, kv);
+    n_[layer] = n;
+  }
+
  private:
+  // The token count of a block, checked against its size.
+  int64_t block_tokens(int layer, const void* block, size_t bytes) const {
+    XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
+    int64_t n = 0;
+    std::memcpy(&n, block, sizeof n);
+    const bool plausible = n >= 0 && (size_t)n <= bytes;
+    XCTX_CHECK(plausible && block_bytes(n) == bytes, "cache block for layer ", layer, " claims ", n,
+               " tokens but holds ", bytes, " bytes (expected ", plausible ? block_bytes(n) : 0, ")");
+    return n;
+  }
+
   static size_t padded_pos_bytes(int64_t n) { return (size_t)((n + 1) / 2 * 2) * sizeof(int32_t); }
   size_t block_bytes(int64_t n) const { return 8 + padded_pos_bytes(n) + 2 * (size_t)n * row_elems_ * elem_bytes_; }
 

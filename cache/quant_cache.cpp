@@ -230,13 +230,77 @@ class quant_cache final : public kv_cache {
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
+    run_attention(parse_block(layer, block, bytes), q, q_pos, n_q, path, out);
+  }
+
+  void restore_layer(int layer, const void* block, size_t bytes) override {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer && layers_[layer].n == 0, "cache snapshot: layer ", layer,
+               " is not an empty layer of this ", geo_.n_layer, "-layer cache");
+    const kvq_layer_view v = parse_block(layer, block, bytes);
+    layer_store& s = layers_[layer];
+    const int64_t nq = v.q_end - v.n_sink, n_tail = v.n - v.q_end;
+    XCTX_CHECK(v.n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", v.n, " tokens; the cache has room for ",
+               geo_.capacity);
+    XCTX_CHECK(v.n_sink == 0 || !s.k_sink.empty(), "cache snapshot: layer ", layer,
+               " keeps an attention sink; this cache was made without one (--no-sink)");
+    restore_slot_positions(pos_.data(), n_pos_, layer, v.pos, v.n);
+    const auto copy = [](auto* dst, const auto* src, int64_t count) {
+      if (count > 0) std::memcpy(dst, src, (size_t)count * sizeof(*src));
+    };
+    copy(s.k_sink.data(), v.k_sink, v.n_sink * C_), copy(s.v_sink.data(), v.v_sink, v.n_sink * C_);
+    copy(s.k_tail.data(), v.k_tail, n_tail * C_), copy(s.v_tail.data(), v.v_tail, n_tail * C_);
+    copy(s.k_codes.data(), v.k_codes, nq * (int64_t)rb_), copy(s.v_codes.data(), v.v_codes, nq * (int64_t)rb_);
+    if (kivi_) {
+      copy(s.k_group.data(), v.k_group, nq / G_ * C_), copy(s.v_aff.data(), v.v_group, nq * n_vg_);
+    } else {
+      copy(s.v_aff.data(), v.v_tok, nq);
+      if (!s.k_out_off.empty()) {
+        const int64_t nk = v.k_out_off[nq];
+        copy(s.k_out_off.data(), v.k_out_off, nq + 1);
+        s.k_out_idx.clear(), s.k_out_val.clear();
+        reserve_key_outliers(s, (size_t)nk);
+        s.k_out_idx.insert(s.k_out_idx.end(), v.k_out_idx, v.k_out_idx + nk);
+        s.k_out_val.insert(s.k_out_val.end(), v.k_out_val, v.k_out_val + nk);
+        copy(s.v_out_idx.data(), v.v_out_idx, nq * 2 * v_side_), copy(s.v_out_val.data(), v.v_out_val, nq * 2 * v_side_);
+      }
+    }
+    s.n = v.n, s.n_sink = v.n_sink, s.nq = nq, s.n_tail = n_tail;
+  }
+
+  // For tests and tools: the layer as the kernels see it.
+  kvq_layer_view view_of(int layer) const {
+    const layer_store& s = layers_.at(layer);
+    kvq_layer_view v = base_view(s);
+    v.n = s.n, v.n_sink = s.n_sink, v.q_end = s.n_sink + s.nq;
+    v.pos = pos_.data();
+    v.k_sink = s.k_sink.data(), v.v_sink = s.v_sink.data();
+    v.k_tail = s.k_tail.data(), v.v_tail = s.v_tail.data();
+    v.k_codes = s.k_codes.data(), v.v_codes = s.v_codes.data();
+    if (kivi_) {
+      v.k_group = s.k_group.data(), v.v_group = s.v_aff.data();
+    } else {
+      v.v_tok = s.v_aff.data();
+      if (!s.k_out_off.empty()) {
+        v.k_out_off = s.k_out_off.data(), v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
+        v.v_out_idx = s.v_out_idx.data(), v.v_out_val = s.v_out_val.data();
+      }
+    }
+    return v;
+  }
+
+ private:
+  // A ring block or snapshot as the kernels see it, every count and index checked (a block
+  // comes from another rank or from a file).
+  kvq_layer_view parse_block(int layer, const void* block, size_t bytes) const {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer, "cache block for layer ", layer, " of a ", geo_.n_layer,
+               "-layer cache");
     const auto* in = static_cast<const uint8_t*>(block);
     int64_t hdr[5] = {};
     XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
     std::memcpy(hdr, in, sizeof hdr);
     const int64_t n = hdr[0], n_sink = hdr[1], n_tail = hdr[2], nq = hdr[3], nk = hdr[4];
-    const bool sane = n >= 0 && n_sink >= 0 && n_sink <= 1 && n_tail >= 0 && nq >= 0 && nk >= 0 &&
-                      n == n_sink + nq + n_tail && (!kivi_ || (n_tail < G_ && nq % G_ == 0));
+    const bool sane = n >= 0 && n_sink >= 0 && n_sink <= 1 && n_tail >= 0 && nq >= 0 && nk >= 0 && (size_t)n <= bytes &&
+                      (size_t)nk <= bytes && n == n_sink + nq + n_tail && (kivi_ ? n_sink == 0 && n_tail < G_ && nq % G_ == 0 : n_tail == 0);
     XCTX_CHECK(sane && block_bytes(n, n_sink, n_tail, nq, nk) == bytes, "cache block for layer ", layer,
                " is inconsistent: ", n, " tokens (sink ", n_sink, ", quantized ", nq, ", window ", n_tail, ", ", nk,
                " key outliers) in ", bytes, " bytes");
@@ -279,31 +343,9 @@ class quant_cache final : public kv_cache {
     }
     for (int64_t i = 1; i < n; ++i)
       XCTX_CHECK(v.pos[i - 1] < v.pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
-    run_attention(v, q, q_pos, n_q, path, out);
-  }
-
-  // For tests and tools: the layer as the kernels see it.
-  kvq_layer_view view_of(int layer) const {
-    const layer_store& s = layers_.at(layer);
-    kvq_layer_view v = base_view(s);
-    v.n = s.n, v.n_sink = s.n_sink, v.q_end = s.n_sink + s.nq;
-    v.pos = pos_.data();
-    v.k_sink = s.k_sink.data(), v.v_sink = s.v_sink.data();
-    v.k_tail = s.k_tail.data(), v.v_tail = s.v_tail.data();
-    v.k_codes = s.k_codes.data(), v.v_codes = s.v_codes.data();
-    if (kivi_) {
-      v.k_group = s.k_group.data(), v.v_group = s.v_aff.data();
-    } else {
-      v.v_tok = s.v_aff.data();
-      if (!s.k_out_off.empty()) {
-        v.k_out_off = s.k_out_off.data(), v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
-        v.v_out_idx = s.v_out_idx.data(), v.v_out_val = s.v_out_val.data();
-      }
-    }
     return v;
   }
 
- private:
   // Text denser in outliers than the reserve: grow the key lists by a quarter of the reserve (or
   // what this append needs), not by doubling, so an overrun costs RSS in proportion to it.
   void reserve_key_outliers(layer_store& s, size_t more) const {

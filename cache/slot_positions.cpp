@@ -21,4 +21,13 @@ void store_slot_positions(int32_t* pos, int64_t& n_written, int layer, int64_t a
   n_written = std::max(n_written, at + in.n);
 }
 
+void restore_slot_positions(int32_t* pos, int64_t& n_written, int layer, const int32_t* layer_pos, int64_t n) {
+  for (int64_t i = 0; i < std::min(n, n_written); ++i)
+    XCTX_CHECK(pos[i] == layer_pos[i], "cache snapshot: layer ", layer, " holds position ", layer_pos[i], " at slot ", i,
+               " where an earlier layer holds ", pos[i]);
+  layer_input in;
+  in.pos = layer_pos, in.n = n;
+  store_slot_positions(pos, n_written, layer, 0, in);
+}
+
 }  // namespace xctx

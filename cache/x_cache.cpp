@@ -219,35 +219,35 @@ class x_window_cache final : public kv_cache {
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
-    const auto* in = static_cast<const uint8_t*>(block);
-    int64_t hdr[3] = {};
-    XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
-    std::memcpy(hdr, in, sizeof hdr);
-    const int64_t n = hdr[0], nq = hdr[1], n_tail = hdr[2];
-    const bool sane = n >= 0 && nq >= 0 && n_tail >= 0 && n == nq + n_tail && nq % W_ == 0 && n_tail < W_;
-    XCTX_CHECK(sane && block_bytes(layer, nq, n_tail) == bytes, "cache block for layer ", layer, " is inconsistent: ",
-               n, " tokens (", nq, " quantized, window ", n_tail, ") in ", bytes, " bytes");
-    const layer_store& L = layers_.at(layer);
-    size_t at = sizeof hdr;
-    const auto take = [&](size_t b) {
-      const uint8_t* p = in + at;
-      at += pad8(b);
-      return p;
-    };
-    const auto* pos = reinterpret_cast<const int32_t*>(take(n * 4));
-    for (int64_t i = 1; i < n; ++i)
-      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
-    xq_stream v[2];
+    const parsed_block p = parse_block(layer, block, bytes);
+    run(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q, q_pos, n_q, path, out);
+  }
+
+  void restore_layer(int layer, const void* block, size_t bytes) override {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer && layers_[layer].n == 0, "cache snapshot: layer ", layer,
+               " is not an empty layer of this ", geo_.n_layer, "-layer cache");
+    const parsed_block p = parse_block(layer, block, bytes);
+    XCTX_CHECK(p.n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", p.n,
+               " tokens; the cache has room for ", geo_.capacity);
+    layer_store& L = layers_[layer];
     for (int k = 0; k < L.n_streams; ++k) {
-      const stream_store& s = L.s[k];
-      v[k] = base_view(s);
-      v[k].nq = nq;
-      v[k].codes = take(nq * s.rb);
-      v[k].params = reinterpret_cast<const kvq_affine*>(take((nq / W_) * s.params_per_window * sizeof(kvq_affine)));
-      v[k].tail = reinterpret_cast<const uint16_t*>(take(n_tail * s.C * 2));
-      if (s.ch0) v[k].ch0 = reinterpret_cast<const uint16_t*>(take(nq * 2));
+      stream_store& s = L.s[k];
+      const size_t code_bytes = (size_t)p.nq * s.rb;
+      if (s.shared) {  // the layer below holds these codes: the snapshot must carry the same
+        XCTX_CHECK(layers_[layer - 1].nq == p.nq &&
+                       (code_bytes == 0 || std::memcmp(codes_of(layer, k), p.v[k].codes, code_bytes) == 0),
+                   "cache snapshot: layer ", layer, " shares layer ", layer - 1,
+                   "'s codes, but its snapshot carries others (restore the layers in order)");
+      } else if (code_bytes > 0) {
+        std::memcpy(s.codes.data(), p.v[k].codes, code_bytes);
+      }
+      const size_t n_params = (size_t)(p.nq / W_) * s.params_per_window;
+      if (n_params > 0) std::memcpy(s.params.data(), p.v[k].params, n_params * sizeof(kvq_affine));
+      if (p.n_tail > 0) std::memcpy(s.tail.data(), p.v[k].tail, (size_t)p.n_tail * s.C * 2);
+      if (s.ch0 && p.nq > 0) std::memcpy(s.ch0_vals.data(), p.v[k].ch0, (size_t)p.nq * 2);
     }
-    run(layer, v[0], v[L.n_streams - 1], n, pos, q, q_pos, n_q, path, out);
+    restore_slot_positions(pos_.data(), n_pos_, layer, p.pos, p.n);
+    L.n = p.n, L.nq = p.nq, L.n_tail = p.n_tail;
   }
 
   xq_stream view(int layer, int k) const {
@@ -273,6 +273,49 @@ class x_window_cache final : public kv_cache {
 
   const uint8_t* codes_of(int layer, int k) const {
     return layers_[layer].s[k].shared ? layers_[layer - 1].s[k].codes.data() : layers_[layer].s[k].codes.data();
+  }
+
+  // A ring block or snapshot as stream views, every count checked (it comes from another rank
+  // or from a file).
+  struct parsed_block {
+    int64_t n = 0, nq = 0, n_tail = 0;
+    const int32_t* pos = nullptr;
+    xq_stream v[2];
+  };
+  parsed_block parse_block(int layer, const void* block, size_t bytes) const {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer, "cache block for layer ", layer, " of a ", geo_.n_layer,
+               "-layer cache");
+    const auto* in = static_cast<const uint8_t*>(block);
+    int64_t hdr[3] = {};
+    XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
+    std::memcpy(hdr, in, sizeof hdr);
+    parsed_block p;
+    p.n = hdr[0], p.nq = hdr[1], p.n_tail = hdr[2];
+    const bool sane = p.n >= 0 && p.nq >= 0 && p.n_tail >= 0 && (size_t)p.n <= bytes && p.n == p.nq + p.n_tail &&
+                      p.nq % W_ == 0 && p.n_tail < W_;
+    XCTX_CHECK(sane && block_bytes(layer, p.nq, p.n_tail) == bytes, "cache block for layer ", layer,
+               " is inconsistent: ", p.n, " tokens (", p.nq, " quantized, window ", p.n_tail, ") in ", bytes, " bytes");
+    const layer_store& L = layers_[layer];
+    size_t at = sizeof hdr;
+    const auto take = [&](size_t b) {
+      const uint8_t* ptr = in + at;
+      at += pad8(b);
+      return ptr;
+    };
+    p.pos = reinterpret_cast<const int32_t*>(take(p.n * 4));
+    for (int64_t i = 1; i < p.n; ++i)
+      XCTX_CHECK(p.pos[i - 1] < p.pos[i], "cache block for layer ", layer, ": positions not increasing at ", i);
+    for (int k = 0; k < L.n_streams; ++k) {
+      const stream_store& s = L.s[k];
+      p.v[k] = base_view(s);
+      p.v[k].nq = p.nq;
+      p.v[k].codes = take(p.nq * s.rb);
+      p.v[k].params =
+          reinterpret_cast<const kvq_affine*>(take((p.nq / W_) * s.params_per_window * sizeof(kvq_affine)));
+      p.v[k].tail = reinterpret_cast<const uint16_t*>(take(p.n_tail * s.C * 2));
+      if (s.ch0) p.v[k].ch0 = reinterpret_cast<const uint16_t*>(take(p.nq * 2));
+    }
+    return p;
   }
 
   size_t block_bytes(int layer, int64_t nq, int64_t n_tail) const {

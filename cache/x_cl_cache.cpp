@@ -252,6 +252,43 @@ class x_cl_cache final : public kv_cache {
     run_w(layer, dense_view(f.x.data()), n, pos, q, q_pos, n_q, path, out);
   }
 
+  // Snapshot: the stored codes of every layer in either ring mode (the fp16 latent a latent-mode
+  // ring block carries is derived, not stored): int64 n | pos [n] | codes [n, rb] | params
+  // [n, n_g], each part padded to 8 bytes. The accumulators are rebuilt from the codes on use.
+  size_t snapshot_bytes(int layer) const override { return codes_block_bytes(layer, layers_.at(layer).n); }
+
+  void snapshot_layer(int layer, void* dst) const override {
+    const cl_layer& L = layers_.at(layer);
+    auto* out = static_cast<uint8_t*>(dst);
+    const int64_t n = L.n;
+    std::memcpy(out, &n, 8);
+    std::memcpy(out + 8, pos_.data(), n * 4);
+    std::memcpy(out + 8 + pad8(n * 4), L.codes.data(), n * L.rb);
+    std::memcpy(out + 8 + pad8(n * 4) + pad8(n * L.rb), L.params.data(), n * L.n_g * sizeof(kvq_affine));
+  }
+
+  void restore_layer(int layer, const void* block, size_t bytes) override {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer && layers_[layer].n == 0, "cache snapshot: layer ", layer,
+               " is not an empty layer of this ", geo_.n_layer, "-layer cache");
+    const auto* in = static_cast<const uint8_t*>(block);
+    XCTX_CHECK(bytes >= 8, "cache snapshot of ", bytes, " bytes is too short for its header");
+    int64_t n = 0;
+    std::memcpy(&n, in, 8);
+    const bool plausible = n >= 0 && (size_t)n <= bytes;
+    XCTX_CHECK(plausible && codes_block_bytes(layer, n) == bytes, "cache snapshot for layer ", layer, " claims ", n,
+               " tokens (", plausible ? codes_block_bytes(layer, n) : 0, " bytes) but holds ", bytes, " bytes");
+    XCTX_CHECK(n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", n, " tokens; the cache has room for ",
+               geo_.capacity);
+    XCTX_CHECK(layer == 0 || layers_[layer - 1].n >= n, "cache snapshot: layer ", layer, " holds ", n,
+               " tokens, more than layer ", layer - 1, " below it (restore the layers in order)");
+    if (layer == 0) std::fill(acc_layer_.begin(), acc_layer_.end(), (int16_t)-1);
+    restore_slot_positions(pos_.data(), n_pos_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
+    cl_layer& L = layers_[layer];
+    std::memcpy(L.codes.data(), in + 8 + pad8(n * 4), n * L.rb);
+    std::memcpy(L.params.data(), in + 8 + pad8(n * 4) + pad8(n * L.rb), n * L.n_g * sizeof(kvq_affine));
+    L.n = n;
+  }
+
   // The accumulator of tokens [0, n) at `layer` in the [W_k | W_v] latent, rounded to fp16: what
   // ring blocks carry and what every rank attends (own shard included).
   std::vector<uint16_t> latent_fp16(int layer, int64_t n) const {
@@ -316,10 +353,12 @@ class x_cl_cache final : public kv_cache {
 
  private:
   size_t block_bytes(int layer, int64_t n) const {
+    if (layer < base_ || deltas_) return codes_block_bytes(layer, n);
+    return 8 + pad8(n * 4) + pad8((size_t)n * r_ * 2);
+  }
+  size_t codes_block_bytes(int layer, int64_t n) const {
     const cl_layer& L = layers_[layer];
-    size_t b = 8 + pad8(n * 4);
-    if (layer < base_ || deltas_) return b + pad8(n * L.rb) + pad8(n * L.n_g * sizeof(kvq_affine));
-    return b + pad8((size_t)n * r_ * 2);
+    return 8 + pad8(n * 4) + pad8(n * L.rb) + pad8(n * L.n_g * sizeof(kvq_affine));
   }
 
   void ensure_acc(int64_t n) const {

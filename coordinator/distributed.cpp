@@ -61,6 +61,13 @@ void broadcast_tokens(communicator& comm, std::vector<int32_t>& ids) {
   if (n > 0) comm.broadcast(ids.data(), n * sizeof(int32_t), 0);
 }
 
+void broadcast_string(communicator& comm, std::string& text) {
+  uint64_t n = text.size();
+  comm.broadcast(&n, sizeof n, 0);
+  text.resize(n);
+  if (n > 0) comm.broadcast(text.data(), n, 0);
+}
+
 nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt,
                              size_t base_rss) {
   struct shard_report {

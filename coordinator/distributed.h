@@ -35,6 +35,8 @@ class progress_line {
 
 // Rank 0's vector reaches every rank (size first, then the elements).
 void broadcast_tokens(communicator& comm, std::vector<int32_t>& ids);
+// Rank 0's string reaches every rank.
+void broadcast_string(communicator& comm, std::string& text);
 
 // One line per rank on rank 0: tokens held and cache bytes (used / allocated), plus the bytes
 // the rank moved. Collective.

@@ -11,12 +11,26 @@
 #include "coordinator/jobs.h"
 #include "coordinator/sequence_driver.h"
 #include "coordinator/session.h"
+#include "worker/cache_snapshot.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
 
 namespace xctx {
 namespace {
 
+// With --chat, a saved sequence ends with a finished user turn (the document); the prompt that
+// resumes it is the template's next user turn and the assistant header: what rendering both
+// messages adds to rendering the first alone.
+std::string chat_continuation(chat_style style, const std::string& system, const std::string& question) {
+  std::vector<chat_message> before;
+  if (!system.empty()) before.push_back({"system", system});
+  before.push_back({"user", "(saved)"});
+  std::vector<chat_message> after = before;
+  after.push_back({"user", question});
+  const std::string head = apply_chat_template(style, before, false), whole = apply_chat_template(style, after, true);
+  XCTX_ASSERT(whole.compare(0, head.size(), head) == 0, "chat template: a further turn does not extend the first");
+  return whole.substr(head.size());
+}
 
 }  // namespace
 
@@ -34,11 +48,17 @@ int run_generate(const generate_options& opt, communicator& comm) {
   if (coordinator) {
     std::string text = opt.prompt_file.empty() ? opt.prompt : read_file_bytes(opt.prompt_file, "prompt file");
     XCTX_CHECK(!text.empty(), "the prompt is empty (use --prompt TEXT or --prompt-file FILE)");
-    if (opt.chat) {
+    if (!opt.load_cache.empty()) {  // continues a saved sequence: no BOS, no system prompt again
+      const std::string rest =
+          opt.chat ? chat_continuation(detect_chat_style(s.chat_template), opt.system, text) : text;
+      prompt_ids = s.tok->encode(rest, false, /*parse_special=*/opt.chat);
+    } else if (opt.chat) {
       std::vector<chat_message> msgs;
       if (!opt.system.empty()) msgs.push_back({"system", opt.system});
       msgs.push_back({"user", text});
-      const std::string rendered = apply_chat_template(detect_chat_style(s.chat_template), msgs, true);
+      // Saved for later questions: the document as a finished user turn (chat_continuation).
+      const std::string rendered =
+          apply_chat_template(detect_chat_style(s.chat_template), msgs, opt.save_cache.empty());
       prompt_ids = s.tok->encode(rendered, s.tok->vocab().add_bos, /*parse_special=*/true);
     } else {
       prompt_ids = s.tok->encode(text, s.tok->vocab().add_bos, /*parse_special=*/false);
@@ -46,11 +66,15 @@ int run_generate(const generate_options& opt, communicator& comm) {
     XCTX_CHECK(!prompt_ids.empty(), "the prompt has no tokens");
   }
   broadcast_tokens(comm, prompt_ids);
-  const int64_t n_prompt = (int64_t)prompt_ids.size();
+  // A resumed sequence already holds the snapshot's tokens (its manifest says how many).
+  int64_t n_saved = 0;
+  if (!opt.load_cache.empty() && coordinator) n_saved = read_snapshot_manifest(opt.load_cache).tokens;
+  comm.broadcast(&n_saved, sizeof n_saved, 0);
+  const int64_t n_prompt = n_saved + (int64_t)prompt_ids.size();
   const int64_t n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
-  XCTX_CHECK(n_prompt + opt.max_tokens <= n_ctx, "prompt (", n_prompt, " tokens) + --max-tokens (", opt.max_tokens,
-             ") exceed the context of ", n_ctx, " tokens (raise --ctx, with --rope-scaling beyond the trained ",
-             hp.n_ctx_train, ")");
+  XCTX_CHECK(n_prompt + opt.max_tokens <= n_ctx, "prompt (", n_prompt, " tokens", n_saved ? ", saved ones included" : "",
+             ") + --max-tokens (", opt.max_tokens, ") exceed the context of ", n_ctx,
+             " tokens (raise --ctx, with --rope-scaling beyond the trained ", hp.n_ctx_train, ")");
 
   llama_engine engine(s.weights, *s.be, opt.run);
   sequence_options seq = opt.seq;
@@ -61,7 +85,7 @@ int run_generate(const generate_options& opt, communicator& comm) {
 
   sequence_outcome out;
   if (coordinator) {
-    progress_line progress("[xctx] prefill", opt.show_stats && n_prompt >= 4 * opt.run.n_batch);
+    progress_line progress("[xctx] prefill", opt.show_stats && n_prompt - n_saved >= 4 * opt.run.n_batch);
     sequence_hooks hooks;
     hooks.prefill_progress = [&progress](int64_t done, int64_t total) {
       progress(done, total);
@@ -72,7 +96,10 @@ int run_generate(const generate_options& opt, communicator& comm) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     };
-    out = driver.run({prompt_ids, {}, opt.max_tokens, opt.sampling}, hooks);
+    sequence_request req{prompt_ids, {}, opt.max_tokens, opt.sampling};
+    req.save_cache_dir = opt.save_cache;
+    if (!opt.load_cache.empty()) req.load_cache_dir = opt.load_cache, req.context.swap(req.suffix);
+    out = driver.run(req, hooks);
     progress.finish();
     std::fputc('\n', stdout);
     driver.finish();
@@ -89,12 +116,20 @@ int run_generate(const generate_options& opt, communicator& comm) {
                    "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens; decode %d steps in "
                    "%.2f s = %.1f tokens/s\n"
                    "[xctx] peak memory (RSS) of rank 0: %s\n",
-                   hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads, describe_prefill(seq, n_prompt).c_str(),
+                   hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads, n_saved ? "resumed from a snapshot" : describe_prefill(seq, n_prompt).c_str(),
                    describe_rope(engine.rope(), hp.n_ctx_train).c_str(), load_s,
-                   (long long)n_prompt, prefill_s, n_prompt / prefill_s, n_generated, n_decode_steps, decode_s,
+                   (long long)(n_prompt - n_saved), prefill_s, (n_prompt - n_saved) / prefill_s, n_generated,
+                   n_decode_steps, decode_s,
                    n_decode_steps > 0 ? n_decode_steps / decode_s : 0.0, format_bytes((double)peak_rss_bytes()).c_str());
     report_shards(comm, runner, opt.run.cache);
   }
+  if (coordinator && out.snapshot_bytes > 0)
+    std::fprintf(stderr, "[xctx] saved %lld tokens of cache (%s over %d rank(s)) to %s\n",
+                 (long long)out.prompt_tokens, format_bytes((double)out.snapshot_bytes).c_str(), comm.size(),
+                 opt.save_cache.c_str());
+  if (coordinator && out.restored_tokens > 0)
+    std::fprintf(stderr, "[xctx] resumed %lld saved tokens from %s (restore and question: %.2f s)\n",
+                 (long long)out.restored_tokens, opt.load_cache.c_str(), out.prefill_s);
   return 0;
 }
 

@@ -24,6 +24,10 @@ struct generate_options {
   run_params run;
   sequence_options seq;  // prefill mode and shard layout under mpirun
   bool show_stats = true;
+  // Cache snapshots (worker/cache_snapshot.h): save every rank's shard once the prompt is in;
+  // or resume from one, the prompt continuing the saved sequence (with --chat: as a further
+  // user turn, the saved one being a finished user turn).
+  std::string save_cache, load_cache;
 };
 // Collective under mpirun: rank 0 tokenizes, drives and writes; every rank holds a shard.
 int run_generate(const generate_options& opt, communicator& comm);
@@ -47,6 +51,7 @@ struct plan_options {
   double weight_bits = 16;
   int64_t block = 4096;
   double memory_gib = 0, bandwidth_gbs = 0, tflops = 0;  // > 0: override the device table
+  std::string cpu_profile;  // set: one CPU machine measured by benchmarks/scaling.py instead of GPUs
   bool json = false;
 };
 int run_plan(const plan_options& opt);

@@ -136,6 +136,11 @@ int main(int argc, char** argv) {
   g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f);
   g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0);
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
+  g->add_option("--save-cache", gen.save_cache,
+                "save every rank's cache shard to this directory once the prompt is in (-n 0: only save)");
+  g->add_option("--load-cache", gen.load_cache,
+                "resume from a saved cache: the prompt continues the saved sequence (same ranks, model, --cache)")
+      ->excludes("--save-cache");
   add_run_options(g, gen.run, gen_cache, gen_ctx, gen_rope, gen_cf);
   sequence_flags gen_seq;
   add_sequence_options(g, gen_seq);
@@ -157,6 +162,8 @@ int main(int argc, char** argv) {
   pl->add_option("--memory-gib", plan.memory_gib, "override the device's memory (GiB)");
   pl->add_option("--bandwidth-gbs", plan.bandwidth_gbs, "override the device's memory bandwidth (GB/s)");
   pl->add_option("--tflops", plan.tflops, "override the device's dense 16-bit TFLOP/s");
+  pl->add_option("--cpu-profile", plan.cpu_profile,
+                 "project for ranks sharing one CPU machine, from costs benchmarks/scaling.py measured (JSON)");
   pl->add_flag("--json", plan.json, "one JSON object instead of the table");
   auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
   i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");

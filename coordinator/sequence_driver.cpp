@@ -22,6 +22,8 @@ sequence_outcome sequence_driver::run(const sequence_request& req, const sequenc
   XCTX_ASSERT(comm_.rank() == 0 && !finished_);
   XCTX_CHECK(req.max_tokens >= 0, "max_tokens must be >= 0, got ", req.max_tokens);
   XCTX_CHECK(!req.context.empty() || !req.suffix.empty(), "a sequence needs at least one prompt token");
+  XCTX_CHECK(req.load_cache_dir.empty() || (req.context.empty() && !req.suffix.empty()),
+             "a sequence resumed from a snapshot continues with its suffix alone (no context to prefill)");
   // Refused here, on rank 0 alone and before any broadcast, so the followers never start it.
   const sequence_options& so = runner_.options();
   XCTX_CHECK(req.max_tokens <= so.max_new_tokens, "a sequence asks for ", req.max_tokens,
@@ -36,10 +38,13 @@ sequence_outcome sequence_driver::run(const sequence_request& req, const sequenc
   int32_t head[2] = {op_run, req.max_tokens};
   comm_.broadcast(head, sizeof head, 0);
   std::vector<int32_t> context = req.context, suffix = req.suffix;
+  std::string save = req.save_cache_dir, load = req.load_cache_dir;
   broadcast_tokens(comm_, context);
   broadcast_tokens(comm_, suffix);
+  broadcast_string(comm_, save);
+  broadcast_string(comm_, load);
   sequence_outcome out;
-  run_sequence(context, suffix, req.max_tokens, &req, &hooks, out);
+  run_sequence(context, suffix, req.max_tokens, save, load, &req, &hooks, out);
   return out;
 }
 
@@ -67,11 +72,14 @@ void sequence_driver::follow() {
     if (op == op_idle) continue;
     XCTX_ASSERT(op == op_run);
     std::vector<int32_t> context, suffix;
+    std::string save, load;
     broadcast_tokens(comm_, context);
     broadcast_tokens(comm_, suffix);
+    broadcast_string(comm_, save);
+    broadcast_string(comm_, load);
     sequence_outcome ignored;
     try {
-      run_sequence(context, suffix, head[1], nullptr, nullptr, ignored);
+      run_sequence(context, suffix, head[1], save, load, nullptr, nullptr, ignored);
     } catch (const Error&) {
       // Refused alike on rank 0, which reports it; wait for the next command.
     }
@@ -81,7 +89,8 @@ void sequence_driver::follow() {
 // Collective. Rank 0 (req != nullptr) samples and broadcasts each token it wants stepped;
 // every rank steps exactly those, so all runners stay in lockstep.
 void sequence_driver::run_sequence(const std::vector<int32_t>& context, const std::vector<int32_t>& suffix,
-                                   int max_tokens, const sequence_request* req, const sequence_hooks* hooks, sequence_outcome& out) {
+                                   int max_tokens, const std::string& save_dir, const std::string& load_dir,
+                                   const sequence_request* req, const sequence_hooks* hooks, sequence_outcome& out) {
   const bool lead = req != nullptr;
   runner_.reset();
   out.prompt_tokens = (int64_t)(context.size() + suffix.size());
@@ -94,7 +103,20 @@ void sequence_driver::run_sequence(const std::vector<int32_t>& context, const st
     };
   if (lead && hooks->on_phase) hooks->on_phase(false);
   if (progress) progress(0, 1);  // starts the hook's clock before any work
-  runner_.prefill(context, suffix, logits_.data(), progress, max_tokens);
+  if (!load_dir.empty()) {  // resume: restore the snapshot, then the suffix continues it
+    runner_.load_cache(load_dir, (int64_t)suffix.size() + max_tokens);
+    out.restored_tokens = runner_.next_position();
+    out.prompt_tokens += out.restored_tokens;
+    runner_.step(suffix.data(), (int64_t)suffix.size(), logits_.data());
+    if (progress) progress(1, 1);
+  } else {
+    runner_.prefill(context, suffix, logits_.data(), progress, max_tokens);
+  }
+  if (!save_dir.empty()) {
+    std::vector<int32_t> tokens(context);
+    tokens.insert(tokens.end(), suffix.begin(), suffix.end());
+    out.snapshot_bytes = runner_.save_cache(save_dir, tokens);
+  }
   out.prefill_s = prefill_clock.seconds();
   out.prefill = runner_.mode();
   if (lead && hooks->on_phase) hooks->on_phase(true);

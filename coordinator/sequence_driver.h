@@ -5,14 +5,15 @@
 // a prompt too long) leaves them waiting for the next command, not stuck in a collective.
 //
 // Commands, broadcast from rank 0:
-//   run:  the sequence's token budget, context tokens, suffix tokens, then one token id per
-//         decode step and -1 to end it
+//   run:  the sequence's token budget, context tokens, suffix tokens, the snapshot directories
+//         to save to / load from (empty: none), then one token id per decode step and -1 to end it
 //   idle: nothing to do (a service's heartbeat: keeps every rank's stall watchdog fed)
 //   end:  the followers return
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -27,6 +28,10 @@ struct sequence_request {
   std::vector<int32_t> suffix;   // through the merged path (may be empty: see runner.prefill)
   int max_tokens = 128;          // tokens to generate at most
   sampler_params sampling;       // temperature 0: greedy
+  // Cache snapshots (worker/cache_snapshot.h). save: every rank writes its shard once the
+  // prompt is in, before decoding. load: no prefill -- the sequence resumes from the snapshot
+  // (context must be empty) and the suffix (at least one token) continues it.
+  std::string save_cache_dir = {}, load_cache_dir = {};
 };
 
 // Called on rank 0 only.
@@ -44,6 +49,8 @@ struct sequence_outcome {
   double prefill_s = 0.0, decode_s = 0.0;
   prefill_mode prefill = prefill_mode::prefill_exact;  // what the prefill ran (auto resolved)
   bool stopped = false;      // should_stop ended it
+  int64_t restored_tokens = 0;  // load: the snapshot's tokens (prompt_tokens counts them too)
+  uint64_t snapshot_bytes = 0;  // save: all ranks' files
 };
 
 class sequence_driver {
@@ -65,7 +72,8 @@ class sequence_driver {
 
  private:
   void run_sequence(const std::vector<int32_t>& context, const std::vector<int32_t>& suffix, int max_tokens,
-                    const sequence_request* req, const sequence_hooks* hooks, sequence_outcome& out);
+                    const std::string& save_dir, const std::string& load_dir, const sequence_request* req,
+                    const sequence_hooks* hooks, sequence_outcome& out);
 
   sequence_parallel_runner& runner_;
   communicator& comm_;

@@ -42,6 +42,9 @@ class recording_cache final : public kv_cache {
                        attend_path path, softmax_acc& out) override {
     inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
   }
+  void restore_layer(int, const void*, size_t) override {
+    fail("the calibration's recording cache is filled by the forward pass, not restored");
+  }
   void release_ring_state() override { inner_->release_ring_state(); }
   void clear() override {
     inner_->clear();

@@ -21,6 +21,7 @@ class llama_engine {
   llama_engine(const model_weights& w, backend& be, const run_params& rp);
 
   const model_hparams& hparams() const { return w_.hp; }
+  const model_weights& weights() const { return w_; }
   const rope_config& rope() const { return rope_; }
   const run_params& params() const { return rp_; }
   // Geometry of a cache holding `capacity` tokens of this model.

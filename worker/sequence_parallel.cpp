@@ -1,10 +1,13 @@
 #include "worker/sequence_parallel.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 
 #include "common/error.h"
 #include "common/sys.h"
+#include "worker/cache_snapshot.h"
 #include "worker/memory_plan.h"
 
 namespace xctx {
@@ -402,6 +405,89 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
   for (int r = 0; r < comm_.size(); ++r) sum += all[2 * r], count += all[2 * r + 1];  // rank order: deterministic
   next_pos_ = n;
   return {sum, (int64_t)count};
+}
+
+namespace {
+
+// Runs f on every rank; when it throws on any, every rank throws the first failing rank's message
+// (so no rank goes on into a collective the others will not join).
+template <typename F>
+void on_every_rank_or_none(communicator& comm, const char* what, F&& f) {
+  constexpr size_t kMessage = 1024;
+  char mine[kMessage] = {};
+  try {
+    f();
+  } catch (const Error& e) {
+    std::snprintf(mine, kMessage, "%s", e.what());
+    if (mine[0] == '\0') std::snprintf(mine, kMessage, "%s failed", what);
+  }
+  std::vector<char> all(kMessage * comm.size());
+  comm.all_gather(mine, all.data(), kMessage);
+  for (int r = 0; r < comm.size(); ++r) {
+    const char* m = all.data() + (size_t)r * kMessage;
+    if (m[0] != '\0') fail(comm.size() > 1 ? "rank " + std::to_string(r) + ": " : std::string(), std::string(m, strnlen(m, kMessage)));
+  }
+}
+
+}  // namespace
+
+uint64_t sequence_parallel_runner::save_cache(const std::string& dir, const std::vector<int32_t>& tokens) {
+  XCTX_CHECK(active_ && cache_, "save_cache: no sequence to save (prefill first)");
+  stopwatch clock;
+  const int P = comm_.size(), rank = comm_.rank();
+  snapshot_state st;
+  st.rank = rank, st.n_rank = P, st.tail_rank = plan_.tail_rank, st.next_position = next_pos_;
+  st.prefill = prefill_mode_name(mode_);
+  st.held_per_rank.resize(P);
+  const int64_t held = cache_->n_tokens(0);
+  comm_.all_gather(&held, st.held_per_rank.data(), sizeof held);
+  if (rank == 0) {
+    XCTX_CHECK((int64_t)tokens.size() == next_pos_, "save_cache: ", tokens.size(), " token ids for a sequence of ",
+               next_pos_);
+    st.tokens = tokens;
+  }
+  const snapshot_identity id = make_snapshot_identity(engine_.weights(), spec_, cache_->geometry());
+  uint64_t bytes = 0;
+  on_every_rank_or_none(comm_, "saving the cache", [&] {
+    write_cache_snapshot(dir, id, st, *cache_);
+    bytes = std::filesystem::file_size(snapshot_file(dir, rank, P));
+  });
+  std::vector<uint64_t> all(P);
+  comm_.all_gather(&bytes, all.data(), sizeof bytes);
+  uint64_t total = 0;
+  for (uint64_t b : all) total += b;
+  on_every_rank_or_none(comm_, "writing the manifest", [&] {
+    if (rank == 0) write_snapshot_manifest(dir, id, st, clock.seconds(), total);
+  });
+  return total;
+}
+
+std::vector<int32_t> sequence_parallel_runner::load_cache(const std::string& dir, int64_t max_new) {
+  XCTX_CHECK(!active_, "load_cache on a sequence already started (reset() ends it)");
+  XCTX_CHECK(max_new >= 0, "load_cache: max_new must be >= 0");
+  const int P = comm_.size(), rank = comm_.rank();
+  const snapshot_identity expect = make_snapshot_identity(engine_.weights(), spec_, engine_.cache_geometry_for(1));
+  snapshot_state st;
+  on_every_rank_or_none(comm_, "reading the cache snapshot", [&] { st = read_snapshot_state(dir, rank, P, expect); });
+  // Sized as a prefill of the saved length would be: the fit check counts that prefill's
+  // temporaries too, so it errs on the safe side.
+  sequence_options seq = opt_;
+  seq.mode = st.prefill == "star" ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
+  plan_ = shard_plan{};
+  plan_.n_rank = P, plan_.n_tokens = st.next_position, plan_.tail_rank = st.tail_rank;
+  int64_t most = 0;
+  for (int r = 0; r < P; ++r) most = std::max(most, st.held_per_rank[r] + (r == st.tail_rank ? max_new : 0));
+  const bool tail = rank == st.tail_rank;
+  prepare_cache(seq, st.held_per_rank[rank] + (tail ? max_new : 0), most, st.next_position, max_new);
+  on_every_rank_or_none(comm_, "restoring the cache", [&] {
+    restore_cache_snapshot(dir, rank, P, *cache_);
+    XCTX_CHECK(cache_->n_tokens(0) == st.held_per_rank[rank], snapshot_file(dir, rank, P), ": restored ",
+               cache_->n_tokens(0), " tokens where its header says ", st.held_per_rank[rank]);
+  });
+  mode_ = seq.mode;
+  next_pos_ = st.next_position;
+  active_ = true;
+  return st.tokens;
 }
 
 void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits) {

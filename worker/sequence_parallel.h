@@ -112,6 +112,17 @@ class sequence_parallel_runner {
   // With capacity_per_rank set: allocates the cache now rather than at the first prefill.
   void reserve();
 
+  // Cache snapshots (worker/cache_snapshot.h). Collective: every rank writes its shard of the
+  // current sequence to dir, then rank 0 the manifest; `tokens` are the sequence's ids so far
+  // (rank 0's are stored). Call after a prefill (or between steps). Returns the bytes of all
+  // ranks' files. Any rank's failure is every rank's error.
+  uint64_t save_cache(const std::string& dir, const std::vector<int32_t>& tokens);
+  // Collective: starts a sequence from a snapshot instead of a prefill -- the cache restored
+  // (room for max_new more tokens on the tail rank), next_position() the saved length -- to go
+  // on with step(). Needs the saving run's rank count, model, cache format and options. Returns
+  // the saved token ids on rank 0 (empty elsewhere). Any rank's failure is every rank's error.
+  std::vector<int32_t> load_cache(const std::string& dir, int64_t max_new);
+
   // sequence_tokens_needed_per_rank for this runner's ranks, format and options.
   int64_t tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const;
   const sequence_options& options() const { return opt_; }

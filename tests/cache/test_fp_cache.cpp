@@ -5,6 +5,7 @@
 #include <random>
 
 #include "cache/cache.h"
+#include "cache/snapshot_check.h"
 #include "common/error.h"
 #include "common/half.h"
 #include "kernels/ref/ref_ops.h"
@@ -152,6 +153,28 @@ TEST_P(fp_cache_test, exported_block_attends_like_the_cache) {
   EXPECT_TRUE(std::isinf(l1[0]) && l1[0] < 0);
   EXPECT_THROW(dst->attend_exported(1, block.data(), block.size() - 2, q.data(), q_pos.data(), 5, o2.data(), l2.data()),
                Error);
+}
+
+// Save and restore: the restored cache is the original (snapshot_check.h).
+TEST_P(fp_cache_test, snapshot_restores_the_same_cache) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = small_geometry(40);
+  auto src = make_cache(GetParam(), g, *be);
+  const int kv = g.n_head_kv * g.head_dim;
+  std::vector<float> k(30 * kv), v(30 * kv);
+  for (auto* vec : {&k, &v})
+    for (float& x : *vec) x = nd(rng);
+  std::vector<int32_t> pos(30);
+  for (int i = 0; i < 30; ++i) pos[i] = 7 + 2 * i;
+  for (int l = 0; l < g.n_layer; ++l) src->append(l, layer_input{nullptr, k.data(), v.data(), pos.data(), 21});
+  test::expect_restores_like(
+      *src, [&] { return make_cache(GetParam(), g, *be); },
+      [&](kv_cache& c) {
+        for (int l = 0; l < g.n_layer; ++l)
+          c.append(l, layer_input{nullptr, k.data() + 21 * kv, v.data() + 21 * kv, pos.data() + 21, 9});
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(formats, fp_cache_test, ::testing::Values(cache_format::cache_fp32, cache_format::cache_fp16),

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "cache/quant_test_util.h"
+#include "cache/snapshot_check.h"
 #include "test_util.h"
 #include "common/error.h"
 #include "common/half.h"
@@ -317,6 +318,27 @@ TEST_P(quant_cache_test, exported_block_attends_like_the_cache) {
   bad[0] ^= 0x40;  // token count no longer matches the layout
   EXPECT_THROW(other->attend_exported(1, bad.data(), bad.size(), q.data(), q_pos.data(), 2, o2.data(), l2.data()),
                Error);
+}
+
+// Save and restore: a cache restored from its snapshot goes on like the original -- including a
+// kivi residual window cut mid-group and nuq's sink and outlier lists (snapshot_check.h).
+TEST_P(quant_cache_test, snapshot_restores_the_same_cache) {
+  const cache_format f = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = quant_geometry(300);
+  const int64_t n = 2 * kTestGroup + 9;  // two whole kivi groups and a window of 9
+  filled_cache fc = fill(*be, f, g, n, 0, 1, {}, 8);
+  const cache_spec spec = spec_for(f, g);  // the same synthetic calibration (seeded)
+  const int C = g.n_head_kv * g.head_dim;
+  const test::synthetic_kv extra = make_synthetic_kv(kTestGroup, C, 9);  // closes the window's group
+  std::vector<int32_t> extra_pos(kTestGroup);
+  for (int i = 0; i < kTestGroup; ++i) extra_pos[i] = (int32_t)(n + i);
+  test::expect_restores_like(
+      *fc.cache, [&] { return make_cache(spec, g, *be); },
+      [&](kv_cache& c) {
+        for (int l = 0; l < g.n_layer; ++l)
+          c.append(l, layer_input{nullptr, extra.k.data(), extra.v.data(), extra_pos.data(), kTestGroup});
+      });
 }
 
 // What the exact ring computes: a shard split over two caches (zigzag-like, boundaries on group

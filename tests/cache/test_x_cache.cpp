@@ -9,6 +9,7 @@
 #include <random>
 #include <utility>
 
+#include "cache/snapshot_check.h"
 #include "cache/x_test_util.h"
 #include "common/error.h"
 #include "common/half.h"
@@ -349,6 +350,39 @@ TEST_P(x_cache_test, exported_block_attends_like_the_cache) {
     std::printf("[x-ring] %s%s%s: exported blocks %zu bytes vs fp16 K/V blocks %zu bytes (%.3f)\n",
                 case_name(c).c_str(), cl ? " ring " : "", cl ? cl_ring_mode_name(ring) : "", block_total, fp16_total,
                 (double)block_total / fp16_total);
+  }
+}
+
+// Save and restore: a restored cache goes on like the original -- a residual window cut
+// mid-window, clkv's shared codes, xquant-cl's accumulators rebuilt from the restored codes --
+// and xquant-cl snapshots its codes in either ring mode (snapshot_check.h).
+TEST_P(x_cache_test, snapshot_restores_the_same_cache) {
+  const x_case c = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = x_geometry(c.gqa, 300);
+  const bool cl = format_traits(c.format).family == cache_family::family_xquant_cl;
+  std::vector<cl_ring_mode> rings = {cl_ring_mode::cl_ring_deltas};
+  if (cl) rings.push_back(cl_ring_mode::cl_ring_latent);
+  for (cl_ring_mode ring : rings) {
+    const int64_t n = 2 * kTestWindow + 9;
+    filled f = fill(*be, c, g, n, 1, {}, 8, ring);
+    const std::vector<std::vector<float>> x = make_layer_inputs(g, kTestWindow, 19);  // closes the window
+    std::vector<std::vector<float>> k(g.n_layer), v(g.n_layer);
+    for (int l = 0; l < g.n_layer; ++l) test::project_kv(f.model, l, x[l], kTestWindow, k[l], v[l]);
+    std::vector<int32_t> pos(kTestWindow);
+    for (int i = 0; i < kTestWindow; ++i) pos[i] = (int32_t)(n + i);
+    test::expect_restores_like(
+        *f.cache, [&] { return make_cache(f.spec, g, *be); },
+        [&](kv_cache& cache) {
+          for (int l = 0; l < g.n_layer; ++l)
+            cache.append(l, layer_input{x[l].data(), k[l].data(), v[l].data(), pos.data(), kTestWindow});
+        });
+    if (cl || c.format == cache_format::cache_clkv) {  // a layer restored before the one below it
+      auto out_of_order = make_cache(f.spec, g, *be);
+      const std::vector<uint8_t> top = test::snapshot_of(*f.cache, g.n_layer - 1);
+      EXPECT_THROW(out_of_order->restore_layer(g.n_layer - 1, top.data(), top.size()), Error)
+          << case_name(c) << " ring " << cl_ring_mode_name(ring);
+    }
   }
 }
 

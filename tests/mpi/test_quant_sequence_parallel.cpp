@@ -15,6 +15,8 @@
 // fp16 runs too, as the baseline of the ring bytes rank 0 sends (printed per case).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -29,6 +31,7 @@
 #include "mpi_test.h"
 #include "worker/memory_plan.h"
 #include "test_util.h"
+#include "worker/cache_snapshot.h"
 #include "worker/calibrate.h"
 #include "worker/sequence_parallel.h"
 
@@ -206,6 +209,30 @@ TEST_P(quant_sequence_parallel, same_tokens_as_one_process) {
                 (unsigned long long)rank0_bytes["fp16"]);
 }
 
+// The logits given, then kSteps greedy steps' (each id broadcast from rank 0), concatenated.
+std::vector<float> with_greedy_steps(communicator& comm, sequence_parallel_runner& runner, std::vector<float> logits) {
+  constexpr int kSteps = 3;
+  const int n_vocab = (int)logits.size();
+  std::vector<float> all;
+  for (int t = 0; t < kSteps; ++t) {
+    all.insert(all.end(), logits.begin(), logits.end());
+    int32_t id = argmax(logits.data(), n_vocab);
+    comm.broadcast(&id, sizeof id, 0);
+    runner.step(&id, 1, logits.data());
+  }
+  all.insert(all.end(), logits.begin(), logits.end());
+  return all;
+}
+
+// "" when `got` is bitwise `expected`, else which logit of which step differs first.
+std::string first_bitwise_difference(const std::vector<float>& got, const std::vector<float>& expected, int n_vocab) {
+  if (got.size() != expected.size()) return std::to_string(got.size()) + " logits vs " + std::to_string(expected.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &expected[i], sizeof(float)) != 0)
+      return "logit " + std::to_string(i % n_vocab) + " of step " + std::to_string(i / n_vocab) + " differs";
+  return "";
+}
+
 // A runner with a fixed capacity (a service's: one cache, cleared between sequences) gives
 // bitwise the logits of a fresh runner for the second sequence it serves: nothing of the first
 // sequence survives clear() in any format (codes, outliers, accumulators, residual windows).
@@ -227,17 +254,10 @@ TEST_P(runner_reuse, equals_a_fresh_runner) {
   std::vector<int32_t> a(ids.begin(), ids.begin() + 320), b(ids.begin() + 100, ids.begin() + 330);
 
   const auto sequence = [&](sequence_parallel_runner& runner, const std::vector<int32_t>& prompt) {
-    std::vector<float> logits(w.hp.n_vocab), all;
+    std::vector<float> logits(w.hp.n_vocab);
     runner.reset();
     runner.prefill(prompt, {}, logits.data());
-    for (int t = 0; t < 3; ++t) {
-      all.insert(all.end(), logits.begin(), logits.end());
-      int32_t id = argmax(logits.data(), w.hp.n_vocab);
-      comm.broadcast(&id, sizeof id, 0);
-      runner.step(&id, 1, logits.data());
-    }
-    all.insert(all.end(), logits.begin(), logits.end());
-    return all;
+    return with_greedy_steps(comm, runner, logits);
   };
   sequence_options fixed = opt;
   fixed.capacity_per_rank = sequence_capacity_per_rank(400, comm.size(), spec, opt);
@@ -249,19 +269,138 @@ TEST_P(runner_reuse, equals_a_fresh_runner) {
   EXPECT_EQ(&reused.cache(), cache) << "the cache was made anew";
   sequence_parallel_runner fresh(engine, comm, *be, spec, opt);
   const std::vector<float> expected = sequence(fresh, b);
-  ASSERT_EQ(second.size(), expected.size());
-  size_t first_diff = second.size();
-  for (size_t i = 0; i < second.size() && first_diff == second.size(); ++i)
-    if (std::memcmp(&second[i], &expected[i], sizeof(float)) != 0) first_diff = i;
-  EXPECT_EQ(first_diff, second.size()) << sp_case_name(GetParam()) << ": logit " << first_diff % w.hp.n_vocab
-                                       << " of step " << first_diff / w.hp.n_vocab << " differs, rank "
-                                       << comm.rank() << " of " << comm.size();
+  EXPECT_EQ(first_bitwise_difference(second, expected, w.hp.n_vocab), "")
+      << sp_case_name(GetParam()) << ", rank " << comm.rank() << " of " << comm.size();
   // A sequence over the capacity is refused on every rank before any work.
   std::vector<int32_t> too_long(ids);
   too_long.insert(too_long.end(), ids.begin(), ids.end());
   std::vector<float> logits(w.hp.n_vocab);
   reused.reset();
   EXPECT_THROW(reused.prefill(too_long, {}, logits.data()), Error);
+}
+
+// Save and restore (worker/cache_snapshot.h): prefill a document and save it; a fresh runner
+// that resumes from the snapshot and then takes a question and greedy steps gives bitwise the
+// logits of the run that never stopped -- on any number of ranks, one format per family and
+// store layout.
+class cache_snapshot : public ::testing::TestWithParam<sp_case> {};
+
+std::string snapshot_dir(const std::string& what) {
+  communicator& comm = mpi_test::world();
+  return (std::filesystem::temp_directory_path() /
+          ("xctx-tests-snapshot-" + what + "-np" + std::to_string(comm.size()) + "-" + std::to_string(::getppid())))
+      .string();
+}
+
+TEST_P(cache_snapshot, resumed_run_equals_the_uninterrupted_one) {
+  XCTX_REQUIRE_MODEL(path);
+  communicator& comm = mpi_test::world();
+  const model_weights w = load_model(path);
+  const auto ids = prompt_ids();
+  const cache_spec spec = spec_for(w, ids, GetParam());
+  auto be = make_backend(backend_kind::backend_cpu);
+  run_params rp;
+  rp.cache = GetParam().format;
+  llama_engine engine(w, *be, rp);
+  sequence_options opt;
+  opt.max_new_tokens = 16;
+  const std::vector<int32_t> doc(ids.begin(), ids.begin() + 450), question(ids.begin() + 17, ids.begin() + 23);
+  const std::string dir = snapshot_dir(sp_case_name(GetParam()));
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+  comm.barrier();
+
+  const auto question_and_steps = [&](sequence_parallel_runner& runner) {
+    std::vector<float> logits(w.hp.n_vocab);
+    runner.step(question.data(), (int64_t)question.size(), logits.data());
+    return with_greedy_steps(comm, runner, logits);
+  };
+  sequence_parallel_runner saving(engine, comm, *be, spec, opt);
+  std::vector<float> logits(w.hp.n_vocab);
+  saving.prefill(doc, {}, logits.data());
+  const uint64_t bytes = saving.save_cache(dir, doc);
+  EXPECT_GT(bytes, 0u);
+  const std::vector<float> expected = question_and_steps(saving);
+
+  sequence_parallel_runner resumed(engine, comm, *be, spec, opt);
+  const std::vector<int32_t> saved = resumed.load_cache(dir, (int64_t)question.size() + 4);
+  if (comm.rank() == 0) {
+    EXPECT_EQ(saved, doc);
+  }
+  EXPECT_EQ(resumed.next_position(), (int64_t)doc.size());
+  EXPECT_EQ(first_bitwise_difference(question_and_steps(resumed), expected, w.hp.n_vocab), "")
+      << sp_case_name(GetParam()) << ", rank " << comm.rank() << " of " << comm.size();
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(families, cache_snapshot,
+                         ::testing::Values(sp_case{cache_format::cache_fp16}, sp_case{cache_format::cache_kivi2},
+                                           sp_case{cache_format::cache_nuq3_1pct}, sp_case{cache_format::cache_xquant2},
+                                           sp_case{cache_format::cache_xquant_cl3}, sp_case{cache_format::cache_clkv}),
+                         [](const auto& info) { return sp_case_name(info.param); });
+
+// A damaged or mismatched snapshot is refused on every rank alike, naming the problem; nothing
+// hangs and the runner stays usable.
+TEST(cache_snapshot_refusals, name_the_problem_on_every_rank) {
+  XCTX_REQUIRE_MODEL(path);
+  communicator& comm = mpi_test::world();
+  const model_weights w = load_model(path);
+  const auto ids = prompt_ids();
+  auto be = make_backend(backend_kind::backend_cpu);
+  run_params rp;
+  llama_engine engine(w, *be, rp);
+  sequence_options opt;
+  opt.max_new_tokens = 4;
+  const std::vector<int32_t> doc(ids.begin(), ids.begin() + 300);
+  const std::string dir = snapshot_dir("refusals");
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
+  comm.barrier();
+  {
+    sequence_parallel_runner saving(engine, comm, *be, cache_spec(cache_format::cache_fp16), opt);
+    std::vector<float> logits(w.hp.n_vocab);
+    saving.prefill(doc, {}, logits.data());
+    saving.save_cache(dir, doc);
+  }
+  const auto refusal = [&](const cache_spec& spec) {
+    sequence_parallel_runner r(engine, comm, *be, spec, opt);
+    try {
+      r.load_cache(dir, 4);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(loaded)");
+  };
+  const auto expect_refusal = [&](const cache_spec& spec, const std::string& part) {
+    const std::string msg = refusal(spec);
+    EXPECT_NE(msg.find(part), std::string::npos) << "rank " << comm.rank() << ": " << msg;
+  };
+  expect_refusal(cache_spec(cache_format::cache_kivi2), "saved with cache format \"fp16\"");
+  // The last rank's file: one byte of its last layer flipped, then the file cut short.
+  const std::string last = snapshot_file(dir, comm.size() - 1, comm.size());
+  const auto size = std::filesystem::file_size(last);
+  if (comm.rank() == comm.size() - 1) {
+    std::fstream f(last, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg((std::streamoff)size - 40);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x01;
+    f.seekp((std::streamoff)size - 40);
+    f.write(&c, 1);
+  }
+  comm.barrier();
+  expect_refusal(cache_spec(cache_format::cache_fp16), "checksum mismatch");
+  if (comm.rank() == comm.size() - 1) std::filesystem::resize_file(last, size - 100);
+  comm.barrier();
+  expect_refusal(cache_spec(cache_format::cache_fp16), "truncated");
+  if (comm.rank() == 0) std::filesystem::remove(dir + "/manifest.json");
+  comm.barrier();
+  expect_refusal(cache_spec(cache_format::cache_fp16), "manifest.json: missing");
+  // Still usable: a fresh sequence runs on the same engine.
+  sequence_parallel_runner after(engine, comm, *be, cache_spec(cache_format::cache_fp16), opt);
+  std::vector<float> logits(w.hp.n_vocab);
+  after.prefill(doc, {}, logits.data());
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 std::vector<sp_case> cases() {
