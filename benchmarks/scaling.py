@@ -146,6 +146,8 @@ def main():
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     try:
+        if max(node_counts) > 1:  # across hosts: 2 x 1 rank at the weak context, 2 x C at twice it
+            rows += calibrate_across_hosts(args, formats[0], weak, text_file, cores)
         for nodes in node_counts:
             hostfile = None
             for rpn in rpns:
@@ -166,6 +168,35 @@ def main():
     finally:
         subprocess.run([CLUSTER, "down"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     report(args, rows, formats, started)
+
+
+def calibrate_across_hosts(args, fmt, weak, text_file, cores):
+    """Two hosts, at contexts no grid run of those layouts uses: one rank each (a collective's
+    price across hosts), then `cores` ranks each (what taking turns adds to each collective)."""
+    out = []
+    for rpn, context in ((1, weak), (cores, 2 * weak)):
+        subprocess.run([CLUSTER, "up", "2", "--slots", str(rpn)] + (["--rate", args.rate] if args.rate else []),
+                       check=True, stdout=subprocess.DEVNULL)
+        hostfile = subprocess.run([CLUSTER, "hostfile"], check=True, capture_output=True, text=True).stdout.strip()
+        row = run_bench(args, 2, rpn, fmt, context, text_file, hostfile)
+        row["scaling"] = "calibration"
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
+def turns_at(prof, ranks_per_core):
+    """xctx plan's interpolation of the taking-turns factors (cpu_profile::turns_at)."""
+    if ranks_per_core <= 1 or not prof.get("oversubscribed"):
+        return 1.0, 1.0
+    pts = sorted((float(k), v["decode_factor"], v["prefill_factor"]) for k, v in prof["oversubscribed"].items())
+    lo, hi = (1.0, 1.0, 1.0), pts[0]
+    for p in pts[1:]:
+        if hi[0] >= ranks_per_core:
+            break
+        lo, hi = hi, p
+    w = (ranks_per_core - lo[0]) / (hi[0] - lo[0])
+    return max(1.0, lo[1] + w * (hi[1] - lo[1])), max(1.0, lo[2] + w * (hi[2] - lo[2]))
 
 
 def read_rows(path):
@@ -191,7 +222,8 @@ def fit_cpu_profile(args, rows, formats, path):
     mem = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal"))
     prof = {"machine": cpu_line(), "cores": cores, "memory_bytes": mem, "formats": {},
             "calibrated_on": "benchmarks/scaling.py: 1 rank at 1 thread and on all cores at its strong and weak "
-                             "contexts; 1 node at P = cores (weak context) and at each P > cores of the grid (strong context)"}
+                             "contexts; 1 node at P = cores (weak context) and at each P > cores of the grid (strong context); "
+                             "2 nodes at 1 rank each (weak context) and at cores ranks each (twice the weak context)"}
     for fmt in formats:
         prof["formats"][fmt] = {}
         for threads in sorted({r["threads"] for r in rows if r["format"] == fmt and r["ranks"] == 1}):
@@ -226,7 +258,7 @@ def fit_cpu_profile(args, rows, formats, path):
         return ((r["ranks"] * c["decode_fixed_core_s"] + n * c["decode_core_s_per_token"]) / cores,
                 (n * c["prefill_core_s_per_token"] + n * n * c["prefill_core_s_per_token2"]) / cores)
     layers = prof["n_layer"]
-    calib = [r for r in rows if r["scaling"] == "calibration" and r["ranks"] > 1]
+    calib = [r for r in rows if r["scaling"] == "calibration" and r["ranks"] > 1 and r["nodes"] == 1]
     prof["collective_s"] = 0.0
     for r in calib:
         if r["ranks"] <= cores:
@@ -239,6 +271,17 @@ def fit_cpu_profile(args, rows, formats, path):
             prof["oversubscribed"][f"{r['ranks'] / cores:g}"] = {
                 "decode_factor": max(1.0, (r["decode_ms_per_token"] / 1e3 - layers * t) / decode),
                 "prefill_factor": max(1.0, (r["prefill_s"] - layers * (r["ranks"] - 1) * t) / prefill)}
+    # Across hosts: a collective's price from one rank per host (P <= C), then what each adds
+    # per rank per core past the first from C ranks per host.
+    across = [r for r in rows if r["scaling"] == "calibration" and r["nodes"] > 1]
+    for r in sorted(across, key=lambda r: r["ranks"]):
+        decode = conserved(r)[0] * turns_at(prof, r["ranks"] / cores)[0]
+        per = (r["decode_ms_per_token"] / 1e3 - decode) / layers
+        a = prof.setdefault("across_hosts", {"collective_s": 0.0, "turns_collective_s": 0.0})
+        if r["ranks"] <= cores:
+            a["collective_s"] = max(0.0, per)
+        else:
+            a["turns_collective_s"] = max(0.0, (per - a["collective_s"]) / (r["ranks"] / cores - 1))
     json.dump(prof, open(path, "w"), indent=1)
     return prof
 
@@ -253,7 +296,7 @@ def project(args, rows, formats, profile_path):
                 r[k] = ""
             continue
         out = subprocess.run([args.xctx, "plan", "--model", args.model, "--cpu-profile", profile_path, "--gpus",
-                              str(r["ranks"]), "--context", str(r["context"]), "--formats", r["format"], "--json"],
+                              str(r["ranks"]), "--hosts", str(r["nodes"]), "--context", str(r["context"]), "--formats", r["format"], "--json"],
                              check=True, capture_output=True, text=True).stdout
         f = json.loads(out)["formats"][0]
         r["plan_decode_ms"] = round(1000 * f["decode_s"], 2)
@@ -315,7 +358,7 @@ def report(args, rows, formats, started):
                     f"{worst_p['ranks_per_node']}, {worst_p['context']} tokens).\n\n")
         titles = {"strong": "strong scaling", "weak": "weak scaling",
                   "calibration": "calibration runs (the profile: one rank on one thread; one collective's price "
-                                 "from as many ranks as cores; what taking turns costs from each rank count above them)"}
+                                 "from as many ranks as cores; what taking turns costs from each rank count above them; the same across 2 hosts)"}
         for kind in ("strong", "weak", "calibration"):
             f.write(f"## {titles[kind]}\n\n")
             f.write("| format | nodes x ranks | context | prefill s | prefill comm s | decode ms/token | decode comm "

@@ -177,6 +177,14 @@ cpu_profile::turns_factors cpu_profile::turns_at(double ranks_per_core) const {
   return out;
 }
 
+double cpu_profile::collective_price(int ranks, int hosts) const {
+  if (ranks <= 1) return 0.0;
+  if (hosts <= 1) return collective_s;
+  XCTX_CHECK(has_across_hosts, "the CPU profile (", source, ") has no across-hosts calibration for ", hosts,
+             " hosts: run benchmarks/scaling.py with --nodes 2 or more");
+  return across_collective_s + across_turns_collective_s * std::max(0.0, (double)ranks / cores - 1.0);
+}
+
 const cpu_format_profile& cpu_profile::costs(cache_format f) const {
   for (const auto& [fmt, c] : formats)
     if (fmt == f) return c;
@@ -223,6 +231,11 @@ cpu_profile read_cpu_profile(const std::string& path) {
     }
     std::sort(p.oversubscribed.begin(), p.oversubscribed.end(),
               [](const auto& a, const auto& b) { return a.ranks_per_core < b.ranks_per_core; });
+  }
+  if (j.contains("across_hosts")) {
+    p.has_across_hosts = true;
+    p.across_collective_s = num(j["across_hosts"], "collective_s", "across_hosts.");
+    p.across_turns_collective_s = num(j["across_hosts"], "turns_collective_s", "across_hosts.");
   }
   XCTX_CHECK(j.contains("formats") && j["formats"].is_object() && !j["formats"].empty(), path,
              ": 'formats' must map cache formats to their costs by thread count");
@@ -291,7 +304,8 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
     const cpu_format_costs& c = cpu.costs(f).at(threads_per_rank);
     const double par = std::min(cpu.cores, in.ranks * threads_per_rank), n = (double)in.context;
     const cpu_profile::turns_factors turns = cpu.turns_at((double)in.ranks / cpu.cores);
-    const double collective = in.ranks == 1 ? 0.0 : cpu.collective_s;
+    XCTX_CHECK(in.hosts >= 1 && in.hosts <= in.ranks, "--hosts must be in 1..", in.ranks, " (the ranks)");
+    const double collective = cpu.collective_price(in.ranks, in.hosts);
     p.decode_rebuild_s = (in.ranks * c.decode_fixed_core_s + n * c.decode_core_s_per_token) / par *
                          turns.decode;
     p.decode_merge_s = hp.n_layer * collective;

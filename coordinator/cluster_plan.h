@@ -84,6 +84,15 @@ struct cpu_profile {
   };
   std::vector<turns_factors> oversubscribed;
   turns_factors turns_at(double ranks_per_core) const;  // interpolated as above; 1s when P <= C
+  // Ranks over several hosts that share these cores (benchmarks/scaling.py: network namespaces,
+  // TCP between them): a collective's price across hosts, plus what each one adds per rank per
+  // core past the first while ranks take turns (a collective step waits for a peer that is not
+  // running, and the kernel's TCP work runs on the same cores). Optional.
+  bool has_across_hosts = false;
+  double across_collective_s = 0, across_turns_collective_s = 0;
+  // One collective's price for `ranks` ranks over `hosts` hosts; throws when hosts > 1 and the
+  // profile has no across-hosts calibration.
+  double collective_price(int ranks, int hosts) const;
   std::vector<std::pair<cache_format, cpu_format_profile>> formats;
   const cpu_format_profile& costs(cache_format f) const;  // throws naming the formats it has
 };
@@ -102,6 +111,7 @@ struct plan_inputs {
   double flops_efficiency = 0.5;      // achieved / peak FLOP/s in prefill GEMMs and rebuilds
   int64_t star_block = 4096;         // star prefill block (= anchor) tokens
   const cpu_profile* cpu = nullptr;  // set: project for this measured CPU machine instead of `device`
+  int hosts = 1;                     // with cpu: hosts the ranks span (collectives cross them when > 1)
 };
 
 // One cache format's plan. Times are projections (roofline), not measurements.

@@ -52,6 +52,7 @@ struct plan_options {
   int64_t block = 4096;
   double memory_gib = 0, bandwidth_gbs = 0, tflops = 0;  // > 0: override the device table
   std::string cpu_profile;  // set: one CPU machine measured by benchmarks/scaling.py instead of GPUs
+  int hosts = 1;            // with cpu_profile: hosts (network namespaces) the ranks span
   bool json = false;
 };
 int run_plan(const plan_options& opt);

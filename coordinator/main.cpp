@@ -164,6 +164,9 @@ int main(int argc, char** argv) {
   pl->add_option("--tflops", plan.tflops, "override the device's dense 16-bit TFLOP/s");
   pl->add_option("--cpu-profile", plan.cpu_profile,
                  "project for ranks sharing one CPU machine, from costs benchmarks/scaling.py measured (JSON)");
+  pl->add_option("--hosts", plan.hosts, "with --cpu-profile: hosts the ranks span (network namespaces on that machine)")
+      ->default_val(1)
+      ->needs("--cpu-profile");
   pl->add_flag("--json", plan.json, "one JSON object instead of the table");
   auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
   i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");

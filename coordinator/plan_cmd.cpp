@@ -72,6 +72,7 @@ int run_plan(const plan_options& opt) {
                cpu.n_layer, " layers and width ", cpu.n_embd, ", not ", in.hp.name, " (", in.hp.n_layer, ", ",
                in.hp.n_embd, ")");
     in.cpu = &cpu;
+    in.hosts = opt.hosts;
   }
   std::vector<format_plan> plans;
   for (cache_format f : formats) plans.push_back(plan_format(in, f));
@@ -82,6 +83,7 @@ int run_plan(const plan_options& opt) {
   if (opt.json) {
     nlohmann::json j;
     j["model"] = hp.name, j["context"] = in.context, j["ranks"] = in.ranks;
+    if (in.cpu != nullptr) j["hosts"] = in.hosts;
     j["device"] = in.cpu != nullptr ? "cpu:" + cpu.machine : in.device.name;
     j["network"] = in.cpu != nullptr ? "shared memory" : in.network.name;
     j["weight_bytes"] = model_parameters(hp) * in.weight_bits / 8.0;
@@ -107,15 +109,15 @@ int run_plan(const plan_options& opt) {
               hp.name.c_str(), hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, model_parameters(hp) / 1e9,
               in.weight_bits, format_bytes(plans[0].weight_bytes).c_str());
   if (in.cpu != nullptr) {
-    std::printf("      %s tokens over %d ranks sharing one %s (%d cores, %s), costs measured by %s\n",
-                tokens_text(in.context).c_str(), in.ranks, cpu.machine.c_str(), cpu.cores,
+    std::printf("      %s tokens over %d ranks on %d host(s) sharing one %s (%d cores, %s), costs measured by %s\n",
+                tokens_text(in.context).c_str(), in.ranks, in.hosts, cpu.machine.c_str(), cpu.cores,
                 format_bytes(cpu.memory_bytes).c_str(), cpu.source.c_str());
     const cpu_profile::turns_factors turns = cpu.turns_at((double)in.ranks / cpu.cores);
     std::printf("      budget: %.0f%% of the machine's memory for the weights once + every rank's cache; times are "
                 "the profile's core-seconds over min(ranks, cores) x %.3g (decode) / %.3g (prefill) for %.3g ranks "
                 "per core, + %.3g ms per collective\n\n",
                 100 * in.usable_fraction, turns.decode, turns.prefill, (double)in.ranks / cpu.cores,
-                1e3 * cpu.collective_s);
+                1e3 * cpu.collective_price(in.ranks, in.hosts));
   } else {
     std::printf("      %s tokens over %d x %s (%s, %.2f TB/s, %.0f TFLOP/s) linked by %s (%.1f GB/s, %.0f us/step)\n",
                 tokens_text(in.context).c_str(), in.ranks, in.device.name.c_str(),

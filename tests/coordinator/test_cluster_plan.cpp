@@ -212,6 +212,29 @@ TEST(cluster_plan, cpu_profile_projection_shares_the_cores) {
     EXPECT_NEAR(p.decode_s, (P * fixed + 8192 * tok) / 2 * fd + 30 * each, 1e-12) << P;
     EXPECT_NEAR(p.prefill_ring_s, (8192 * lin + 8192.0 * 8192.0 * att) / 2 * fp + 30 * (P - 1) * each, 1e-9) << P;
   }
+  // Over several hosts a collective costs the across-hosts price, plus its turns term per rank
+  // per core past the first; one host keeps the one-host price. Without that calibration a
+  // multi-host projection is refused.
+  sync.has_across_hosts = true, sync.across_collective_s = 3e-4, sync.across_turns_collective_s = 2e-3;
+  for (int P : {2, 4, 8}) {
+    in.ranks = P;
+    for (int H : {1, 2}) {
+      in.hosts = H;
+      const double each = H == 1 ? 1e-4 : 3e-4 + 2e-3 * std::max(0.0, P / 2.0 - 1);
+      const format_plan p = plan_format(in, cache_format::cache_fp16);
+      EXPECT_NEAR(p.decode_merge_s, 30 * each, 1e-12) << P << " ranks, " << H << " hosts";
+      const auto [fd, fp] = expect_turns.at(P / 2.0);
+      EXPECT_NEAR(p.prefill_ring_s, (8192 * 0.004 + 8192.0 * 8192.0 * 1e-7) / 2 * fp + 30 * (P - 1) * each, 1e-9)
+          << P << " ranks, " << H << " hosts";
+    }
+  }
+  in.hosts = 3, in.ranks = 2;
+  EXPECT_NE(error_of([&] { plan_format(in, cache_format::cache_fp16); }).find("--hosts must be in 1..2"),
+            std::string::npos);
+  in.hosts = 2, in.cpu = &prof;
+  EXPECT_NE(error_of([&] { plan_format(in, cache_format::cache_fp16); }).find("no across-hosts calibration"),
+            std::string::npos);
+  in.hosts = 1;
   cpu_profile four = prof;  // 4 cores: 3 single-thread ranks leave one idle; 1 rank's 4 threads
   four.cores = 4, in.cpu = &four, in.ranks = 3;  // run at the 2-thread costs, scaled ideally
   EXPECT_DOUBLE_EQ(plan_format(in, cache_format::cache_fp16).decode_s, (3 * 0.02 + 8192 * 1e-6) / 3);
