@@ -68,12 +68,23 @@ int run_bench(const bench_options& opt, communicator& comm) {
   for (int l = 0; l < hp.n_layer; ++l) exported_after_prefill += (double)runner.cache().exported_bytes(l);
   logits_digest digest;
   digest.add(logits.data(), logits.size());
+  // Per step too, so a layout difference names the first step where it appears.
+  std::vector<uint64_t> step_digests;
+  std::vector<int32_t> greedy_tokens;
+  auto record_step = [&] {
+    logits_digest one;
+    one.add(logits.data(), logits.size());
+    step_digests.push_back(one.h);
+  };
+  record_step();
   stopwatch decode_clock;
   for (int t = 0; t < opt.gen_tokens; ++t) {
     int32_t id = argmax(logits.data(), hp.n_vocab);
     comm.broadcast(&id, sizeof id, 0);
+    greedy_tokens.push_back(id);
     runner.step(&id, 1, logits.data());
     digest.add(logits.data(), logits.size());
+    record_step();
   }
   comm.barrier();
   const double decode_s = decode_clock.seconds();
@@ -116,6 +127,11 @@ int run_bench(const bench_options& opt, communicator& comm) {
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)digest.h);
   j["logits_fnv1a"] = hex;  // rank 0's logits after the prefill and after every decode step
+  for (uint64_t h : step_digests) {
+    std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
+    j["step_logits_fnv1a"].push_back(hex);  // [0] after the prefill, [t] after decode step t
+  }
+  j["greedy_tokens"] = greedy_tokens;
   for (const rank_figures& f : all) {
     nlohmann::json r;
     r["peak_rss_bytes"] = (uint64_t)f.peak_rss;
