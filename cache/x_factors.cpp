@@ -1,10 +1,13 @@
 // Offline SVD of the key/value projections for the X caches (see x_factors.h).
 #include "cache/x_factors.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "kernels/cpu/cpu_ops.h"
 
 // LAPACK from OpenBLAS. The Debian OpenBLAS ships the Fortran symbols but not lapacke.h, so the
@@ -31,6 +34,20 @@ std::vector<double> weight_rows(const weight_view& w, const char* what, int laye
   }
   return out;
 }
+
+// OpenBLAS on one thread for the life of the object. dgesdd's last bits follow OpenBLAS's thread
+// count (its blocked updates split differently): factors built on 2 threads differed from those
+// built on 1, so one rank (2 threads on 2 cores) and two ranks (1 each) rebuilt different keys.
+class blas_single_thread {
+ public:
+  blas_single_thread() : saved_(openblas_get_num_threads()) { openblas_set_num_threads(1); }
+  ~blas_single_thread() { openblas_set_num_threads(saved_); }
+  blas_single_thread(const blas_single_thread&) = delete;
+  blas_single_thread& operator=(const blas_single_thread&) = delete;
+
+ private:
+  int saved_;
+};
 
 // Thin SVD of the column-major [m, n] matrix a (destroyed): u [m, k] and vt [k, n]
 // column-major, s [k], k = min(m, n).
@@ -94,6 +111,7 @@ std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_facto
   f->rank = kind == x_factor_kind::xf_latent ? (f->identity ? d : std::min(d, C))
                                              : (f->identity ? d : std::min(d, 2 * C));
   f->layers.resize(hp.n_layer);
+  const blas_single_thread one_thread;  // factors a function of the weights, not of the threads
   for (int l = 0; l < hp.n_layer; ++l) {
     const layer_weights& L = w.layers[l];
     XCTX_CHECK(L.wk.n_cols == d && L.wk.n_rows == C && L.wv.n_cols == d && L.wv.n_rows == C, "x factors: layer ", l,
@@ -128,6 +146,26 @@ std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_facto
     store_factors(s, u, vt, d, 2 * C, F.u_kv, F.m_kv);
   }
   return f;
+}
+
+std::vector<std::vector<float>*> x_factor_arrays(x_factors& f) {
+  std::vector<std::vector<float>*> out;
+  for (x_layer_factors& L : f.layers)
+    for (std::vector<float>* a : {&L.u_k, &L.u_v, &L.m_k, &L.m_v, &L.u_kv, &L.m_kv, &L.w_kv, &L.b_k, &L.b_v})
+      out.push_back(a);
+  return out;
+}
+
+uint64_t x_factors_digest(const x_factors& f) {
+  hash64 h;
+  const int32_t shape[5] = {(int32_t)f.kind, f.n_layer, f.n_embd, f.kv_dim, f.rank};
+  h.update(shape, sizeof shape);
+  for (const std::vector<float>* a : x_factor_arrays(const_cast<x_factors&>(f))) {
+    const uint64_t n = a->size();
+    h.update(&n, sizeof n);
+    h.update(a->data(), n * sizeof(float));
+  }
+  return h.digest();
 }
 
 void check_x_factors(const x_factors* f, cache_format fmt, const cache_geometry& g) {

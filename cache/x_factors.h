@@ -11,6 +11,7 @@
 //                         Σ_kv B_kvᵀ rebuilds K|V from a latent X̂·U_kv (the ring's blocks).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -46,9 +47,16 @@ struct x_factors {
 x_factor_kind x_factor_kind_for(cache_format f);
 bool format_needs_x_factors(cache_format f);
 
-// Dequantizes W_k, W_v row by row and runs the SVD in double (LAPACK dgesdd from OpenBLAS).
+// Dequantizes W_k, W_v row by row and runs the SVD in double (LAPACK dgesdd from OpenBLAS, on one
+// thread: the factors are then a function of the weights and the OpenBLAS build alone).
 // latent is used for GQA geometries (n_head_kv < n_head), identity factors for MHA.
 std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_factor_kind kind);
+
+// Every array of the factors (layer by layer, a fixed order; empty ones included): what a rank
+// receives when it takes another rank's factors.
+std::vector<std::vector<float>*> x_factor_arrays(x_factors& f);
+// A digest of the shape and every array's bits.
+uint64_t x_factors_digest(const x_factors& f);
 
 // Throws unless the factors exist and fit the geometry (names the format and the mismatch).
 void check_x_factors(const x_factors* f, cache_format fmt, const cache_geometry& g);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "cache/x_factors.h"
 #include "common/error.h"
 #include "common/sys.h"
 #include "worker/cache_snapshot.h"
@@ -163,11 +164,33 @@ void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int
 
 // ---- the runner ------------------------------------------------------------------------------
 
+namespace {
+
+// The X formats' rebuild factors of the run are rank 0's. Every rank builds its own from the
+// same weights, but an SVD's last bits follow the LAPACK build and the CPU kernels it picks,
+// which may differ between nodes; a rank with other factors would encode and rebuild other
+// keys. Compared by digest; sent only when some rank differs.
+std::shared_ptr<const x_factors> rank0_factors(communicator& comm, std::shared_ptr<const x_factors> mine) {
+  const uint64_t digest = x_factors_digest(*mine);
+  std::vector<uint64_t> all(comm.size());
+  comm.all_gather(&digest, all.data(), sizeof digest);
+  if (std::all_of(all.begin(), all.end(), [&](uint64_t d) { return d == all[0]; })) return mine;
+  if (comm.rank() == 0)
+    std::fprintf(stderr, "note: ranks built different X rebuild factors from the same weights (another LAPACK or "
+                         "CPU kernel); every rank uses rank 0's\n");
+  auto shared = std::make_shared<x_factors>(*mine);
+  for (std::vector<float>* a : x_factor_arrays(*shared)) comm.broadcast(a->data(), a->size() * sizeof(float), 0);
+  return shared;
+}
+
+}  // namespace
+
 sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be,
                                                    cache_spec spec, const sequence_options& opt)
     : engine_(engine), comm_(comm), be_(be), spec_(std::move(spec)), opt_(opt) {
   XCTX_CHECK(opt.max_new_tokens >= 0, "max_new_tokens must be >= 0");
   XCTX_CHECK(opt.anchor_tokens >= 0, "anchor tokens must be >= 0");
+  if (spec_.options.factors && comm_.size() > 1) spec_.options.factors = rank0_factors(comm_, spec_.options.factors);
 }
 
 sequence_parallel_runner::~sequence_parallel_runner() = default;

@@ -2,6 +2,7 @@
 // within one (calibrated) quantization step, V-absorption equal to rebuilding V, the cross-layer
 // accumulator equal to the sum of its decoded deltas, clkv's shared codes with per-layer scales,
 // exact byte accounting, the fused CPU attention against the reference, exported blocks, errors.
+#include <cblas.h>
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -165,6 +166,24 @@ TEST(x_factors, real_model_factors_reproduce_its_weights) {
                         k == 0 ? "SmolLM2 W_k" : "SmolLM2 W_v");
     }
   }
+}
+
+// The factors are a function of the weights: the same bits whatever OpenBLAS's thread count was
+// when they were built (dgesdd on 2 threads once gave other bits than on 1, and one rank on 2
+// threads then disagreed with two ranks on 1 thread each).
+TEST(x_factors, same_bits_on_any_blas_thread_count) {
+  XCTX_REQUIRE_MODEL(path);
+  const model_weights w = load_model(path);
+  const int saved = openblas_get_num_threads();
+  for (x_factor_kind kind : {x_factor_kind::xf_latent, x_factor_kind::xf_cross_layer}) {
+    openblas_set_num_threads(1);
+    const uint64_t one = x_factors_digest(*build_x_factors(w, kind));
+    openblas_set_num_threads(4);
+    const uint64_t four = x_factors_digest(*build_x_factors(w, kind));
+    EXPECT_EQ(one, four) << (kind == x_factor_kind::xf_latent ? "latent" : "cross-layer");
+    EXPECT_EQ(openblas_get_num_threads(), 4) << "build_x_factors left OpenBLAS's thread count changed";
+  }
+  openblas_set_num_threads(saved);
 }
 
 // ---- per-format tests ---------------------------------------------------------------------------
