@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -21,6 +22,13 @@ inline std::vector<self_extend_case> self_extend_cases() { return {{1, 0}, {4, 2
 inline rope_config with_self_extend(rope_config r, self_extend_case c) {
   r.se_group = c.group, r.se_window = c.window;
   return r;
+}
+
+// A running maximum error with a new one, keeping NaN: std::max(worst, NaN) is worst, which would
+// let a NaN result pass the tolerance check that follows.
+template <class T>
+T worse(T worst, T err) {
+  return std::isnan(err) || err > worst ? err : worst;
 }
 
 inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }

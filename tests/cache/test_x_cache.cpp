@@ -117,7 +117,7 @@ void expect_reproduces(const std::vector<float>& u, const std::vector<float>& m,
         s += p, sa += std::fabs(p);
       }
       const double err = std::fabs(s - w[(size_t)c * d + i]);
-      worst = std::max(worst, err / (2 * kEps * sa + 1e-12));
+      worst = test::worse(worst, err / (2 * kEps * sa + 1e-12));
       ASSERT_LE(err, 2 * kEps * sa + 1e-12) << what << " element " << i << "," << c;
     }
   std::printf("[x-factors] %s: worst error %.2f of the float-rounding bound\n", what, worst);

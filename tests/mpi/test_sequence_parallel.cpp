@@ -104,7 +104,7 @@ TEST_P(sequence_parallel, matches_single_process) {
   runner.prefill(ids, {}, logits.data());
 
   float worst = 0;
-  for (int i = 0; i < w.hp.n_vocab; ++i) worst = std::max(worst, std::fabs(logits[i] - ref.logits[i]));
+  for (int i = 0; i < w.hp.n_vocab; ++i) worst = test::worse(worst, std::fabs(logits[i] - ref.logits[i]));
   std::vector<int32_t> greedy;
   for (int t = 0; t < kGreedy; ++t) {
     int32_t id = argmax(logits.data(), w.hp.n_vocab);
@@ -252,7 +252,7 @@ TEST(star_blocks, match_the_papers_masks) {
   float worst = 0;
   for (int t = 0;; ++t) {
     for (int i = 0; i < w.hp.n_vocab; ++i)
-      worst = std::max(worst, std::fabs(logits[i] - ref[(size_t)t * w.hp.n_vocab + i]));
+      worst = test::worse(worst, std::fabs(logits[i] - ref[(size_t)t * w.hp.n_vocab + i]));
     if (t == kSteps) break;
     int32_t id = argmax(ref.data() + (size_t)t * w.hp.n_vocab, w.hp.n_vocab);
     runner.step(&id, 1, logits.data());

@@ -15,10 +15,11 @@
 //     kExactTol; top-1 equal at every position where llama.cpp's top-1 is the exact top-1, and
 //     where it is not, xctx's top-1 is the exact one; the greedy continuation shares at least the
 //     prefix that exact arithmetic shares with llama.cpp's.
-// kExactTol: fp32 cache — float32 accumulation over 30 layers (sums of <= 1536 terms, relative
-// ~1e-6 each) keeps logits within ~1e-3 of float64; fp16 cache — K and V rounded to fp16
-// (relative 2^-11) perturb each attention output by ~5e-4 relative, ~2e-2 in the logits after
-// 30 layers. Measured maxima are printed.
+// kExactTol, from the measured error with a stated margin (the maxima are printed):
+//   fp32 cache: float32 accumulation over 30 layers (sums of <= 1536 terms, relative ~1e-6
+//     each); measured max 1.0e-4 over the four prompts (prefill and decode): tolerance 1e-3 (10x);
+//   fp16 cache: K and V rounded to fp16 (relative 2^-11) perturb each attention output by ~5e-4
+//     relative; measured max 0.035 (austen_long prefill), 0.018 decode: tolerance 0.05 (1.4x).
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -34,7 +35,7 @@
 namespace xctx {
 namespace {
 
-float exact_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 0.01f : 0.05f; }
+float exact_tolerance(cache_format f) { return f == cache_format::cache_fp32 ? 1e-3f : 0.05f; }
 // The decode path against llama.cpp's own decode logits: llama.cpp is up to 1.3 logits from
 // exact arithmetic on these prompts (recorded per prompt); xctx's decode path is within
 // exact_tolerance of exact, so the two differ by at most about that much.
@@ -111,9 +112,9 @@ TEST_P(engine_golden, logits_and_greedy_continuations) {
     for (int64_t i = 0; i < n; ++i) {
       const float* row = logits.data() + i * n_vocab;
       for (size_t k = 0; k < g.exact_top_ids[i].size(); ++k)
-        worst_exact = std::max(worst_exact, std::fabs(row[g.exact_top_ids[i][k]] - g.exact_top_logits[i][k]));
+        worst_exact = test::worse(worst_exact, std::fabs(row[g.exact_top_ids[i][k]] - g.exact_top_logits[i][k]));
       for (size_t k = 0; k < g.top_ids[i].size(); ++k)
-        worst_llama = std::max(worst_llama, std::fabs(row[g.top_ids[i][k]] - g.top_logits[i][k]));
+        worst_llama = test::worse(worst_llama, std::fabs(row[g.top_ids[i][k]] - g.top_logits[i][k]));
       const int32_t top = argmax(row, n_vocab);
       const int32_t exact_top = g.exact_top_ids[i][0];
       const bool exact_clear = g.exact_top_logits[i][0] - g.exact_top_logits[i][1] > 2 * tol;
@@ -187,7 +188,7 @@ TEST_P(engine_golden, decode_path_teacher_forced) {
           engine.forward(&toks[t - 1], &p, 1, *cache, llama_engine::logits_for::logits_last, last.data());
           for (size_t k = 0; k < ref_ids[t].size(); ++k) {
             const float d = std::fabs(last[ref_ids[t][k]] - ref_logits[t][k]);
-            worst = std::max(worst, d);
+            worst = test::worse(worst, d);
             sum += d;
             ++cnt;
           }
