@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
 
 #include "cache/calibration.h"
 #include "cache/x_factors.h"
@@ -63,38 +66,66 @@ TEST(ppl, equals_exp_mean_nll_from_the_logits) {
   EXPECT_THROW(perplexity(engine, *comm, *be, cache_format::cache_fp32, sequence_options{}, ids, 128, 300, 0), Error);
 }
 
-TEST(ppl, every_format_scores_near_fp16) {
+// Perplexity over fp16's of each format in the committed sweep
+// (benchmarks/results/ppl_sweep.csv, Persuasion: 4 windows of 2048 tokens).
+std::map<std::string, double> sweep_ratios() {
+  std::ifstream in(test::source_path("benchmarks/results/ppl_sweep.csv"));
+  std::string line;
+  std::getline(in, line);
+  std::map<std::string, double> ppl;
+  while (std::getline(in, line)) {
+    std::stringstream row(line);
+    std::string name, kv, bytes, p;
+    std::getline(row, name, ','), std::getline(row, kv, ','), std::getline(row, bytes, ','), std::getline(row, p, ',');
+    ppl[name] = std::stod(p);
+  }
+  std::map<std::string, double> ratio;
+  for (const auto& [name, v] : ppl) ratio[name] = v / ppl.at("fp16");
+  return ratio;
+}
+
+// Every format on one 512-token window of Persuasion (two attention units; calibration from
+// Sense and Sensibility), held to its committed sweep figure: ppl / fp16 <= 1 + 1.5·(sweep ratio
+// - 1) + 0.03. The margin covers the shorter window and the smaller calibration (measured
+// below the bound for every format; the test prints both); a format that drifts by half its
+// committed loss again fails. clkv included (its sweep ratio is ~22x: broken on this model, as
+// docs/x_formats.md says, but held to that).
+TEST(ppl, every_format_within_its_committed_sweep_figure) {
   XCTX_REQUIRE_MODEL(path);
+  const std::map<std::string, double> sweep = sweep_ratios();
   const model_weights w = load_model(path);
   auto tok = make_tokenizer(read_gguf_vocab(*gguf_file::open(path)));
-  const std::vector<int32_t> ids = austen_ids(*tok, 257);
+  constexpr int64_t kWindow = 512;
+  const std::vector<int32_t> ids = austen_ids(*tok, kWindow + 1);
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
   llama_engine engine(w, *be, rp);
   calibrate_options co;  // a small calibration on other text (sense and sensibility)
-  co.n_samples = 1, co.seq_len = 256, co.queries_per_sample = 16;
+  co.n_samples = 2, co.seq_len = 256, co.queries_per_sample = 16;
   auto cal_ids = tok->encode(load_text("austen:sensesensibility"), false, false);
   auto calib = std::make_shared<calibration>(calibrate_model(engine, *be, cal_ids, model_fingerprint(w), co));
   auto comm = make_local_communicator();
-  const double fp16 = perplexity(engine, *comm, *be, cache_format::cache_fp16, sequence_options{}, ids, 256, 256, 0).ppl;
+  const double fp16 =
+      perplexity(engine, *comm, *be, cache_format::cache_fp16, sequence_options{}, ids, kWindow, kWindow, 0).ppl;
   for (cache_format f : all_cache_formats()) {
     cache_options o;
     o.calib = calib;
     if (format_needs_x_factors(f)) o.factors = build_x_factors(w, x_factor_kind_for(f));
-    const ppl_result r = perplexity(engine, *comm, *be, cache_spec(f, o), sequence_options{}, ids, 256, 256, 0);
+    const ppl_result r = perplexity(engine, *comm, *be, cache_spec(f, o), sequence_options{}, ids, kWindow, kWindow, 0);
     const cache_format_traits t = format_traits(f);
-    EXPECT_EQ(r.n_scored, 255) << t.name;
+    EXPECT_EQ(r.n_scored, kWindow - 1) << t.name;
+    const double ratio = r.ppl / fp16;
+    if (f == cache_format::cache_fp32) {  // not in the sweep: fp16's K/V rounding is all that differs
+      EXPECT_NEAR(ratio, 1.0, 0.005) << r.ppl << " vs fp16 " << fp16;
+      continue;
+    }
+    ASSERT_TRUE(sweep.count(t.name)) << t.name << " is missing from benchmarks/results/ppl_sweep.csv";
+    const double bound = 1.0 + 1.5 * (sweep.at(t.name) - 1.0) + 0.03;
     EXPECT_TRUE(std::isfinite(r.ppl) && r.ppl > 1.0) << t.name << " " << r.ppl;
-    // 4-bit and wider stay close; every format but clkv stays within a factor a broken cache
-    // would leave. clkv (the ACL paper's 2/1-bit shared-code configuration) is that broken on
-    // this model: adjacent layers' codes agree ~1/3 of the time (docs/x_formats.md).
-    if (t.bits_per_element >= 4) {
-      EXPECT_LT(std::fabs(r.ppl / fp16 - 1.0), 0.15) << t.name << " " << r.ppl << " vs " << fp16;
-    }
-    if (f != cache_format::cache_clkv) {
-      EXPECT_LT(r.ppl, 20 * fp16) << t.name;
-    }
-    std::printf("[ppl] %-8s %.3f (fp16 %.3f)\n", t.name, r.ppl, fp16);
+    EXPECT_LE(ratio, bound) << t.name << " " << r.ppl << " vs fp16 " << fp16;
+    EXPECT_GE(ratio, 0.97) << t.name << " " << r.ppl << " vs fp16 " << fp16 << ": better than fp16 by more than noise";
+    std::printf("[ppl] %-10s %8.3f  ratio %.3f  bound %.3f  (sweep ratio %.3f)\n", t.name, r.ppl, ratio, bound,
+                sweep.at(t.name));
   }
 }
 
