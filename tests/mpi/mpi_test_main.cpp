@@ -25,6 +25,21 @@ int main(int argc, char** argv) {
   float f = (float)failed;
   world.all_reduce_max(&f, 1);
   if (world.rank() == 0 && f > 0 && !failed) std::fprintf(stderr, "a test failed on another rank\n");
+  // Skips are said, not passed over: each skipped test by name, and a run whose every test
+  // skipped exits 77, which CTest reports as skipped (SKIP_RETURN_CODE) rather than passed.
+  const testing::UnitTest& ut = *testing::UnitTest::GetInstance();
+  const int ran = ut.test_to_run_count(), skipped = ut.skipped_test_count();
+  if (world.rank() == 0 && skipped > 0) {
+    std::printf("[mpi] %d of %d tests skipped:", skipped, ran);
+    for (int i = 0; i < ut.total_test_suite_count(); ++i) {
+      const testing::TestSuite& suite = *ut.GetTestSuite(i);
+      for (int j = 0; j < suite.total_test_count(); ++j)
+        if (suite.GetTestInfo(j)->result()->Skipped())
+          std::printf(" %s.%s", suite.name(), suite.GetTestInfo(j)->name());
+    }
+    std::printf("\n");
+  }
   xctx::mpi_test::g_world.reset();
-  return f > 0 ? 1 : 0;
+  if (f > 0) return 1;
+  return ran > 0 && skipped == ran ? 77 : 0;
 }
