@@ -193,7 +193,9 @@ calibration load_calibration(const std::string& path) {
   c.model_name = r.get_str("model name");
   c.n_layer = r.get<int32_t>("n_layer"), c.n_head_kv = r.get<int32_t>("n_head_kv");
   c.head_dim = r.get<int32_t>("head_dim");
-  XCTX_CHECK(c.n_layer > 0 && c.n_layer < 100000 && c.n_head_kv > 0 && c.head_dim > 0 && c.channels() <= 65536,
+  // The product in 64 bits: channels() of two large int32 fields would overflow.
+  XCTX_CHECK(c.n_layer > 0 && c.n_layer < 100000 && c.n_head_kv > 0 && c.head_dim > 0 &&
+                 (int64_t)c.n_head_kv * c.head_dim <= 65536,
              "calibration ", path, ": bad shape ", c.n_layer, " layers, ", c.n_head_kv, " x ", c.head_dim);
   c.text_source = r.get_str("text source"), c.weighting = r.get_str("weighting");
   c.n_samples = r.get<int32_t>("samples"), c.seq_len = r.get<int32_t>("seq_len"), c.seed = r.get<uint64_t>("seed");

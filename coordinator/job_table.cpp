@@ -4,6 +4,7 @@
 #include <thrift/transport/TBufferTransports.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "common/error.h"
@@ -40,6 +41,11 @@ rpc::Job parse_job(const std::string& bytes) {
   auto buf = std::make_shared<apache::thrift::transport::TMemoryBuffer>(
       reinterpret_cast<uint8_t*>(const_cast<char*>(bytes.data())), (uint32_t)bytes.size());
   apache::thrift::protocol::TBinaryProtocol proto(buf);
+  // No string or list is longer than the bytes: without limits Thrift allocates whatever length
+  // a string claims (up to 2 GB) before finding the bytes missing.
+  const auto limit = (int32_t)std::min<size_t>(bytes.size(), INT32_MAX);
+  proto.setStringSizeLimit(limit);
+  proto.setContainerSizeLimit(limit);
   rpc::Job job;
   try {
     job.read(&proto);

@@ -408,7 +408,10 @@ int run_serve(const serve_options& opt, communicator& comm) {
                                                                            limits.max_request_bytes + (1 << 20)));
   auto server = std::make_shared<th::server::TThreadedServer>(
       std::make_shared<rpc::XctxProcessorFactory>(std::make_shared<handler_factory>(st)), socket,
-      std::make_shared<framed_factory>((int)max_frame), std::make_shared<th::protocol::TBinaryProtocolFactory>());
+      std::make_shared<framed_factory>((int)max_frame),
+      // No string or list of a request is longer than its frame; without the limits Thrift
+      // allocates whatever length a string claims (up to 2 GB) before finding the bytes missing.
+      std::make_shared<th::protocol::TBinaryProtocolFactory>((int32_t)max_frame, (int32_t)max_frame, false, true));
   server->setServerEventHandler(std::make_shared<ready_announcer>(opt.bind, opt.port_file, bound_port));
   std::string server_error;
   std::thread server_thread([&] {

@@ -299,10 +299,13 @@ std::unique_ptr<gguf_file> gguf_file::open(const std::string& path) {
     const uint32_t n_dims = r.read<uint32_t>("n_dims of " + tw);
     XCTX_CHECK(n_dims >= 1 && n_dims <= k_max_dims, path, ": ", tw, ": n_dims ", n_dims, " (must be 1..",
                k_max_dims, ")");
+    int64_t n_elements = 1;  // as n_elements() computes it, which must not overflow
     for (uint32_t d = 0; d < n_dims; ++d) {
       const uint64_t dim = r.read<uint64_t>("dims of " + tw);
       XCTX_CHECK(dim <= (uint64_t)std::numeric_limits<int64_t>::max(), path, ": ", tw, ": dimension ", d,
                  " is ", dim, " (negative as int64)");
+      XCTX_CHECK(!__builtin_mul_overflow(n_elements, (int64_t)dim, &n_elements), path, ": ", tw,
+                 ": element count overflows int64 at dimension ", d, " (", dim, ")");
       t.shape.push_back((int64_t)dim);
     }
     const uint32_t type_id = r.read<uint32_t>("type of " + tw);
@@ -320,7 +323,11 @@ std::unique_ptr<gguf_file> gguf_file::open(const std::string& path) {
       XCTX_CHECK(dim == 0 || rows <= f->size_ / dim, path, ": ", tw, ": shape is larger than the file");
       rows *= dim;
     }
-    const uint64_t row_bytes = (uint64_t)(t.shape[0] / tr.block_elems) * (uint64_t)tr.block_bytes;
+    // Bounded before multiplying: a wrapped row size would let a huge tensor claim a few bytes.
+    const uint64_t row_blocks = (uint64_t)t.shape[0] / tr.block_elems;
+    XCTX_CHECK(row_blocks <= f->size_ / tr.block_bytes, path, ": ", tw, ": row length ne[0] = ", t.shape[0],
+               " is larger than the file");
+    const uint64_t row_bytes = row_blocks * (uint64_t)tr.block_bytes;
     XCTX_CHECK(rows == 0 || row_bytes <= f->size_ / rows, path, ": ", tw, ": shape is larger than the file");
     t.bytes = (size_t)(row_bytes * rows);
     f->tensors_.push_back(std::move(t));

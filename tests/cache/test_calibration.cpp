@@ -129,6 +129,25 @@ TEST(calibration_file, bad_files_are_clear_errors) {
   EXPECT_NE(error_of(write("v2.bin", v2)).find("version 2"), std::string::npos);
 }
 
+// Found by fuzz/fuzz_calibration: a checksummed file with n_head_kv * head_dim past INT32_MAX
+// overflowed int in channels() before the shape check could refuse it.
+TEST(calibration_file, huge_shape_is_refused_without_overflow) {
+  std::vector<uint8_t> b = {'X', 'C', 'T', 'X', 'C', 'A', 'L', 'B'};
+  const auto put = [&](const auto& v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    b.insert(b.end(), p, p + sizeof v);
+  };
+  put(uint32_t{1}), put(uint64_t{0}), put(uint32_t{0});             // version, fingerprint, empty name
+  put(int32_t{1}), put(int32_t{343621377}), put(int32_t{2061584302});  // n_layer, n_head_kv, head_dim
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the body, as save_calibration writes it
+  for (uint8_t x : b) h = (h ^ x) * 1099511628211ull;
+  put(h);
+  const std::string path = (test::scratch_dir() / "huge_shape.bin").string();
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), (std::streamsize)b.size());
+  const std::string err = error_of(path);
+  EXPECT_NE(err.find("bad shape 1 layers, 343621377 x 2061584302"), std::string::npos) << err;
+}
+
 TEST(calibration_file, another_models_calibration_is_refused) {
   auto c = test::make_synthetic_calibration(test::quant_geometry(8), 3);
   c->model_fingerprint = 42;

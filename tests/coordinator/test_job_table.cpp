@@ -65,6 +65,25 @@ TEST(job_codec, every_kind_round_trips_through_the_wire_format) {
   }
 }
 
+// Found by fuzz/fuzz_thrift_job: a string length of 90 MB in a 20-byte request was allocated
+// before the read failed (Thrift sets no string limit by default; up to 2 GB), so a few bytes
+// cost 90 MB. The input's own size now bounds strings and lists.
+TEST(job_wire, parse_job_refuses_lengths_past_the_input) {
+  // Job{1: kind = GENERATE, 2: generate{1: prompt = <90,000,000 bytes claimed, 3 present>}}
+  const std::string bytes("\x08\x00\x01\x00\x00\x00\x01"
+                          "\x0c\x00\x02"
+                          "\x0b\x00\x01\x05\x5d\x4a\x80"
+                          "abc",
+                          20);
+  try {
+    parse_job(bytes);
+    FAIL() << "parse_job accepted a truncated job";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a serialized xctx job (20 bytes)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("size limit"), std::string::npos) << e.what();
+  }
+}
+
 TEST(job_requests, valid_jobs_pass) {
   service_limits lim;
   lim.max_output_tokens = 64;

@@ -279,6 +279,15 @@ std::vector<corruption> corruptions() {
        {"tensor 'w_a'", "negative"}},
       {"huge_dims", [](B& b, const L& l) { patch<uint64_t>(b, l.tensors[0].dims_pos + 8, k_huge); },
        {"tensor 'w_a'", "larger than the file"}},
+      // Found by fuzz/fuzz_gguf: ne[0] = 2^62 + 8 F32 elements wrapped the row size to 32 bytes,
+      // so the tensor passed as 32 bytes long and n_elements() overflowed.
+      {"row_bytes_wrap", [](B& b, const L& l) { patch<uint64_t>(b, l.tensors[1].dims_pos, (1ull << 62) + 8); },
+       {"tensor 'w_b'", "ne[0] = 4611686018427387912", "larger than the file"}},
+      {"element_count_overflow", [](B& b, const L& l) {
+         patch<uint64_t>(b, l.tensors[0].dims_pos, 1ull << 33);
+         patch<uint64_t>(b, l.tensors[0].dims_pos + 8, 1ull << 31);
+       },
+       {"tensor 'w_a'", "element count overflows int64 at dimension 1"}},
       {"unknown_tensor_type", [](B& b, const L& l) { patch<uint32_t>(b, l.tensors[0].type_pos, 4); },
        {"tensor 'w_a'", "ggml type id 4"}},
       {"cols_not_block_multiple", [](B& b, const L& l) { patch<uint64_t>(b, l.tensors[0].dims_pos, 48); },
