@@ -237,7 +237,10 @@ void softmax_acc::finish(float* o, float* lse) const {
       const double w = std::ldexp(1.0, -W * i);
       for (int j = 0; j < stride; ++j) s[j] += b[(size_t)i * stride + j] * w;
     }
-    XCTX_ASSERT(s[0] > 0.0, "softmax_acc: row ", r, " has values but no softmax sum");
+    // Values 2^(W·(kAccBins-1)) times the softmax sum or more push the sum below the kept bins:
+    // no model's keys and values come near (a damaged cache or snapshot does), so say so.
+    XCTX_CHECK(s[0] > 0.0, "softmax_acc: row ", r, ": attention values too large for the exact accumulator (",
+               "over 2^", W * (kAccBins - 1), " times the softmax sum): the cache holds keys or values out of range");
     const double inv = 1.0 / s[0];
     for (int j = 0; j < width_; ++j) orow[j] = (float)(s[j + 1] * inv);
     if (lse != nullptr) lse[r] = (float)(std::log(s[0]) + (double)W * top_[(size_t)r] * 0.6931471805599453);

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
+#include "kernels/cpu/omp_errors.h"
 #include "kernels/cpu/rope_tile.h"
 #include "kernels/cpu/workspace.h"
 
@@ -222,6 +223,7 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
   if (qs.n_q < 2 * threads) {
     // Few queries (decode): threads split the units, each deposits into its own accumulator;
     // the exact merge makes the split invisible.
+    omp_error_carrier errors;
 #pragma omp parallel if (n_unit > 1 && threads > 1)
     {
       std::unique_ptr<unit_loader> ld = make_loader();
@@ -238,14 +240,17 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
         const int64_t s0 = ub[u];
         const int n = (int)(ub[u + 1] - s0);
         if (u + 1 < n_unit) ld->prefetch(ub[u + 1], (int)(ub[u + 2 > n_unit ? n_unit : u + 2] - ub[u + 1]));
-        unit_kv kv, kv_far;
-        if (ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data(), vbuf.data());
-        if (ranges.any_far(s0, n)) kv_far = ld->load_grouped(s0, n, kfar, vfar);
-        for (int64_t i = 0; i < qs.n_q; ++i) qr.run_both(i, kv, kv_far, s0, n, mine);
+        errors.run([&] {
+          unit_kv kv, kv_far;
+          if (ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data(), vbuf.data());
+          if (ranges.any_far(s0, n)) kv_far = ld->load_grouped(s0, n, kfar, vfar);
+          for (int64_t i = 0; i < qs.n_q; ++i) qr.run_both(i, kv, kv_far, s0, n, mine);
+        });
       }
 #pragma omp critical(xctx_attend_units_merge)
-      acc.merge(mine);
+      errors.run([&] { acc.merge(mine); });
     }
+    errors.rethrow();
     return;
   }
 
@@ -254,6 +259,7 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
   const size_t unit_elems = (size_t)kAttnUnit * C;
   std::vector<float> kbuf((size_t)sides * kUnitBatch * unit_elems), vbuf(kbuf.size());
   std::vector<unit_kv> kvs((size_t)sides * kUnitBatch);  // near of unit b at b, grouped at kUnitBatch + b
+  omp_error_carrier errors;
 #pragma omp parallel
   {
     std::unique_ptr<unit_loader> ld = make_loader();
@@ -268,30 +274,38 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
         const size_t off = ((size_t)side * kUnitBatch + b) * unit_elems;
         unit_kv& kv = kvs[(size_t)side * kUnitBatch + b];
         kv = unit_kv{};
-        if (side == 0 && ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data() + off, vbuf.data() + off);
-        if (side == 1 && ranges.any_far(s0, n)) kv = ld->load_grouped(s0, n, kbuf.data() + off, vbuf.data() + off);
+        errors.run([&] {
+          if (side == 0 && ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data() + off, vbuf.data() + off);
+          if (side == 1 && ranges.any_far(s0, n)) kv = ld->load_grouped(s0, n, kbuf.data() + off, vbuf.data() + off);
+        });
       }
       if (qr.can_block()) {
         const int64_t n_qb = (qs.n_q + kQueryBlock - 1) / kQueryBlock;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t qb = 0; qb < n_qb; ++qb) {
-          qr.set_block(qb * kQueryBlock, (int)std::min<int64_t>(kQueryBlock, qs.n_q - qb * kQueryBlock));
-          for (int b = 0; b < nb; ++b) {
-            const int64_t s0 = ub[u0 + b];
-            qr.run_block_sides(kvs[b], kvs[(size_t)(sides - 1) * kUnitBatch + b], s0, (int)(ub[u0 + b + 1] - s0), acc);
-          }
+          errors.run([&] {
+            qr.set_block(qb * kQueryBlock, (int)std::min<int64_t>(kQueryBlock, qs.n_q - qb * kQueryBlock));
+            for (int b = 0; b < nb; ++b) {
+              const int64_t s0 = ub[u0 + b];
+              qr.run_block_sides(kvs[b], kvs[(size_t)(sides - 1) * kUnitBatch + b], s0, (int)(ub[u0 + b + 1] - s0),
+                                 acc);
+            }
+          });
         }
       } else {
 #pragma omp for schedule(dynamic, 8)
         for (int64_t i = 0; i < qs.n_q; ++i)
-          for (int b = 0; b < nb; ++b) {
-            const int64_t s0 = ub[u0 + b];
-            const unit_kv& far = kvs[(size_t)(sides - 1) * kUnitBatch + b];
-            qr.run_both(i, kvs[b], far, s0, (int)(ub[u0 + b + 1] - s0), acc);
-          }
+          errors.run([&] {
+            for (int b = 0; b < nb; ++b) {
+              const int64_t s0 = ub[u0 + b];
+              const unit_kv& far = kvs[(size_t)(sides - 1) * kUnitBatch + b];
+              qr.run_both(i, kvs[b], far, s0, (int)(ub[u0 + b + 1] - s0), acc);
+            }
+          });
       }
     }
   }
+  errors.rethrow();
 }
 
 void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
@@ -306,6 +320,7 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
   const std::vector<int64_t> ub = unit_bounds(kv_pos, ranges.kv_len);
   const int64_t n_unit = (int64_t)ub.size() - 1;
   const int threads = omp_get_max_threads();
+  omp_error_carrier errors;
 #pragma omp parallel if (n_unit > 1 && threads > 1)
   {
     std::unique_ptr<unit_kernel> kernel = make_kernel();
@@ -320,16 +335,20 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
     for (int64_t u = 0; u < n_unit; ++u) {
       const int64_t s0 = ub[u];
       const int n = (int)(ub[u + 1] - s0);
-      const auto [nb, ne] = ranges.near(0, s0, n);
-      if (nb < ne) kernel->attend(q_scaled.data(), s0 + nb, (int)(ne - nb), false, o.data(), lse.data()), deposit();
-      if (ranges.grouped) {
-        const auto [fb, fe] = ranges.far(0, s0, n);
-        if (fb < fe) kernel->attend(ranges.q_far.data(), s0 + fb, (int)(fe - fb), true, o.data(), lse.data()), deposit();
-      }
+      errors.run([&] {
+        const auto [nb, ne] = ranges.near(0, s0, n);
+        if (nb < ne) kernel->attend(q_scaled.data(), s0 + nb, (int)(ne - nb), false, o.data(), lse.data()), deposit();
+        if (ranges.grouped) {
+          const auto [fb, fe] = ranges.far(0, s0, n);
+          if (fb < fe)
+            kernel->attend(ranges.q_far.data(), s0 + fb, (int)(fe - fb), true, o.data(), lse.data()), deposit();
+        }
+      });
     }
 #pragma omp critical(xctx_attend_units_merge)
-    acc.merge(mine);
+    errors.run([&] { acc.merge(mine); });
   }
+  errors.rethrow();
 }
 
 }  // namespace xctx::cpu

@@ -30,6 +30,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/kvq_impl.h"
+#include "kernels/cpu/omp_errors.h"
 #include "kernels/cpu/rope_tile.h"
 #include "kernels/ref/ref_ops.h"
 #include "kernels/x_quant.h"
@@ -422,6 +423,7 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   const impl::isa isa = impl::best_isa();
   const int blas_threads = openblas_get_num_threads();
   openblas_set_num_threads(1);
+  omp_error_carrier errors;
 #pragma omp parallel if (n_unit > 1)
   {
     unit_rebuilder rb(a, tab);
@@ -453,24 +455,27 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
     };
 #pragma omp for schedule(dynamic, 2)
     for (int64_t un = 0; un < n_unit; ++un) {
-      const int64_t s0 = ub[un];
-      const int n = (int)(ub[un + 1] - s0);
-      const bool near = ranges.any_near(s0, n), far = ranges.any_far(s0, n);
-      if (near) rb.rows(s0, n, kt.data(), nullptr, zvt.data());
-      if (far) rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
-      for (int64_t i = 0; i < a.n_q; ++i) {
-        const auto [nb, ne] = ranges.near(i, s0, n);
-        run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne, n);
-        if (ranges.grouped) {
-          const auto [fb, fe] = ranges.far(i, s0, n);
-          run(i, ranges.q_far.data() + (size_t)i * a.n_head * hd, kt_far.data(), fb, fe, n);
+      errors.run([&] {
+        const int64_t s0 = ub[un];
+        const int n = (int)(ub[un + 1] - s0);
+        const bool near = ranges.any_near(s0, n), far = ranges.any_far(s0, n);
+        if (near) rb.rows(s0, n, kt.data(), nullptr, zvt.data());
+        if (far) rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
+        for (int64_t i = 0; i < a.n_q; ++i) {
+          const auto [nb, ne] = ranges.near(i, s0, n);
+          run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne, n);
+          if (ranges.grouped) {
+            const auto [fb, fe] = ranges.far(i, s0, n);
+            run(i, ranges.q_far.data() + (size_t)i * a.n_head * hd, kt_far.data(), fb, fe, n);
+          }
         }
-      }
+      });
     }
 #pragma omp critical(xctx_xq_absorbed_merge)
-    acc.merge(mine);
+    errors.run([&] { acc.merge(mine); });
   }
   openblas_set_num_threads(blas_threads);
+  errors.rethrow();
 }
 
 // clkv's streams are K and V themselves (no rebuild), quantized as KIVI does with key token

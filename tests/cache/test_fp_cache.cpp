@@ -126,6 +126,33 @@ TEST_P(fp_cache_test, capacity_overflow_is_a_clear_error) {
   }
 }
 
+// A NaN value in the cache (a damaged snapshot or block) reaches softmax_acc's finiteness check
+// inside the parallel attention loops, decode and prefill alike: it must come out as an Error on
+// the calling thread, not terminate the process from inside the OpenMP region.
+TEST_P(fp_cache_test, non_finite_values_are_an_error_not_an_abort) {
+  auto be = make_backend(backend_kind::backend_cpu);
+  const cache_geometry g = small_geometry(2048);
+  auto c = make_cache(GetParam(), g, *be);
+  const int64_t n = 1500;  // several attention units, so the loops run on every thread
+  const int kv = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+  std::vector<float> k((size_t)n * kv, 0.25f), v((size_t)n * kv, 0.5f), q((size_t)8 * qd, 0.1f);
+  v[(size_t)1300 * kv + 3] = std::nanf("");
+  std::vector<int32_t> pos(n), q_pos(8);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  for (int i = 0; i < 8; ++i) q_pos[i] = (int32_t)(n + i);
+  c->append(0, layer_input{nullptr, k.data(), v.data(), pos.data(), n});
+  std::vector<float> o(q.size()), lse((size_t)8 * g.n_head);
+  for (const int64_t n_q : {int64_t(1), int64_t(8)})
+    for (const attend_path path : {attend_path::attend_decode, attend_path::attend_prefill}) {
+      try {
+        c->attend(0, q.data(), q_pos.data(), n_q, o.data(), lse.data(), path);
+        ADD_FAILURE() << n_q << " queries: a NaN value went through";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("non-finite"), std::string::npos) << e.what();
+      }
+    }
+}
+
 // The ring passes exported blocks: attention over a received block must equal attention over
 // the cache it came from, and a block whose size disagrees with its header is rejected.
 TEST_P(fp_cache_test, exported_block_attends_like_the_cache) {

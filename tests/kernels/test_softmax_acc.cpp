@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -150,6 +151,28 @@ TEST(softmax_acc, rejects_mismatched_shapes_and_bad_input) {
   EXPECT_THROW(a.add_partial(0, 1.0f, nan_o), Error);
   const float o[4] = {0, 0, 0, 0};
   EXPECT_THROW(a.add_partial(0, std::nanf(""), o), Error);
+}
+
+// Finite values so far above the softmax sum that the sum drops below the kept bins (a damaged
+// cache: the snapshot fuzzer's restored 4.3e16 key) are an Error naming the problem, not an
+// abort; values a model produces are far inside the range.
+TEST(softmax_acc, values_beyond_the_kept_bins_are_an_error) {
+  softmax_acc a(1, 4);
+  const float huge[4] = {1e30f, 0, 0, 0};
+  a.add_partial(0, 0.0f, huge);
+  float o[4], lse = 0;
+  try {
+    a.finish(o, &lse);
+    FAIL() << "finish accepted a sum below the kept bins";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("too large for the exact accumulator"), std::string::npos) << e.what();
+  }
+  softmax_acc b(1, 4);
+  const float big[4] = {1e6f, -3e5f, 0, 1};
+  b.add_partial(0, 0.0f, big);
+  b.finish(o, &lse);
+  EXPECT_EQ(o[0], 1e6f);
+  EXPECT_FLOAT_EQ(lse, 0.0f);
 }
 
 }  // namespace
