@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "tests/model/spm_vocab_json.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
@@ -71,18 +72,7 @@ void expect_eq(const std::string& got, const std::string& want, const char* what
 std::unique_ptr<tokenizer> load_spm(const std::string& golden_path) {
   std::ifstream in(golden_path);
   if (!in) return nullptr;
-  const nlohmann::json g = nlohmann::json::parse(in).at("spm");
-  tokenizer_vocab v;
-  v.model = "llama";
-  v.tokens = g.at("tokens").get<std::vector<std::string>>();
-  for (double s : g.at("scores").get<std::vector<double>>()) v.scores.push_back((float)s);
-  for (int t : g.at("types").get<std::vector<int>>()) v.kinds.push_back((token_kind)t);
-  v.bos_id = g.at("bos_id");
-  v.eos_id = g.at("eos_id");
-  v.unk_id = g.at("unk_id");
-  v.add_bos = g.at("add_bos");
-  v.add_space_prefix = g.at("add_space_prefix");
-  return make_tokenizer(v);
+  return make_tokenizer(test::spm_vocab_from_json(nlohmann::json::parse(in).at("spm")));
 }
 
 }  // namespace

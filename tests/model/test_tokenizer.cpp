@@ -11,6 +11,7 @@
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 #include "model/unicode.h"
+#include "spm_vocab_json.h"
 #include "test_util.h"
 
 namespace xctx {
@@ -309,19 +310,7 @@ TEST(tokenizer_bpe, inconsistent_vocab_throws) {
 
 // ---- SentencePiece ----------------------------------------------------------------------------
 
-tokenizer_vocab spm_vocab_from_json(const json& g) {
-  tokenizer_vocab v;
-  v.model = "llama";
-  v.tokens = g.at("tokens").get<std::vector<std::string>>();
-  for (double s : g.at("scores").get<std::vector<double>>()) v.scores.push_back((float)s);
-  for (int t : g.at("types").get<std::vector<int>>()) v.kinds.push_back((token_kind)t);
-  v.bos_id = g.at("bos_id");
-  v.eos_id = g.at("eos_id");
-  v.unk_id = g.at("unk_id");
-  v.add_bos = g.at("add_bos");
-  v.add_space_prefix = g.at("add_space_prefix");
-  return v;
-}
+using test::spm_vocab_from_json;
 
 class spm_golden : public testing::TestWithParam<int> {};
 
