@@ -15,6 +15,7 @@ class hash64 {
   explicit hash64(uint64_t seed = 0) : h_(seed ^ kMulA) {}
 
   void update(const void* data, size_t n) {
+    if (n == 0) return;  // data may be null then (an empty vector's data()); memcpy must not see it
     const auto* p = static_cast<const uint8_t*>(data);
     total_ += n;
     if (n_carry_ > 0) {  // finish the word a previous piece started

@@ -67,8 +67,11 @@ std::shared_ptr<const calibration> shared_calibration(const model_weights& w, co
   static std::map<std::string, std::shared_ptr<const calibration>> cached;
   auto& c = cached[w.hp.name];
   if (c) return c;
-  const std::string path =
-      (std::filesystem::temp_directory_path() / ("xctx-tests-mpi-calib-" + w.hp.name + ".bin")).string();
+  // One file per mpirun (its ranks share the parent), so suites running side by side never
+  // read each other's half-written file.
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("xctx-tests-mpi-calib-" + w.hp.name + "-" + std::to_string(::getppid()) + ".bin"))
+                               .string();
   if (comm.rank() == 0) {
     auto be = make_backend(backend_kind::backend_cpu);
     run_params rp;
@@ -79,6 +82,8 @@ std::shared_ptr<const calibration> shared_calibration(const model_weights& w, co
   }
   comm.barrier();
   c = std::make_shared<const calibration>(load_calibration(path));
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove(path);
   return c;
 }
 
@@ -531,9 +536,9 @@ TEST(cache_snapshot_refusals, name_the_problem_on_every_rank) {
 }
 
 // One case per family, store layout and attention path (the 3-bit formats, nuq with and without
-// outliers, xquant-cl's two rings), then the other bit widths: the CTest entries run the
-// families on every rank count and the widths where the ring and the splits are checked fully
-// (tests/CMakeLists.txt).
+// outliers, xquant-cl's two rings), then the other bit widths: the CTest entries run the real
+// model's families on np 2 and 3 and every format of the long prompt on np 4; the real model's
+// widths run by hand (tests/CMakeLists.txt).
 std::vector<sp_case> family_cases() {
   std::vector<sp_case> out = {{cache_format::cache_fp16},      {cache_format::cache_kivi2},
                               {cache_format::cache_nuq3},      {cache_format::cache_nuq3_1pct},

@@ -1,12 +1,13 @@
 // Sequence parallelism on the real model under mpirun: exact ring prefill + merged decode give
 // the single-process engine's logits and greedy tokens for both shard layouts; star prefill
-// runs and keeps the suffix exact. Every rank computes the single-process reference itself.
+// runs and keeps the suffix exact. Rank 0 computes the single-process reference and broadcasts it.
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <map>
 
 #include "coordinator/sampler.h"
 #include "mpi_test.h"
@@ -69,6 +70,25 @@ reference_run single_process(const model_weights& w, const std::vector<int32_t>&
   return r;
 }
 
+// The single-process run of `ids` in `fmt`, made once per format and process by rank 0 and
+// broadcast (every rank would compute the same bits; the cases share formats).
+const reference_run& shared_reference(const model_weights& w, const std::vector<int32_t>& ids, cache_format fmt) {
+  static std::map<std::pair<cache_format, size_t>, reference_run> made;
+  const auto key = std::make_pair(fmt, ids.size());
+  if (auto it = made.find(key); it != made.end()) return it->second;
+  communicator& comm = mpi_test::world();
+  reference_run r;
+  if (comm.rank() == 0) {
+    r = single_process(w, ids, fmt);
+  } else {
+    r.logits.resize(w.hp.n_vocab);
+    r.greedy.resize(kGreedy);
+  }
+  comm.broadcast(r.logits.data(), r.logits.size() * sizeof(float), 0);
+  comm.broadcast(r.greedy.data(), r.greedy.size() * sizeof(int32_t), 0);
+  return made[key] = std::move(r);
+}
+
 struct sp_case {
   const char* name;
   prefill_mode mode;
@@ -88,7 +108,7 @@ TEST_P(sequence_parallel, matches_single_process) {
   // same (batched) kernel path as the single-process run.
   const auto ids = golden_ids(600);
   ASSERT_EQ(ids.size(), 600u);
-  const reference_run ref = single_process(w, ids, c.format);
+  const reference_run& ref = shared_reference(w, ids, c.format);
 
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
