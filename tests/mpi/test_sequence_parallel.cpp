@@ -71,7 +71,8 @@ reference_run single_process(const model_weights& w, const std::vector<int32_t>&
 }
 
 // The single-process run of `ids` in `fmt`, made once per format and process by rank 0 and
-// broadcast (every rank would compute the same bits; the cases share formats).
+// broadcast (every rank would compute the same bits; the cases share formats). Keyed by length:
+// every caller passes a prefix of the same golden text.
 const reference_run& shared_reference(const model_weights& w, const std::vector<int32_t>& ids, cache_format fmt) {
   static std::map<std::pair<cache_format, size_t>, reference_run> made;
   const auto key = std::make_pair(fmt, ids.size());
