@@ -69,15 +69,24 @@ void values_bits(const kvq_layer_view& v, int64_t i0, int nt, float* out) {
   }
 }
 
+// code·scale rounded, then + zero rounded: gcc fuses a mul_ps feeding an add_ps into one FMA
+// under -mfma (-ffp-contract=fast), so the empty asm hides the product from that fusion and the
+// result stays bitwise the scalar decoder's (a guard-page test in test_kvq.cpp compares them).
+inline __m256 product_then_sum(__m256 x, const float* sc, const float* zc) {
+  __m256 prod = _mm256_mul_ps(x, _mm256_loadu_ps(sc));
+  asm("" : "+x"(prod));
+  return _mm256_add_ps(prod, _mm256_loadu_ps(zc));
+}
+
 template <int BITS>
 void affine_row_t(const uint8_t* row, int C, const float* sc, const float* zc, float* out) {
   int c = 0;
   for (; c + 8 < C; c += 8) {
     const __m256 x = _mm256_cvtepi32_ps(unpack8<BITS, code_read::read_forward>(row + (size_t)c / 8 * BITS));
-    _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(x, _mm256_loadu_ps(sc + c)), _mm256_loadu_ps(zc + c)));
+    _mm256_storeu_ps(out + c, product_then_sum(x, sc + c, zc + c));
   }
   const __m256 x = _mm256_cvtepi32_ps(unpack8<BITS>(row + (size_t)c / 8 * BITS));
-  _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(x, _mm256_loadu_ps(sc + c)), _mm256_loadu_ps(zc + c)));
+  _mm256_storeu_ps(out + c, product_then_sum(x, sc + c, zc + c));
 }
 
 }  // namespace

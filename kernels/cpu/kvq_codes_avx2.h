@@ -18,14 +18,19 @@ namespace {
 //   read_forward   one 4-byte load at p: the row goes on for 4 - BITS more bytes (not its last group)
 //   read_backward  one 4-byte load ending where the group ends: 4 - BITS bytes before p belong to
 //                  the row (not its first group)
-// so no read leaves the row.
+// so no read leaves the row. "Not the last (first) group" vouches for one more group of BITS
+// bytes, which covers the 4 - BITS extra bytes only for BITS >= 2: 1-bit groups (one byte) are
+// always read exactly, whatever R says (a forward read of the second-last 1-bit group read two
+// bytes past the row: found by ASan at the end of a heap block; test_kvq.cpp's guard-page test).
 enum class code_read : uint8_t { read_exact, read_forward, read_backward };
 
 template <int BITS, code_read R>
 inline __m256i codes8_shifted(const uint8_t* p) {
   uint32_t w = 0;
   int extra = 0;  // bits below the group in w
-  if constexpr (R == code_read::read_forward || BITS == 4) {
+  if constexpr (BITS == 1) {
+    w = p[0];
+  } else if constexpr (R == code_read::read_forward || BITS == 4) {
     std::memcpy(&w, p, 4);
   } else if constexpr (R == code_read::read_backward) {
     std::memcpy(&w, p + BITS - 4, 4);

@@ -1,12 +1,20 @@
 // Quantized-cache kernels: bit packing, and the CPU encoder producing exactly the reference
-// encoder's codes, scales and outliers for every tensor kind and bit width.
+// encoder's codes, scales and outliers for every tensor kind and bit width; the AVX2 row
+// decoders never read outside a row.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
 #include <random>
+#include <stdexcept>
 
 #include "common/half.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kvq_impl.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ref/ref_ops.h"
 
@@ -36,6 +44,70 @@ TEST(kvq_math, lut_encode_picks_the_nearest_signpost_ties_low) {
   EXPECT_EQ(kvq_uniform_encode(0.4f, p, 2), 1);
   EXPECT_EQ(kvq_uniform_encode(5.0f, p, 2), 3);  // clamped
   EXPECT_EQ(kvq_uniform_encode(3.0f, kvq_uniform_params(3.0f, 3.0f, 2), 2), 0);  // constant group
+}
+
+// Bytes that end exactly where an inaccessible page begins: a load past the end faults (SIGSEGV
+// fails the test), in any build, sanitizer or not.
+class guarded_bytes {
+ public:
+  explicit guarded_bytes(size_t n) : page_((size_t)sysconf(_SC_PAGESIZE)), n_(n) {
+    len_ = (n + page_ - 1) / page_ * page_ + page_;
+    void* m = mmap(nullptr, len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("guarded_bytes: mmap failed");
+    base_ = static_cast<uint8_t*>(m);
+    if (mprotect(base_ + len_ - page_, page_, PROT_NONE) != 0) throw std::runtime_error("guarded_bytes: mprotect failed");
+  }
+  ~guarded_bytes() { munmap(base_, len_); }
+  guarded_bytes(const guarded_bytes&) = delete;
+  guarded_bytes& operator=(const guarded_bytes&) = delete;
+  uint8_t* data() const { return base_ + len_ - page_ - n_; }
+
+ private:
+  size_t page_, n_, len_ = 0;
+  uint8_t* base_ = nullptr;
+};
+
+// Every AVX2 row decoder on a row that ends at a guard page, so a wide load meant for the row's
+// middle but issued at its end faults; the results must also equal the scalar decoders bitwise.
+TEST(kvq_avx2_rows, stay_inside_a_row_that_ends_at_a_guard_page) {
+  if (!cpu::has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(7);
+  for (int bits = 1; bits <= 4; ++bits) {
+    for (int C : {8, 16, 24, 32, 40, 64, 72, 128, 576}) {
+      SCOPED_TRACE(::testing::Message() << "bits " << bits << " C " << C);
+      const size_t rb = kvq_row_bytes(C, bits);
+      guarded_bytes row(rb);
+      for (size_t i = 0; i < rb; ++i) row.data()[i] = (uint8_t)rng();
+      std::vector<float> sc(C), zc(C), got(C), want(C);
+      for (int c = 0; c < C; ++c) sc[c] = 0.25f + 0.01f * c, zc[c] = -1.0f + 0.03f * c;
+      // The X-cache decoder (bits 1..4): a product then a sum, as the scalar loop in xq.cpp.
+      cpu::impl::avx2::affine_codes_row(row.data(), C, bits, sc.data(), zc.data(), got.data());
+      for (int c = 0; c < C; ++c) want[c] = (float)kvq_get_code(row.data(), bits, c) * sc[c] + zc[c];
+      for (int c = 0; c < C; ++c) ASSERT_EQ(got[c], want[c]) << "c " << c;
+      if (bits < 2) continue;
+      // The KV decoders (bits 2..4), one uniform layer whose only quantized row is the guarded one.
+      const int group = 8;
+      std::vector<kvq_affine> v_group((C + group - 1) / group);
+      for (size_t g = 0; g < v_group.size(); ++g) v_group[g] = {fp32_to_fp16(0.5f + 0.1f * g), fp32_to_fp16(-0.2f * g)};
+      kvq_layer_view v;
+      v.scheme = kvq_scheme::kvq_uniform, v.bits = bits, v.n_head_kv = 1, v.head_dim = C, v.group = group;
+      v.n = v.q_end = 1;
+      v.k_codes = v.v_codes = row.data();
+      v.v_group = v_group.data();
+      for (int keys = 0; keys < 2; ++keys) {
+        if (keys) {
+          cpu::impl::avx2::kvq_decode_keys(v, 0, 1, sc.data(), zc.data(), got.data());
+          cpu::impl::kvq_decode_keys_scalar(v, 0, 1, sc.data(), zc.data(), want.data());
+        } else {
+          cpu::impl::avx2::kvq_decode_values(v, 0, 1, got.data());
+          cpu::impl::kvq_decode_values_scalar(v, 0, 1, want.data());
+        }
+        // The vector code fuses code·scale + zero (one rounding), the scalar code rounds the product
+        // too: at most half an ulp of a product below 15 · 6.01 < 128, under FLT_EPSILON · 64.
+        for (int c = 0; c < C; ++c) ASSERT_NEAR(got[c], want[c], FLT_EPSILON * 64) << "keys " << keys << " c " << c;
+      }
+    }
+  }
 }
 
 struct encode_case {
