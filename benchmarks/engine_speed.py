@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
-"""Whole-engine speed on this machine: prefill tokens/s at 512, 2K and 8K tokens and decode
-tokens/s at 1K and 8K context, with peak RSS, for xctx and (when llama-cpp-python is installed)
-llama.cpp on the same GGUF, the same token ids and the same thread count, in the same run.
+"""Whole-engine speed on this machine: prefill tokens/s at 512, 2K, 8K and 32K tokens and decode
+tokens/s at 1K, 8K and 32K context, with peak RSS, for xctx (fp16 and quantized caches) and
+llama.cpp (fp16 KV with flash attention off and on, q8_0 and q4_0 KV) on the same GGUF, the
+same token ids and the same thread count, in the same run.
 
-    python3 benchmarks/engine_speed.py [--xctx build/xctx] [--model models/...gguf] [--threads 2] [--repeat 3]
+    benchmarks/install-llama-native            # once: llama.cpp built from source for this CPU
+    python3 benchmarks/engine_speed.py [--threads 2] [--repeat 2] [--only 'prefill 8K,decode @8K']
+        [--xctx-caches fp16,kivi4,nuq3-1%] [--llama-kv f16,f16+fa,q8_0+fa,q4_0+fa]
 
-Writes benchmarks/results/engine_speed.{csv,md}. Each configuration runs in a fresh process
-(so peak RSS is per configuration); the best of --repeat runs is reported, with the spread.
+llama.cpp runs in the interpreter of build-llama-native/venv (made by install-llama-native)
+when it exists, else in --llama-python (any interpreter with llama-cpp-python), else not at all.
+Writes benchmarks/results/engine_speed.{csv,md}; the Markdown names the llama.cpp version, how
+it was built and its system-info line. Each (configuration, engine) runs in a fresh process (so
+peak RSS is its own); the best of --repeat runs is reported, with the slowest in parentheses.
+Contexts past the model's trained 8K use linear RoPE scaling in both engines (speed does not
+depend on it; both engines refuse or degrade without it).
 """
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import subprocess
@@ -20,25 +29,46 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
+NATIVE = os.path.join(ROOT, "build-llama-native")
+TRAINED_CTX = 8192  # SmolLM2-135M
 
 # (label, prompt tokens, decode steps, what is measured)
 CONFIGS = [
     ("prefill 512", 512, 0, "prefill"),
     ("prefill 2K", 2048, 0, "prefill"),
     ("prefill 8K", 8192, 0, "prefill"),
+    ("prefill 32K", 32768, 0, "prefill"),
     ("decode @1K", 1024 - 64, 64, "decode"),
     ("decode @8K", 8192 - 64, 64, "decode"),
+    ("decode @32K", 32768 - 64, 64, "decode"),
 ]
 
+# llama.cpp KV variants: name -> (type_k = type_v as a GGML type id, flash attention). llama.cpp
+# quantizes V only with flash attention on, so the quantized variants run with it.
+LLAMA_KV = {"f16": (1, False), "f16+fa": (1, True), "q8_0+fa": (8, True), "q4_0+fa": (2, True)}
+
+LLAMA_TOKENIZE = r"""
+import json, sys
+from llama_cpp import Llama
+model, text_file, out = sys.argv[1], sys.argv[2], sys.argv[3]
+tok = Llama(model_path=model, vocab_only=True, verbose=False)
+json.dump(tok.tokenize(open(text_file, "rb").read(), add_bos=True), open(out, "w"))
+"""
+
 LLAMA_RUNNER = r"""
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 import llama_cpp
 from llama_cpp import Llama
-model, ids_file, n_gen, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-ids = json.load(open(ids_file))
-llm = Llama(model_path=model, n_ctx=len(ids) + n_gen + 8, n_batch=512, n_ubatch=512, n_threads=threads,
-            n_threads_batch=threads, verbose=False)
+o = json.loads(sys.argv[1])
+ids = json.load(open(o["ids_file"]))[:o["n_prompt"]]
+n_gen = o["n_gen"]
+extra = {}
+if o["rope_factor"] > 1:
+    extra = dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR, rope_freq_scale=1.0 / o["rope_factor"])
+llm = Llama(model_path=o["model"], n_ctx=len(ids) + n_gen + 8, n_batch=512, n_ubatch=512, n_threads=o["threads"],
+            n_threads_batch=o["threads"], flash_attn=o["flash_attn"], type_k=o["type_kv"], type_v=o["type_kv"],
+            verbose=False, **extra)
 n_vocab = llm.n_vocab()
 def last_logits():  # the last evaluated token's logits, straight from the context
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
@@ -54,34 +84,67 @@ print(json.dumps({"engine": "llama.cpp", "prompt_tokens": len(ids), "gen_tokens"
 """
 
 
-def have_llama_cpp():
-    try:
-        import llama_cpp  # noqa: F401
-        return True
-    except ImportError:
+def can_import_llama(python):
+    if not python or not os.access(python, os.X_OK):
         return False
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+
+
+def llama_build_info(python):
+    """What llama.cpp is measured: the native build's record, else what the interpreter reports."""
+    info_file = os.path.join(NATIVE, "info.json")
+    if os.path.realpath(python).startswith(os.path.realpath(NATIVE)) and os.path.exists(info_file):
+        return json.load(open(info_file))
+    out = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__); "
+                          "print(llama_cpp.llama_print_system_info().decode().strip())"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return {"llama_cpp_python": out[0], "cmake_args": "prebuilt wheel (not built here)", "system_info": out[1]}
 
 
 def run_json(cmd):
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"engine_speed: {' '.join(cmd[:3])} ... failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def rope_factor(n_ctx):
+    return max(1, math.ceil(n_ctx / TRAINED_CTX))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--xctx", default=os.path.join(ROOT, "build", "xctx"))
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--calib", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.calib"),
+                    help="calibration file for xctx's nuq caches")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated config labels to run")
+    ap.add_argument("--xctx-caches", default="fp16,kivi4,nuq3-1%")
+    ap.add_argument("--llama-kv", default=",".join(LLAMA_KV), help="llama.cpp KV variants: " + ", ".join(LLAMA_KV))
+    ap.add_argument("--llama-python", default="",
+                    help="interpreter with llama-cpp-python (default: build-llama-native's, else this one)")
+    ap.add_argument("--out", default="engine_speed", help="results file stem in benchmarks/results")
     ap.add_argument("--merge", nargs="*", default=[],
                     help="instead of measuring, write the results from the JSON rows in these logs")
     args = ap.parse_args()
+    caches = [c for c in args.xctx_caches.split(",") if c]
+    kvs = [k for k in args.llama_kv.split(",") if k]
+    for k in kvs:
+        if k not in LLAMA_KV:
+            sys.exit(f"engine_speed: unknown llama.cpp KV variant '{k}' (known: {', '.join(LLAMA_KV)})")
+
+    python = args.llama_python or os.path.join(NATIVE, "venv", "bin", "python")
+    if not can_import_llama(python):
+        python = sys.executable if not args.llama_python and can_import_llama(sys.executable) else ""
+    if not python and kvs:
+        print("no llama-cpp-python (run benchmarks/install-llama-native): measuring xctx only", file=sys.stderr)
+    info = llama_build_info(python) if python and kvs else None
+
     if args.merge:
         rows = [json.loads(l) for f in args.merge for l in open(f) if l.startswith('{"config"')]
-        order = [c[0] for c in CONFIGS]
-        rows.sort(key=lambda r: order.index(r["config"]))
-        write_results(rows, args.threads, args.repeat, "llama_tok_s" in rows[0])
+        write_results(rows, args, info)
         return
 
     import austen_text
@@ -89,48 +152,51 @@ def main():
     tmp = tempfile.mkdtemp(prefix="xctx-bench-")
     text_file = os.path.join(tmp, "austen.txt")
     open(text_file, "w").write(text)
+    ids_file = os.path.join(tmp, "ids.json")
+    if info:
+        # Same ids as xctx: the xctx tokenizer is golden-tested against llama.cpp's.
+        subprocess.run([python, "-c", LLAMA_TOKENIZE, args.model, text_file, ids_file], check=True)
+        n_ids = len(json.load(open(ids_file)))
+        assert n_ids >= max(c[1] for c in CONFIGS), f"{n_ids} tokens of text"
 
-    llama = have_llama_cpp()
-    if not llama:
-        print("llama-cpp-python not installed: measuring xctx only", file=sys.stderr)
     rows = []
     for label, n_prompt, n_gen, kind in CONFIGS:
         if args.only and label not in args.only.split(","):
             continue
-        xs = [run_json([args.xctx, "bench", "--model", args.model, "--text", text_file, "--prompt-tokens",
-                        str(n_prompt), "--gen-tokens", str(n_gen), "--threads", str(args.threads)])
-              for _ in range(args.repeat)]
-        row = {"config": label, "kind": kind, "prompt_tokens": n_prompt, "gen_tokens": n_gen}
         key = "prefill_tok_s" if kind == "prefill" else "decode_tok_s"
-        row["xctx_tok_s"] = max(x[key] for x in xs)
-        row["xctx_tok_s_min"] = min(x[key] for x in xs)
-        row["xctx_peak_rss_mib"] = max(x["peak_rss_bytes"] for x in xs) / 2**20
-        if llama:
-            # Same ids as xctx: the xctx tokenizer is golden-tested against llama.cpp's.
-            from llama_cpp import Llama
-            tok = Llama(model_path=args.model, vocab_only=True, verbose=False)
-            ids = tok.tokenize(text.encode(), add_bos=True)
-            ids = (ids * (1 + n_prompt // len(ids)))[:n_prompt]
-            ids_file = os.path.join(tmp, "ids.json")
-            json.dump(ids, open(ids_file, "w"))
-            ls = [run_json([sys.executable, "-c", LLAMA_RUNNER, args.model, ids_file, str(n_gen), str(args.threads)])
-                  for _ in range(args.repeat)]
-            row["llama_tok_s"] = max(x[key] for x in ls)
-            row["llama_tok_s_min"] = min(x[key] for x in ls)
-            row["llama_peak_rss_mib"] = max(x["peak_rss_bytes"] for x in ls) / 2**20
-            row["xctx_over_llama"] = row["xctx_tok_s"] / row["llama_tok_s"]
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        n_ctx = n_prompt + n_gen
+        f = rope_factor(n_ctx)
+        engines = [("xctx", c) for c in caches] + ([("llama.cpp", k) for k in kvs] if info else [])
+        for engine, variant in engines:
+            if engine == "xctx":
+                cmd = [args.xctx, "bench", "--model", args.model, "--text", text_file, "--prompt-tokens", str(n_prompt),
+                       "--gen-tokens", str(n_gen), "--threads", str(args.threads), "--cache", variant,
+                       "--ctx", str(n_ctx + 8)]
+                if variant.startswith("nuq"):
+                    cmd += ["--calib", args.calib]
+                if f > 1:
+                    cmd += ["--rope-scaling", "linear", "--rope-factor", str(f)]
+            else:
+                type_kv, fa = LLAMA_KV[variant]
+                opts = {"model": args.model, "ids_file": ids_file, "n_prompt": n_prompt, "n_gen": n_gen,
+                        "threads": args.threads, "type_kv": type_kv, "flash_attn": fa, "rope_factor": f}
+                cmd = [python, "-c", LLAMA_RUNNER, json.dumps(opts)]
+            runs = [run_json(cmd) for _ in range(args.repeat)]
+            row = {"config": label, "kind": kind, "prompt_tokens": n_prompt, "gen_tokens": n_gen, "engine": engine,
+                   "variant": variant, "tok_s": max(x[key] for x in runs), "tok_s_min": min(x[key] for x in runs),
+                   "peak_rss_mib": max(x["peak_rss_bytes"] for x in runs) / 2**20}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    write_results(rows, args, info)
 
-    write_results(rows, args.threads, args.repeat, llama)
 
-
-def write_results(rows, threads, repeat, llama):
+def write_results(rows, args, info):
     out_dir = os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
-    fields = list(rows[0].keys())
-    with open(os.path.join(out_dir, "engine_speed.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+    order = [c[0] for c in CONFIGS]
+    rows.sort(key=lambda r: order.index(r["config"]))
+    with open(os.path.join(out_dir, args.out + ".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
         w.writerows(rows)
     cpu = platform.processor() or "cpu"
@@ -138,24 +204,24 @@ def write_results(rows, threads, repeat, llama):
         cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
     except (OSError, IndexError):
         pass
-    with open(os.path.join(out_dir, "engine_speed.md"), "w") as f:
-        f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {threads} threads, {cpu}\n\n")
+    md = os.path.join(out_dir, args.out + ".md")
+    with open(md, "w") as f:
+        f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {args.threads} threads, {cpu}\n\n")
         f.write("Command: `python3 benchmarks/engine_speed.py --threads %d --repeat %d`; best of %d runs "
-                "(slowest in parentheses), each in a fresh process; fp16 cache for both engines.\n\n"
-                % (threads, repeat, repeat))
-        if llama:
-            f.write("| config | xctx tok/s | llama.cpp tok/s | xctx / llama.cpp | xctx peak RSS | llama.cpp peak RSS |\n")
-            f.write("|---|---|---|---|---|---|\n")
-            for r in rows:
-                f.write(f"| {r['config']} | {r['xctx_tok_s']:.1f} ({r['xctx_tok_s_min']:.1f}) | "
-                        f"{r['llama_tok_s']:.1f} ({r['llama_tok_s_min']:.1f}) | {r['xctx_over_llama']:.2f} | "
-                        f"{r['xctx_peak_rss_mib']:.0f} MiB | {r['llama_peak_rss_mib']:.0f} MiB |\n")
-        else:
-            f.write("| config | xctx tok/s | xctx peak RSS |\n|---|---|---|\n")
-            for r in rows:
-                f.write(f"| {r['config']} | {r['xctx_tok_s']:.1f} ({r['xctx_tok_s_min']:.1f}) | "
-                        f"{r['xctx_peak_rss_mib']:.0f} MiB |\n")
-    print(open(os.path.join(out_dir, "engine_speed.md")).read())
+                "(slowest in parentheses), each in a fresh process. `vs xctx fp16`: this engine's tok/s "
+                "over xctx's with its fp16 cache in the same configuration.\n\n" % (args.threads, args.repeat, args.repeat))
+        if info:
+            f.write(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} (ggml {info.get('ggml', '?')}), "
+                    f"{info['cmake_args']}; {info.get('compiler', '')}\n\n")
+            f.write(f"llama.cpp system info: `{info['system_info']}`\n\n")
+        f.write("| config | engine | cache | tok/s | vs xctx fp16 | peak RSS |\n|---|---|---|---|---|---|\n")
+        for r in rows:
+            base = next((b["tok_s"] for b in rows if b["config"] == r["config"] and b["engine"] == "xctx"
+                         and b["variant"] == "fp16"), None)
+            ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
+            f.write(f"| {r['config']} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}) | "
+                    f"{ratio} | {r['peak_rss_mib']:.0f} MiB |\n")
+    print(open(md).read())
 
 
 if __name__ == "__main__":
