@@ -93,7 +93,8 @@ def can_import_llama(python):
 def llama_build_info(python):
     """What llama.cpp is measured: the native build's record, else what the interpreter reports."""
     info_file = os.path.join(NATIVE, "info.json")
-    if os.path.realpath(python).startswith(os.path.realpath(NATIVE)) and os.path.exists(info_file):
+    # abspath, not realpath: a venv's python is a link to the interpreter it was made from.
+    if os.path.abspath(python).startswith(os.path.abspath(NATIVE) + os.sep) and os.path.exists(info_file):
         return json.load(open(info_file))
     out = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__); "
                           "print(llama_cpp.llama_print_system_info().decode().strip())"],
@@ -207,9 +208,11 @@ def write_results(rows, args, info):
     md = os.path.join(out_dir, args.out + ".md")
     with open(md, "w") as f:
         f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {args.threads} threads, {cpu}\n\n")
-        f.write("Command: `python3 benchmarks/engine_speed.py --threads %d --repeat %d`; best of %d runs "
+        only = f" --only '{args.only}'" if args.only else ""
+        f.write("Command: `python3 benchmarks/engine_speed.py --threads %d --repeat %d%s`; best of %d runs "
                 "(slowest in parentheses), each in a fresh process. `vs xctx fp16`: this engine's tok/s "
-                "over xctx's with its fp16 cache in the same configuration.\n\n" % (args.threads, args.repeat, args.repeat))
+                "over xctx's with its fp16 cache in the same configuration.\n\n"
+                % (args.threads, args.repeat, only, args.repeat))
         if info:
             f.write(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} (ggml {info.get('ggml', '?')}), "
                     f"{info['cmake_args']}; {info.get('compiler', '')}\n\n")
