@@ -68,7 +68,8 @@ class guarded_bytes {
 };
 
 // Every AVX2 row decoder on a row that ends at a guard page, so a wide load meant for the row's
-// middle but issued at its end faults; the results must also equal the scalar decoders bitwise.
+// middle but issued at its end faults. The X-cache decoder must equal its scalar loop bitwise,
+// the KV decoders (one FMA) theirs within the rounding the FMA saves.
 TEST(kvq_avx2_rows, stay_inside_a_row_that_ends_at_a_guard_page) {
   if (!cpu::has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
   std::mt19937 rng(7);
@@ -102,8 +103,9 @@ TEST(kvq_avx2_rows, stay_inside_a_row_that_ends_at_a_guard_page) {
           cpu::impl::avx2::kvq_decode_values(v, 0, 1, got.data());
           cpu::impl::kvq_decode_values_scalar(v, 0, 1, want.data());
         }
-        // The vector code fuses code·scale + zero (one rounding), the scalar code rounds the product
-        // too: at most half an ulp of a product below 15 · 6.01 < 128, under FLT_EPSILON · 64.
+        // The vector code fuses code·scale + zero (one rounding), the scalar code also rounds the
+        // product: they differ by at most half an ulp of the product plus half an ulp of the result,
+        // both below 128 here (15 · 7.6 and the zeros), so 2 · 2^-18 = 64 FLT_EPSILON.
         for (int c = 0; c < C; ++c) ASSERT_NEAR(got[c], want[c], FLT_EPSILON * 64) << "keys " << keys << " c " << c;
       }
     }
