@@ -158,7 +158,8 @@ def main():
         # Same ids as xctx: the xctx tokenizer is golden-tested against llama.cpp's.
         subprocess.run([python, "-c", LLAMA_TOKENIZE, args.model, text_file, ids_file], check=True)
         n_ids = len(json.load(open(ids_file)))
-        assert n_ids >= max(c[1] for c in CONFIGS), f"{n_ids} tokens of text"
+        if n_ids < max(c[1] for c in CONFIGS):
+            sys.exit(f"engine_speed: the text has {n_ids} tokens, fewer than the longest prompt")
 
     rows = []
     for label, n_prompt, n_gen, kind in CONFIGS:
@@ -200,11 +201,15 @@ def write_results(rows, args, info):
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
         w.writerows(rows)
-    cpu = platform.processor() or "cpu"
+    cpu, flags = platform.processor() or "cpu", set()
     try:
-        cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
-    except (OSError, IndexError):
+        lines = open("/proc/cpuinfo").read().splitlines()
+        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
+        flags = set(next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags")))
+    except (OSError, StopIteration):
         pass
+    isa = ", ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "amx_tile")
+                    if f in flags) or "unknown"
     md = os.path.join(out_dir, args.out + ".md")
     with open(md, "w") as f:
         f.write(f"# Engine speed: SmolLM2-135M-Instruct Q4_1, {args.threads} threads, {cpu}\n\n")
@@ -213,6 +218,7 @@ def write_results(rows, args, info):
                 "(slowest in parentheses), each in a fresh process. `vs xctx fp16`: this engine's tok/s "
                 "over xctx's with its fp16 cache in the same configuration.\n\n"
                 % (args.threads, args.repeat, only, args.repeat))
+        f.write(f"CPU: {cpu}, {os.cpu_count()} cores; ISA extensions: {isa} (xctx picks its kernels at run time).\n\n")
         if info:
             f.write(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} (ggml {info.get('ggml', '?')}), "
                     f"{info['cmake_args']}; {info.get('compiler', '')}\n\n")
