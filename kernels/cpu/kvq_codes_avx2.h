@@ -28,11 +28,9 @@ template <int BITS, code_read R>
 inline __m256i codes8_shifted(const uint8_t* p) {
   uint32_t w = 0;
   int extra = 0;  // bits below the group in w
-  if constexpr (BITS == 1) {
-    w = p[0];
-  } else if constexpr (R == code_read::read_forward || BITS == 4) {
+  if constexpr ((R == code_read::read_forward && BITS > 1) || BITS == 4) {
     std::memcpy(&w, p, 4);
-  } else if constexpr (R == code_read::read_backward) {
+  } else if constexpr (R == code_read::read_backward && BITS > 1) {
     std::memcpy(&w, p + BITS - 4, 4);
     extra = 8 * (4 - BITS);
   } else if constexpr (BITS == 3) {

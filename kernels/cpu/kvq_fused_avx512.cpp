@@ -50,14 +50,15 @@ inline __m512i shift_control() {
 // 16 codes of BITS bits starting at p, code i in the low bits of dword lane i (bits above it are
 // the next codes'; the tables repeat with period 2^BITS). The group's 2·BITS bytes are read as in
 // kvq_codes_avx2.h: forward (8 bytes from p: not the row's last group), backward (8 bytes
-// ending where the group ends: not its first) or exactly.
+// ending where the group ends: not its first) or exactly. One more group covers the 8 - 2·BITS
+// extra bytes only for BITS >= 2, so 1-bit groups are always read exactly, as there.
 template <int BITS, code_read R>
 inline __m512i codes16(const uint8_t* p) {
   uint64_t w = 0;
-  if constexpr (R == code_read::read_forward || BITS == 4) {
+  if constexpr ((R == code_read::read_forward && BITS > 1) || BITS == 4) {
     std::memcpy(&w, p, 8);
     return _mm512_multishift_epi64_epi8(shift_control<BITS, 0>(), _mm512_set1_epi64((long long)w));
-  } else if constexpr (R == code_read::read_backward) {
+  } else if constexpr (R == code_read::read_backward && BITS > 1) {
     std::memcpy(&w, p + 2 * BITS - 8, 8);
     return _mm512_multishift_epi64_epi8(shift_control<BITS, 8 * (8 - 2 * BITS)>(), _mm512_set1_epi64((long long)w));
   } else {
