@@ -117,11 +117,14 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
   return cache[key] = t[t.size() / 2];
 }
 
-// decode_f32 / decode_q8: the decode path with float activations (the default) / activations
-// rounded to 8-bit blocks (llama.cpp's arithmetic); "cpu" is cpu::matmul with the default.
-enum variant : int { v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref };
-const char* const k_variant_names[] = {"cpu",          "decode_f32",   "decode_q8", "prefill_split_rows",
-                                       "prefill_whole_matrix", "dequant_blas", "ref"};
+// decode_f32 / decode_q16 / decode_q8: the decode path with float activations / activations
+// rounded to 16-bit blocks / to 8-bit blocks (llama.cpp's arithmetic); "cpu" is cpu::matmul
+// with the process's setting.
+enum variant : int {
+  v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16
+};
+const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
+                                       "dequant_blas", "ref", "decode_q16"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -142,6 +145,9 @@ void BM_matmul(benchmark::State& state) {
         break;
       case v_decode_q8:
         cpu::detail::matmul_decode(d.view, d.x.data(), n_tok, d.y.data(), cpu::decode_activations::act_q8);
+        break;
+      case v_decode_q16:
+        cpu::detail::matmul_decode(d.view, d.x.data(), n_tok, d.y.data(), cpu::decode_activations::act_q16);
         break;
       case v_prefill_split:
         cpu::detail::matmul_prefill(d.view, d.x.data(), n_tok, d.y.data(),
@@ -181,7 +187,7 @@ void matmul_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "n_tok", "threads", "variant"});
   for (int shape = 0; shape < (int)std::size(k_shapes); ++shape) {
     for (int threads : {1, 2}) {
-      for (int v : {v_decode_f32, v_decode_q8, v_dequant_blas}) b->Args({shape, 1, threads, v});
+      for (int v : {v_decode_f32, v_decode_q16, v_decode_q8, v_dequant_blas}) b->Args({shape, 1, threads, v});
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
     }
   }
@@ -194,7 +200,7 @@ void crossover_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "n_tok", "threads", "variant"});
   for (int shape : {2, 4}) {
     for (int64_t n_tok : {2, 4, 8, 12, 16, 24, 32, 40, 64, 96}) {
-      for (int v : {v_decode_f32, v_decode_q8, v_prefill_split}) b->Args({shape, n_tok, 1, v});
+      for (int v : {v_decode_f32, v_decode_q16, v_decode_q8, v_prefill_split}) b->Args({shape, n_tok, 1, v});
     }
   }
 }

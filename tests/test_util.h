@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 
 namespace xctx::test {
@@ -57,5 +58,19 @@ inline std::string default_model_path() {
     if (std::getenv("CI")) FAIL() << "model missing under CI: " << path_var;                 \
     GTEST_SKIP() << "model not fetched (run launch/fetch-model): " << path_var;              \
   }
+
+// Selects the CPU decode matmuls' activations (process-wide) for the scope's lifetime.
+class decode_activations_scope {
+ public:
+  explicit decode_activations_scope(cpu::decode_activations act) : saved_(cpu::get_decode_activations()) {
+    cpu::set_decode_activations(act);
+  }
+  ~decode_activations_scope() { cpu::set_decode_activations(saved_); }
+  decode_activations_scope(const decode_activations_scope&) = delete;
+  decode_activations_scope& operator=(const decode_activations_scope&) = delete;
+
+ private:
+  cpu::decode_activations saved_;
+};
 
 }  // namespace xctx::test

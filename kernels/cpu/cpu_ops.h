@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
@@ -25,19 +26,30 @@ void set_force_avx2(bool on);
 // token row's bits do not depend on n_tok, its offset, the other rows or the thread count).
 //
 // Activations of the decode path for legacy block quants (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0):
-//  * act_f32 (default): the weight codes are widened to floats in registers and multiplied
+//  * act_f32: the weight codes are widened to floats in registers and multiplied
 //    with the f32 activations, so the result differs from the exact product of the dequantized
 //    weights only by float accumulation (~1e-7 relative), like the sgemm prefill path.
 //    The result is a continuous function of x: splitting a sequence over a different number of
 //    ranks (which changes float summation orders upstream by ~1e-6) moves the logits by ~1e-6.
+//  * act_q16 (default): activations rounded to 16-bit blocks (step max|x_b| / 32767) and integer dot
+//    products (pmaddwd): the codes are widened to int16 once per block for all tokens, so a
+//    block costs 2 multiply-adds per token instead of 4 conversions and 4 FMAs: as fast as
+//    act_q8 and 1.5x act_f32 per matvec on AVX2. The rounding error is 1/256 of act_q8's (on
+//    SmolLM2 decode logits <= 0.005 from exact arithmetic, every greedy token unchanged); like
+//    act_q8 it is discontinuous in x (see below).
 //  * act_q8: activations rounded to 8-bit blocks and integer dot products, mirroring
-//    llama.cpp's arithmetic (faster). The rounding is discontinuous: a 1e-6 change of one
-//    activation can flip a rounding and move the logits by ~0.5, so multi-rank runs stop
-//    reproducing single-rank logits and greedy continuations diverge from a float64 reference.
-// Process-wide; XCTX_DECODE_ACT=q8 in the environment (read once) selects act_q8.
-enum class decode_activations : uint8_t { act_f32, act_q8 };
+//    llama.cpp's arithmetic (fastest). The rounding is discontinuous: a 1e-6 change of one
+//    activation can flip a rounding and move the logits by ~0.5 (measured), so results are no
+//    longer continuous in upstream float summation orders.
+// Rank counts: the integer paths keep multi-rank runs bitwise equal to one rank, because the
+// attention they follow is bitwise rank-count invariant (tests/mpi run under each setting).
+// Process-wide; XCTX_DECODE_ACT=f32|q16|q8 in the environment (read once) selects one.
+enum class decode_activations : uint8_t { act_f32, act_q8, act_q16 };
 void set_decode_activations(decode_activations act);
 decode_activations get_decode_activations();
+// "f32" / "q16" / "q8"; parse throws an Error naming `what` (e.g. "--decode-act") and the choices.
+const char* decode_activations_name(decode_activations act);
+decode_activations parse_decode_activations(std::string_view name, const char* what);
 
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
 // C = A·B (b_transposed false: B [k, n_out] row-major) or A·Bᵀ (true: B [n_out, k]), plus C

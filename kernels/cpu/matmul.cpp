@@ -314,17 +314,20 @@ void thread_rows(int64_t n_rows, int ith, int nth, int64_t* r0, int64_t* r1) {
   *r1 = std::min(n_rows, *r0 + per);
 }
 
-void quantize_act_scalar(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+namespace {
+
+template <typename Code>
+void quantize_act_scalar_t(const float* x, int64_t n, Code* qs, float* d, float* s) {
   for (int64_t b = 0; b < n / qk_small; ++b) {
     const float* xb = x + b * qk_small;
     float amax = 0.0f;
     for (int j = 0; j < qk_small; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float db = amax / 127.0f;
+    const float db = amax / (float)int_act<Code>::levels;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
     int sum = 0;
     for (int j = 0; j < qk_small; ++j) {
       const int q = (int)std::nearbyint(xb[j] * id);  // round-half-even, as _mm256_round_ps
-      qs[b * qk_small + j] = (int8_t)q;
+      qs[b * qk_small + j] = (Code)q;
       sum += q;
     }
     d[b] = db;
@@ -332,8 +335,9 @@ void quantize_act_scalar(const float* x, int64_t n, int8_t* qs, float* d, float*
   }
 }
 
-void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
-                       int64_t ldy) {
+template <typename Code>
+void dot_rows_q_scalar_t(const weight_view& w, int64_t r0, int64_t r1, const int_act<Code>& xq, int64_t n_tok,
+                         float* y, int64_t ldy) {
   const size_t row_bytes = w.row_bytes();
   const size_t block_bytes = (size_t)ggml_traits(w.type).block_bytes;
   const int64_t nb = xq.n_blocks;
@@ -347,7 +351,7 @@ void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_ac
       float d, c;
       block_codes(w.type, row + (size_t)b * block_bytes, q, &d, &c);
       for (int64_t t = 0; t < n_tok; ++t) {
-        const int8_t* xb = xq.qs + (t * nb + b) * qk_small;
+        const Code* xb = xq.qs + (t * nb + b) * qk_small;
         int32_t isum = 0;
         for (int j = 0; j < qk_small; ++j) isum += q[j] * xb[j];
         acc[(size_t)t] += d * xq.d[t * nb + b] * (float)isum;
@@ -356,6 +360,24 @@ void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_ac
     }
     for (int64_t t = 0; t < n_tok; ++t) y[t * ldy + r] = acc[(size_t)t] + off[(size_t)t];
   }
+}
+
+}  // namespace
+
+void quantize_act_scalar(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+  quantize_act_scalar_t(x, n, qs, d, s);
+}
+void quantize_act_scalar(const float* x, int64_t n, int16_t* qs, float* d, float* s) {
+  quantize_act_scalar_t(x, n, qs, d, s);
+}
+
+void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy) {
+  dot_rows_q_scalar_t(w, r0, r1, xq, n_tok, y, ldy);
+}
+void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy) {
+  dot_rows_q_scalar_t(w, r0, r1, xq, n_tok, y, ldy);
 }
 
 void dot_rows_qf_scalar(const weight_view& w, int64_t r0, int64_t r1, const float* x, int64_t n_tok, float* y,
@@ -400,6 +422,38 @@ void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float
   }
 }
 
+namespace {
+
+// The integer decode path: each token's activations quantized to Code blocks once, then every
+// thread's rows dotted against them.
+template <typename Code>
+void matmul_decode_int(const weight_view& w, const float* x, int64_t n_tok, float* y, bool simd) {
+  const int64_t n_cols = w.n_cols, nb = n_cols / qk_small;
+  thread_local std::vector<Code> qs;     // [n_tok, n_cols]
+  thread_local std::vector<float> d, s;  // [n_tok, nb]
+  qs.resize((size_t)(n_tok * n_cols));
+  d.resize((size_t)(n_tok * nb));
+  s.resize((size_t)(n_tok * nb));
+  for (int64_t t = 0; t < n_tok; ++t) {
+    if (simd) {
+      quantize_act_avx2(x + t * n_cols, n_cols, qs.data() + t * n_cols, d.data() + t * nb, s.data() + t * nb);
+    } else {
+      quantize_act_scalar(x + t * n_cols, n_cols, qs.data() + t * n_cols, d.data() + t * nb, s.data() + t * nb);
+    }
+  }
+  // Built here: inside the region the thread_locals would name each thread's own (empty) vectors.
+  const int_act<Code> xq{qs.data(), d.data(), s.data(), nb};
+  run_rows(w.n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+    if (simd) {
+      dot_rows_q_avx2(w, r0, r1, xq, n_tok, y, w.n_rows);
+    } else {
+      dot_rows_q_scalar(w, r0, r1, xq, n_tok, y, w.n_rows);
+    }
+  });
+}
+
+}  // namespace
+
 void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y, decode_activations act) {
   const bool simd = has_avx2();
   const int64_t n_rows = w.n_rows, n_cols = w.n_cols;
@@ -423,20 +477,10 @@ void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y
         dot_rows_qf_scalar(w, r0, r1, x, n_tok, y, n_rows);
       }
     });
+  } else if (is_legacy_quant(w.type) && act == decode_activations::act_q16) {
+    matmul_decode_int<int16_t>(w, x, n_tok, y, simd);
   } else if (is_legacy_quant(w.type)) {
-    thread_local std::vector<int8_t> qs;  // [n_tok, n_cols]
-    thread_local std::vector<float> d, s;  // [n_tok, nb]
-    qs.resize((size_t)(n_tok * n_cols));
-    d.resize((size_t)(n_tok * nb));
-    s.resize((size_t)(n_tok * nb));
-    for (int64_t t = 0; t < n_tok; ++t) {
-      (simd ? quantize_act_avx2 : quantize_act_scalar)(x + t * n_cols, n_cols, qs.data() + t * n_cols,
-                                                        d.data() + t * nb, s.data() + t * nb);
-    }
-    const q8_act xq{qs.data(), d.data(), s.data(), nb};
-    run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
-      (simd ? dot_rows_q_avx2 : dot_rows_q_scalar)(w, r0, r1, xq, n_tok, y, n_rows);
-    });
+    matmul_decode_int<int8_t>(w, x, n_tok, y, simd);
   } else if (is_float_type(w.type)) {
     run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
       (simd ? dot_rows_f_avx2 : dot_rows_f_scalar)(w, r0, r1, x, n_tok, y, n_rows);
@@ -514,13 +558,19 @@ int64_t prefill_min_tokens(ggml_type type, decode_activations act) {
   //   F32  1536x576: n_tok 4: 107 / 185, 8: 209 / 238, 16: 461 / 323
   //   F16  1536x576: n_tok 8: 194 / 287, 16: 403 / 384
   // K-quants dequantize each row once in either path, so they cross over like F32.
+  // act_q16 (codes widened to int16 once per block; AMD EPYC, AVX2, bench_matmul BM_crossover):
+  //   Q4_1 1536x576: n_tok 16: 1366 / 2167, 24: 1959 / 2414, 32: 2681 / 2731, 40: 3380 / 3093
+  //   Q8_0 49152x576: n_tok 24: 59.3 / 79.1 ms, 32: 80.3 / 88.8 ms, 40: 100.8 / 101.9 ms,
+  //                   64: 161.4 / 137.2 ms
+  // Every threshold stays <= 64, the shortest batch prefill hands the matmuls (batch_bounds).
   const bool f32 = act == decode_activations::act_f32;
+  const bool q16 = act == decode_activations::act_q16;
   switch (type) {
     case ggml_type::ggml_q4_0:
     case ggml_type::ggml_q4_1:
     case ggml_type::ggml_q5_0:
-    case ggml_type::ggml_q5_1: return f32 ? 12 : 40;
-    case ggml_type::ggml_q8_0: return f32 ? 20 : 64;
+    case ggml_type::ggml_q5_1: return f32 ? 12 : q16 ? 32 : 40;
+    case ggml_type::ggml_q8_0: return f32 ? 20 : q16 ? 40 : 64;
     case ggml_type::ggml_f16:
     case ggml_type::ggml_bf16: return 16;
     case ggml_type::ggml_f32:
@@ -544,6 +594,23 @@ std::atomic<int> g_decode_act{-1};
 
 }  // namespace
 
+const char* decode_activations_name(decode_activations act) {
+  switch (act) {
+    case decode_activations::act_f32: return "f32";
+    case decode_activations::act_q16: return "q16";
+    case decode_activations::act_q8: return "q8";
+  }
+  return "?";
+}
+
+decode_activations parse_decode_activations(std::string_view name, const char* what) {
+  for (decode_activations act :
+       {decode_activations::act_f32, decode_activations::act_q16, decode_activations::act_q8}) {
+    if (name == decode_activations_name(act)) return act;
+  }
+  fail(what, " must be f32, q16 or q8, not '", name, "'");
+}
+
 void set_decode_activations(decode_activations act) { g_decode_act.store((int)act, std::memory_order_relaxed); }
 
 decode_activations get_decode_activations() {
@@ -551,10 +618,9 @@ decode_activations get_decode_activations() {
   if (v < 0) {
     const char* env = std::getenv("XCTX_DECODE_ACT");
     const std::string_view e = env != nullptr ? env : "";
-    XCTX_CHECK(e.empty() || e == "f32" || e == "q8", "XCTX_DECODE_ACT must be f32 or q8, not '", e, "'");
-    const bool q8 = e == "q8";
     int expected = -1;
-    const int want = (int)(q8 ? decode_activations::act_q8 : decode_activations::act_f32);
+    const int want = (int)(e.empty() ? decode_activations::act_q16  // the default
+                                     : parse_decode_activations(e, "XCTX_DECODE_ACT"));
     v = g_decode_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
   }
   return (decode_activations)v;
@@ -572,6 +638,9 @@ decode_activations get_decode_activations() {
 //                one token's matmuls from these: ~3.9 ms act_f32 vs ~2.5 ms act_q8, 2 threads)
 //   n_tok = 512: Q4_1 576x576 2.80 / 1.56 ms, 1536x576 7.56 / 3.94 ms, 576x1536 7.79 / 4.11 ms
 // All decode matmuls of one token (96 MB of weights, cold): 3.9 ms / 2.4 ms.
+// Later, on an AVX2-only AMD EPYC (2026-11-26), n_tok = 1, 1 thread, f32 / q16 / q8:
+//   Q4_1 576x576 70.7 / 43.3 / 42.3 us, 1536x576 181 / 119 / 112 us, 576x1536 165 / 109 / 105 us,
+//   Q8_0 49152x576 5793 / 4541 / 4502 us.
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   const ggml_type_traits tr = ggml_traits(w.type);
   XCTX_CHECK(tr.name != nullptr, "cpu::matmul: unsupported weight type id ", (uint32_t)w.type);

@@ -3,12 +3,16 @@
 //
 // Float-activation path for legacy block quants (act_f32, the default): see dot_row_qf below.
 //
-// Integer path (legacy block quants against q8_act activations, act_q8). Per 32-element block:
+// Integer paths (legacy block quants against int8 activations, act_q8, or int16, act_q16).
+// act_q8, per 32-element block:
 //   weight codes as 32 bytes: unsigned 0..15 / 0..31 for Q4_x / Q5_x, signed for Q8_0;
 //   maddubs (u8 x s8 -> pairs summed to s16; at most 2*31*127 or 2*128*127, no saturation),
 //   madd with ones -> 8 x s32, converted to float and FMA'd with d_w * d_x into the token's
 //   accumulator. The weight's offset (Q4_1/Q5_1: + m; Q4_0: -8 d; Q5_0: -16 d) contributes
 //   offset * (d_x * sum q_x), the block sum precomputed with the activations.
+// act_q16: the codes are widened to 2 x 16 int16 once per block (for all tokens), then per token
+//   two madds (int16 x int16, pairs summed to s32) added: 8 x s32 of 4 products each (< 2^24,
+//   so the conversion to float is exact), scaled and offset as above.
 // Each weight row is unpacked once per group of up to 4 tokens, so for n_tok <= 4 the weights
 // are read from memory exactly once and further groups re-read the row from L1.
 #include <immintrin.h>
@@ -48,9 +52,12 @@ template <>
 struct qfmt<ggml_type::ggml_q4_0> {
   using block = block_q4_0;
   static constexpr bool has_offset = true;
-  static __m256i codes(const block* b, float* d, float* c) {
+  static void scale_offset(const block* b, float* d, float* c) {
     *d = load_f16(b->d);
     *c = -8.0f * *d;
+  }
+  static __m256i codes(const block* b, float* d, float* c) {
+    scale_offset(b, d, c);
     return unpack_nibbles(b->qs);
   }
 };
@@ -58,12 +65,15 @@ template <>
 struct qfmt<ggml_type::ggml_q4_1> {
   using block = block_q4_1;
   static constexpr bool has_offset = true;
-  static __m256i codes(const block* b, float* d, float* c) {
+  static void scale_offset(const block* b, float* d, float* c) {
     int dm;
     std::memcpy(&dm, &b->d, 4);  // d and m are adjacent fp16s: convert both at once
     const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
     *d = _mm_cvtss_f32(f);
     *c = _mm_cvtss_f32(_mm_movehdup_ps(f));
+  }
+  static __m256i codes(const block* b, float* d, float* c) {
+    scale_offset(b, d, c);
     return unpack_nibbles(b->qs);
   }
 };
@@ -101,12 +111,36 @@ struct qfmt<ggml_type::ggml_q8_0> {
   }
 };
 
-// One weight row against NT activation rows. U independent accumulator sets hide the FMA
-// latency when a single token gives too little independent work.
-template <ggml_type T, int NT, int U>
-void dot_row_q(const void* row, int64_t nb, const int8_t* const* xq /*[NT]*/, const float* const* xd /*[NT]*/,
+// The 32 codes of a block as two vectors of 16 int16 (elements 0..15, 16..31) for act_q16:
+// straight from the block for Q4_x (one widening of the 16 nibble bytes, then mask / shift) and
+// Q8_0 (two sign-extending loads); Q5_x widen their byte codes.
+template <ggml_type T>
+inline void codes16(const typename qfmt<T>::block* b, float* d, float* c, __m256i* lo, __m256i* hi) {
+  if constexpr (T == ggml_type::ggml_q4_0 || T == ggml_type::ggml_q4_1) {
+    qfmt<T>::scale_offset(b, d, c);
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)b->qs));
+    *lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
+    *hi = _mm256_srli_epi16(both, 4);
+  } else if constexpr (T == ggml_type::ggml_q8_0) {
+    *d = load_f16(b->d);
+    *c = 0.0f;
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b->qs));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b->qs + 16)));
+  } else {
+    const __m256i q = qfmt<T>::codes(b, d, c);
+    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+  }
+}
+
+// One weight row against NT activation rows of Code (int8: maddubs + madd; int16: the codes
+// widened once per block, then two madds per token). U independent accumulator sets hide the
+// FMA latency when a single token gives too little independent work.
+template <ggml_type T, typename Code, int NT, int U>
+void dot_row_q(const void* row, int64_t nb, const Code* const* xq /*[NT]*/, const float* const* xd /*[NT]*/,
                const float* const* xs /*[NT]*/, float* out /*[NT]*/) {
   using F = qfmt<T>;
+  constexpr bool wide = sizeof(Code) == 2;
   const auto* blk = (const typename F::block*)row;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[U][NT];
@@ -119,13 +153,25 @@ void dot_row_q(const void* row, int64_t nb, const int8_t* const* xq /*[NT]*/, co
   }
   auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
     float d, c;
-    const __m256i q = F::codes(blk + b, &d, &c);
-    __m256i q_unsigned = q;
-    if constexpr (T == ggml_type::ggml_q8_0) q_unsigned = _mm256_sign_epi8(q, q);  // |q|, sign moved to x
+    __m256i q, q_lo, q_hi, q_unsigned;
+    if constexpr (wide) {
+      codes16<T>(blk + b, &d, &c, &q_lo, &q_hi);
+    } else {
+      q = F::codes(blk + b, &d, &c);
+      q_unsigned = q;
+      if constexpr (T == ggml_type::ggml_q8_0) q_unsigned = _mm256_sign_epi8(q, q);  // |q|, sign moved to x
+    }
     for (int t = 0; t < NT; ++t) {
-      __m256i x = _mm256_loadu_si256((const __m256i*)(xq[t] + b * qk_small));
-      if constexpr (T == ggml_type::ggml_q8_0) x = _mm256_sign_epi8(x, q);
-      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q_unsigned, x), ones);
+      const Code* xb = xq[t] + b * qk_small;
+      __m256i p32;
+      if constexpr (wide) {  // 8 lanes of 4 products each: |sum| <= 4 * 128 * 32767 < 2^24
+        p32 = _mm256_add_epi32(_mm256_madd_epi16(q_lo, _mm256_loadu_si256((const __m256i*)xb)),
+                               _mm256_madd_epi16(q_hi, _mm256_loadu_si256((const __m256i*)(xb + 16))));
+      } else {
+        __m256i x = _mm256_loadu_si256((const __m256i*)xb);
+        if constexpr (T == ggml_type::ggml_q8_0) x = _mm256_sign_epi8(x, q);
+        p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q_unsigned, x), ones);
+      }
       acc[u][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * xd[t][b]), acc[u][t]);
       if constexpr (F::has_offset) off[u][t] += c * xs[t][b];
     }
@@ -146,9 +192,10 @@ void dot_row_q(const void* row, int64_t nb, const int8_t* const* xq /*[NT]*/, co
   }
 }
 
-template <ggml_type T, int NT>
-void dot_row_q_group(const void* row, int64_t nb, const q8_act& xq, int64_t t0, float* y, int64_t ldy, int64_t r) {
-  const int8_t* qs[NT];
+template <ggml_type T, typename Code, int NT>
+void dot_row_q_group(const void* row, int64_t nb, const int_act<Code>& xq, int64_t t0, float* y, int64_t ldy,
+                     int64_t r) {
+  const Code* qs[NT];
   const float* d[NT];
   const float* s[NT];
   for (int t = 0; t < NT; ++t) {
@@ -157,23 +204,23 @@ void dot_row_q_group(const void* row, int64_t nb, const q8_act& xq, int64_t t0, 
     s[t] = xq.s + (t0 + t) * nb;
   }
   float out[NT];
-  dot_row_q<T, NT, (NT == 1 ? 2 : 1)>(row, nb, qs, d, s, out);
+  dot_row_q<T, Code, NT, (NT == 1 ? 2 : 1)>(row, nb, qs, d, s, out);
   for (int t = 0; t < NT; ++t) y[(t0 + t) * ldy + r] = out[t];
 }
 
-template <ggml_type T>
-void dot_rows_q(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+template <ggml_type T, typename Code>
+void dot_rows_q(const weight_view& w, int64_t r0, int64_t r1, const int_act<Code>& xq, int64_t n_tok, float* y,
                 int64_t ldy) {
   const size_t row_bytes = w.row_bytes();
   const int64_t nb = xq.n_blocks;
   for (int64_t r = r0; r < r1; ++r) {
     const void* row = (const uint8_t*)w.data + (size_t)r * row_bytes;
     int64_t t = 0;
-    for (; t + 4 <= n_tok; t += 4) dot_row_q_group<T, 4>(row, nb, xq, t, y, ldy, r);
+    for (; t + 4 <= n_tok; t += 4) dot_row_q_group<T, Code, 4>(row, nb, xq, t, y, ldy, r);
     switch (n_tok - t) {
-      case 3: dot_row_q_group<T, 3>(row, nb, xq, t, y, ldy, r); break;
-      case 2: dot_row_q_group<T, 2>(row, nb, xq, t, y, ldy, r); break;
-      case 1: dot_row_q_group<T, 1>(row, nb, xq, t, y, ldy, r); break;
+      case 3: dot_row_q_group<T, Code, 3>(row, nb, xq, t, y, ldy, r); break;
+      case 2: dot_row_q_group<T, Code, 2>(row, nb, xq, t, y, ldy, r); break;
+      case 1: dot_row_q_group<T, Code, 1>(row, nb, xq, t, y, ldy, r); break;
       case 0: break;
     }
   }
@@ -447,7 +494,10 @@ void dot_rows_f(const weight_view& w, int64_t r0, int64_t r1, const float* x, in
 
 }  // namespace
 
-void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+namespace {
+
+template <typename Code>
+void quantize_act_avx2_t(const float* x, int64_t n, Code* qs, float* d, float* s) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < n / qk_small; ++b) {
     const float* xb = x + b * qk_small;
@@ -460,7 +510,7 @@ void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
     // Same scalar operations as quantize_act_scalar, so both produce identical bits.
-    const float db = amax / 127.0f;
+    const float db = amax / (float)int_act<Code>::levels;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
     const __m256 idv = _mm256_set1_ps(id);
     __m256i q[4];
@@ -469,19 +519,25 @@ void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s
       q[i] = _mm256_cvtps_epi32(r);
     }
     const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-    // packs work within 128-bit lanes; the permute restores element order.
+    // packs work within 128-bit lanes; the permutes restore element order.
     const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
     const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
-    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i*)(qs + b * qk_small), p8);
+    if constexpr (sizeof(Code) == 1) {
+      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i*)(qs + b * qk_small), p8);
+    } else {
+      _mm256_storeu_si256((__m256i*)(qs + b * qk_small), _mm256_permute4x64_epi64(p16a, _MM_SHUFFLE(3, 1, 2, 0)));
+      _mm256_storeu_si256((__m256i*)(qs + b * qk_small + 16), _mm256_permute4x64_epi64(p16b, _MM_SHUFFLE(3, 1, 2, 0)));
+    }
     d[b] = db;
     s[b] = db * (float)sum;
   }
 }
 
-void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
-                     int64_t ldy) {
+template <typename Code>
+void dot_rows_q_avx2_t(const weight_view& w, int64_t r0, int64_t r1, const int_act<Code>& xq, int64_t n_tok,
+                       float* y, int64_t ldy) {
   switch (w.type) {
     case ggml_type::ggml_q4_0: return dot_rows_q<ggml_type::ggml_q4_0>(w, r0, r1, xq, n_tok, y, ldy);
     case ggml_type::ggml_q4_1: return dot_rows_q<ggml_type::ggml_q4_1>(w, r0, r1, xq, n_tok, y, ldy);
@@ -500,6 +556,24 @@ void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act&
     case ggml_type::ggml_q8_k: break;
   }
   XCTX_ASSERT(false, "dot_rows_q_avx2: not a legacy quant type: ", (uint32_t)w.type);
+}
+
+}  // namespace
+
+void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s) {
+  quantize_act_avx2_t(x, n, qs, d, s);
+}
+void quantize_act_avx2(const float* x, int64_t n, int16_t* qs, float* d, float* s) {
+  quantize_act_avx2_t(x, n, qs, d, s);
+}
+
+void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                     int64_t ldy) {
+  dot_rows_q_avx2_t(w, r0, r1, xq, n_tok, y, ldy);
+}
+void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                     int64_t ldy) {
+  dot_rows_q_avx2_t(w, r0, r1, xq, n_tok, y, ldy);
 }
 
 void dot_rows_qf_avx2(const weight_view& w, int64_t r0, int64_t r1, const float* x, const float* x_sum,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
@@ -10,29 +11,41 @@
 namespace xctx::cpu::detail {
 
 // Activations for the integer dot products: every 32-element block of a row quantized
-// symmetrically to int8 (d = max|x| / 127, q = round-half-even(x / d)), with the block sum kept
-// so weight formats with an offset (Q4_0: q - 8, Q4_1: + m, ...) cost one multiply per block.
-// Scales stay in float (not fp16 as GGML's Q8_1 has them) so the only error is the rounding
-// of x to the 8-bit grid: |x - d q| <= d / 2.
-struct q8_act {
-  const int8_t* qs = nullptr;  // [n_tok, n_cols]
-  const float* d = nullptr;    // [n_tok, n_blocks]
-  const float* s = nullptr;    // [n_tok, n_blocks]  d * sum(q) of the block
-  int64_t n_blocks = 0;        // per row: n_cols / 32
+// symmetrically to Code (d = max|x| / L, q = round-half-even(x / d), L = 127 for int8 (act_q8),
+// 32767 for int16 (act_q16)), with the block sum kept so weight formats with an offset (Q4_0:
+// q - 8, Q4_1: + m, ...) cost one multiply per block. Scales stay in float (not fp16 as GGML's
+// Q8_1 has them) so the only error is the rounding of x to the grid: |x - d q| <= d / 2.
+template <typename Code>
+struct int_act {
+  static constexpr int levels = std::numeric_limits<Code>::max();  // 127 or 32767
+  const Code* qs = nullptr;  // [n_tok, n_cols]
+  const float* d = nullptr;  // [n_tok, n_blocks]
+  const float* s = nullptr;  // [n_tok, n_blocks]  d * sum(q) of the block
+  int64_t n_blocks = 0;      // per row: n_cols / 32
 };
+using q8_act = int_act<int8_t>;
+using q16_act = int_act<int16_t>;
 
 // Quantizes one row of n (multiple of 32) floats. The scalar and AVX2 versions give identical
 // bits (same operations, round-half-even in both).
 void quantize_act_scalar(const float* x /*[n]*/, int64_t n, int8_t* qs /*[n]*/, float* d /*[n/32]*/,
                          float* s /*[n/32]*/);
+void quantize_act_scalar(const float* x, int64_t n, int16_t* qs, float* d, float* s);
 void quantize_act_avx2(const float* x, int64_t n, int8_t* qs, float* d, float* s);
+void quantize_act_avx2(const float* x, int64_t n, int16_t* qs, float* d, float* s);
 
 // Rows [r0, r1) of a legacy-quant weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against n_tok quantized
-// activation rows: y[t * ldy + r] = dot(W[r], x[t]).
+// activation rows: y[t * ldy + r] = dot(W[r], x[t]). Integer sums are exact (per block at most
+// 32 * 128 * 32767 < 2^31; the AVX2 kernel's int32 lanes hold 4 products, < 2^24, so their
+// conversion to float is exact too).
 void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok,
                        float* y /*[n_tok, ldy]*/, int64_t ldy);
+void dot_rows_q_scalar(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy);
 void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok,
                      float* y /*[n_tok, ldy]*/, int64_t ldy);
+void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                     int64_t ldy);
 
 // Rows [r0, r1) of a legacy-quant weight against n_tok float activation rows (the act_f32
 // decode path): each block's codes are widened to floats in registers and FMA'd with x, so

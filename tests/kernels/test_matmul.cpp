@@ -1,12 +1,14 @@
 // cpu::matmul / cpu::get_rows / cpu::dequantize_row against the reference kernels.
 //
 // Error bounds, per output element y[t, r] (W dequantized exactly as the reference does):
-//  * integer decode path (legacy quants): activations are rounded to an int8 grid of step
-//    d_b = max|x_b| / 127 per 32-element block b, so |x - x̃| <= d_b / 2 (plus the rounding of
-//    x * (1/d_b), a relative 2^-23 of at most 127 steps). Hence
-//        |y_cpu - y_ref| <= Σ_b d_b (1/2 + 127·2^-22) Σ_{i in b} |w_i|  +  float error.
+//  * integer decode paths (legacy quants): activations are rounded to a grid of step
+//    d_b = max|x_b| / L per 32-element block b (L = 127 for int8, act_q8; 32767 for int16,
+//    act_q16), so |x - x̃| <= d_b / 2 (plus the rounding of x * (1/d_b), a relative 2^-23 of at
+//    most L steps). Hence
+//        |y_cpu - y_ref| <= Σ_b d_b (1/2 + L·2^-23) Σ_{i in b} |w_i|  +  float error.
 //    The float error: each block contributes d_w·d_x·Σq·qx and c·d_x·Σqx (c = m, -8d or -16d),
-//    integer sums are exact, and at most (n_blocks + 10) roundings of relative 2^-24 hit terms of
+//    integer sums are exact (converted to float: one more rounding per block in the scalar
+//    int16 kernel), and at most (n_blocks + 10) roundings of relative 2^-24 hit terms of
 //    magnitude (|w_i| + 2|c_b|)·|x̃_i| <= (|w_i| + 2|c_b|)(|x_i| + d_b).
 //  * float paths (F32/F16/BF16 and K-quant decode, every sgemm prefill): only accumulation
 //    error, <= (n_cols + 8)·2^-23·Σ|w_i||x_i|.
@@ -47,8 +49,35 @@ using cpu::detail::prefill_mode;
 
 constexpr double k_f32_eps = 1.0 / (1 << 23);  // FLT_EPSILON
 constexpr double k_unit_round = k_f32_eps / 2;
-// Half a step of the activation grid, widened by the rounding of x·(1/d) (<= 127 steps · 2^-23).
-constexpr double k_act_half_step = 0.5 + 127.0 * k_f32_eps;
+// Half a step of the activation grid, widened by the rounding of x·(1/d) (<= L steps · 2^-23).
+constexpr double act_half_step(int levels) { return 0.5 + levels * k_f32_eps; }
+
+// The integer decode paths and their grids: index 0 act_q8 (int8), 1 act_q16 (int16).
+constexpr cpu::decode_activations k_int_acts[] = {cpu::decode_activations::act_q8, cpu::decode_activations::act_q16};
+constexpr int k_int_levels[] = {127, 32767};
+int int_path_index(cpu::decode_activations act) { return act == cpu::decode_activations::act_q16 ? 1 : 0; }
+
+// Row t of x on path p's grid (x̃ = d·q from quantize_act_scalar) and each block's step d.
+void grid_activations(int p, const float* x, int64_t n_cols, double* x_grid, double* step) {
+  const int64_t nb = n_cols / qk_small;
+  std::vector<float> d((size_t)nb), s((size_t)nb);
+  std::vector<int32_t> q((size_t)n_cols);
+  if (p == 0) {
+    std::vector<int8_t> q8((size_t)n_cols);
+    cpu::detail::quantize_act_scalar(x, n_cols, q8.data(), d.data(), s.data());
+    std::copy(q8.begin(), q8.end(), q.begin());
+  } else {
+    std::vector<int16_t> q16((size_t)n_cols);
+    cpu::detail::quantize_act_scalar(x, n_cols, q16.data(), d.data(), s.data());
+    std::copy(q16.begin(), q16.end(), q.begin());
+  }
+  for (int64_t i = 0; i < n_cols; ++i) x_grid[i] = (double)d[(size_t)(i / qk_small)] * q[(size_t)i];
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0.0f;
+    for (int j = 0; j < qk_small; ++j) amax = std::max(amax, std::fabs(x[b * qk_small + j]));
+    step[b] = amax / (double)k_int_levels[p];
+  }
+}
 
 struct shape {
   const char* name;
@@ -205,30 +234,26 @@ class matmul_test : public testing::TestWithParam<mm_case> {
     abs_dot_.assign((size_t)(n_tok * n_rows), 0.0);
     abs_terms_f_.assign((size_t)(n_tok * n_rows), 0.0);
     const bool has_min = c.type == ggml_type::ggml_q4_1 || c.type == ggml_type::ggml_q5_1;
-    quant_term_.assign((size_t)(n_tok * n_rows), 0.0);
-    int_float_err_.assign((size_t)(n_tok * n_rows), 0.0);
     std::vector<float> w((size_t)n_cols);  // [n_cols]
     std::vector<double> blk_abs((size_t)nb), blk_off((size_t)nb);  // [nb]
-    std::vector<double> x_step((size_t)(n_tok * nb)), x_max((size_t)(n_tok * nb));  // [n_tok, nb]
-    std::vector<double> x_grid;  // [n_tok, n_cols] the activations as the integer path sees them
-    y_grid_.assign((size_t)(n_tok * n_rows), 0.0);
-    if (legacy) {
-      std::vector<int8_t> q((size_t)n_cols);
-      std::vector<float> d((size_t)nb), s((size_t)nb);
-      x_grid.resize((size_t)(n_tok * n_cols));
+    std::vector<double> x_max((size_t)(n_tok * nb));  // [n_tok, nb]
+    std::vector<double> x_step[2], x_grid[2];  // per integer path: [n_tok, nb], [n_tok, n_cols] (x as it sees them)
+    for (int p = 0; p < 2; ++p) {
+      quant_term_[p].assign((size_t)(n_tok * n_rows), 0.0);
+      int_float_err_[p].assign((size_t)(n_tok * n_rows), 0.0);
+      y_grid_[p].assign((size_t)(n_tok * n_rows), 0.0);
+      if (!legacy) continue;
+      x_step[p].resize((size_t)(n_tok * nb));
+      x_grid[p].resize((size_t)(n_tok * n_cols));
       for (int64_t t = 0; t < n_tok; ++t) {
-        cpu::detail::quantize_act_scalar(x_.data() + t * n_cols, n_cols, q.data(), d.data(), s.data());
-        for (int64_t i = 0; i < n_cols; ++i) {
-          x_grid[(size_t)(t * n_cols + i)] = (double)d[(size_t)(i / qk_small)] * q[(size_t)i];
-        }
+        grid_activations(p, x_.data() + t * n_cols, n_cols, x_grid[p].data() + t * n_cols, x_step[p].data() + t * nb);
       }
-      for (int64_t t = 0; t < n_tok; ++t) {
-        for (int64_t b = 0; b < nb; ++b) {
-          float amax = 0.0f;
-          for (int j = 0; j < qk_small; ++j) amax = std::max(amax, std::fabs(x_[(size_t)(t * n_cols + b * qk_small + j)]));
-          x_max[(size_t)(t * nb + b)] = amax;
-          x_step[(size_t)(t * nb + b)] = amax / 127.0;
-        }
+    }
+    for (int64_t t = 0; legacy && t < n_tok; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {
+        float amax = 0.0f;
+        for (int j = 0; j < qk_small; ++j) amax = std::max(amax, std::fabs(x_[(size_t)(t * n_cols + b * qk_small + j)]));
+        x_max[(size_t)(t * nb + b)] = amax;
       }
     }
     const double float_err_q = (double)(nb + 10) * k_f32_eps;
@@ -257,18 +282,18 @@ class matmul_test : public testing::TestWithParam<mm_case> {
           }
         }
         abs_terms_f_[(size_t)(t * n_rows + r)] = af;
-        if (legacy) {
+        for (int p = 0; legacy && p < 2; ++p) {
           double yg = 0.0;
-          for (int64_t i = 0; i < n_cols; ++i) yg += (double)w[(size_t)i] * x_grid[(size_t)(t * n_cols + i)];
-          y_grid_[(size_t)(t * n_rows + r)] = yg;
+          for (int64_t i = 0; i < n_cols; ++i) yg += (double)w[(size_t)i] * x_grid[p][(size_t)(t * n_cols + i)];
+          y_grid_[p][(size_t)(t * n_rows + r)] = yg;
           double q = 0.0, f = 0.0;
           for (int64_t b = 0; b < nb; ++b) {
-            const double step = x_step[(size_t)(t * nb + b)];
-            q += step * k_act_half_step * blk_abs[(size_t)b];
+            const double step = x_step[p][(size_t)(t * nb + b)];
+            q += step * act_half_step(k_int_levels[p]) * blk_abs[(size_t)b];
             f += (blk_abs[(size_t)b] + 2.0 * qk_small * blk_off[(size_t)b]) * (x_max[(size_t)(t * nb + b)] + step);
           }
-          quant_term_[(size_t)(t * n_rows + r)] = q;
-          int_float_err_[(size_t)(t * n_rows + r)] = float_err_q * f;
+          quant_term_[p][(size_t)(t * n_rows + r)] = q;
+          int_float_err_[p][(size_t)(t * n_rows + r)] = float_err_q * f;
         }
       }
     }
@@ -285,22 +310,24 @@ class matmul_test : public testing::TestWithParam<mm_case> {
            std::numeric_limits<float>::denorm_min();
   }
   // The decode path's bound with activations `act`: integer path for legacy quants under
-  // act_q8, float dot otherwise.
+  // act_q8 / act_q16, float dot otherwise.
   double decode_bound(int64_t i, cpu::decode_activations act) const {
     if (!cpu::detail::is_legacy_quant(GetParam().type)) return float_bound(i);
     if (act == cpu::decode_activations::act_f32) return decode_f32_bound(i);
-    return quant_term_[(size_t)i] + int_float_err_[(size_t)i] + k_unit_round * abs_dot_[(size_t)i] +
+    const int p = int_path_index(act);
+    return quant_term_[p][(size_t)i] + int_float_err_[p][(size_t)i] + k_unit_round * abs_dot_[(size_t)i] +
            std::numeric_limits<float>::denorm_min();
   }
 
-  // Integer path only: against the exact product with the grid activations, where nothing but
+  // Integer paths only: against the exact product with the grid activations, where nothing but
   // float rounding separates them.
-  void expect_near_grid(const std::vector<float>& y, const char* what) const {
+  void expect_near_grid(const std::vector<float>& y, cpu::decode_activations act, const char* what) const {
     if (!cpu::detail::is_legacy_quant(GetParam().type)) return;
-    const std::vector<float> want(y_grid_.begin(), y_grid_.end());
+    const int p = int_path_index(act);
+    const std::vector<float> want(y_grid_[p].begin(), y_grid_[p].end());
     expect_close(y, want,
                  [&](int64_t i) {
-                   return int_float_err_[(size_t)i] + k_unit_round * std::fabs(y_grid_[(size_t)i]) +
+                   return int_float_err_[p][(size_t)i] + k_unit_round * std::fabs(y_grid_[p][(size_t)i]) +
                           std::numeric_limits<float>::denorm_min();
                  },
                  what);
@@ -333,9 +360,10 @@ class matmul_test : public testing::TestWithParam<mm_case> {
   std::vector<float> y_ref_;       // [n_tok, n_rows]
   std::vector<double> abs_dot_;    // [n_tok, n_rows]
   std::vector<double> abs_terms_f_;  // [n_tok, n_rows] Σ a_i of the act_f32 bound
-  std::vector<double> quant_term_;  // [n_tok, n_rows]
-  std::vector<double> int_float_err_;  // [n_tok, n_rows]
-  std::vector<double> y_grid_;  // [n_tok, n_rows] Σ w·x̃ in double, x̃ = the int8-grid activations
+  // Per integer path (int_path_index), each [n_tok, n_rows]:
+  std::vector<double> quant_term_[2];
+  std::vector<double> int_float_err_[2];
+  std::vector<double> y_grid_[2];  // Σ w·x̃ in double, x̃ = the path's grid activations
 };
 
 // One test per case runs every path, so the double-precision oracle and the bounds are built
@@ -361,26 +389,28 @@ TEST_P(matmul_test, all_paths_match_ref) {
                  "decode f32 scalar vs simd");
   }
 
-  // 8-bit activations (legacy quants only; other types ignore the setting).
-  if (legacy) {
-    const decode_activations act = decode_activations::act_q8;
+  // 8- and 16-bit activations (legacy quants only; other types ignore the setting).
+  for (int p = 0; legacy && p < 2; ++p) {
+    const decode_activations act = k_int_acts[p];
+    const std::string name = p == 0 ? "q8" : "q16";
     std::vector<float> y_simd = nan_output();
     cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
     expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
-                 cpu::has_avx2() ? "decode q8 avx2" : "decode q8");
-    expect_near_grid(y_simd, "decode q8 vs grid activations");
+                 ("decode " + name + (cpu::has_avx2() ? " avx2" : "")).c_str());
+    expect_near_grid(y_simd, act, ("decode " + name + " vs grid activations").c_str());
 
     std::vector<float> y_scalar = nan_output();
     cpu::set_force_scalar(true);
     cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_scalar.data(), act);
     cpu::set_force_scalar(false);
-    expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i, act); }, "decode q8 scalar");
-    expect_near_grid(y_scalar, "decode q8 scalar vs grid activations");
+    expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
+                 ("decode " + name + " scalar").c_str());
+    expect_near_grid(y_scalar, act, ("decode " + name + " scalar vs grid activations").c_str());
     // Both quantize the activations to identical bits, so they differ by float rounding only: at
     // most each side's own accumulation error.
     expect_close(y_scalar, y_simd,
-                 [&](int64_t i) { return 2.0 * int_float_err_[(size_t)i] + std::numeric_limits<float>::denorm_min(); },
-                 "decode q8 scalar vs simd");
+                 [&](int64_t i) { return 2.0 * int_float_err_[p][(size_t)i] + std::numeric_limits<float>::denorm_min(); },
+                 ("decode " + name + " scalar vs simd").c_str());
   }
 
   for (prefill_mode mode : {prefill_mode::prefill_split_rows, prefill_mode::prefill_whole_matrix}) {
@@ -434,29 +464,37 @@ INSTANTIATE_TEST_SUITE_P(types_shapes, matmul_test, testing::ValuesIn(matmul_cas
 
 // ---- pieces of the decode path -------------------------------------------------------------
 
-TEST(matmul_act_quant, avx2_and_scalar_agree_bitwise) {
-  if (!cpu::has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+template <typename Code>
+void expect_quantizers_agree(int levels) {
   const uint32_t seed = 77;
-  std::printf("seed %u\n", seed);
+  std::printf("seed %u, %d levels\n", seed, levels);
   std::mt19937 rng(seed);
   const int64_t n = 64 * qk_small;
   std::vector<float> x = random_activations(1, n, rng);
-  // Exact ties of the grid (k + 1/2 steps) and all-zero / single-value blocks.
-  for (int j = 0; j < qk_small; ++j) x[(size_t)j] = (j % 2 ? 1.0f : -1.0f) * (float)j * (127.0f / 31.0f) / 2.0f;
+  // Near-ties of the grid (k + 1/2 steps) and all-zero / single-value blocks.
+  const float l = (float)levels;
+  for (int j = 0; j < qk_small; ++j) x[(size_t)j] = (j % 2 ? 1.0f : -1.0f) * (float)j * (l / 31.0f) / 2.0f;
   for (int j = 0; j < qk_small; ++j) x[(size_t)(qk_small + j)] = 0.0f;
   for (int j = 0; j < qk_small; ++j) x[(size_t)(2 * qk_small + j)] = j == 5 ? -3.0f : 0.0f;
-  std::vector<int8_t> qa((size_t)n), qb((size_t)n);
+  std::vector<Code> qa((size_t)n), qb((size_t)n);
   std::vector<float> da(n / qk_small), sa(n / qk_small), db(n / qk_small), sb(n / qk_small);
   cpu::detail::quantize_act_avx2(x.data(), n, qa.data(), da.data(), sa.data());
   cpu::detail::quantize_act_scalar(x.data(), n, qb.data(), db.data(), sb.data());
   EXPECT_EQ(qa, qb);
   EXPECT_EQ(0, std::memcmp(da.data(), db.data(), da.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(float)));
-  // The grid error promised to the matmul bound.
+  // The grid error promised to the matmul bound, and the code range.
   for (int64_t i = 0; i < n; ++i) {
     const float d = db[(size_t)(i / qk_small)];
-    EXPECT_LE(std::fabs(x[(size_t)i] - d * (float)qb[(size_t)i]), d * k_act_half_step + 1e-30) << "element " << i;
+    EXPECT_LE(std::fabs(x[(size_t)i] - d * (float)qb[(size_t)i]), d * act_half_step(levels) + 1e-30) << "element " << i;
+    EXPECT_LE(std::abs((int)qb[(size_t)i]), levels) << "element " << i;
   }
+}
+
+TEST(matmul_act_quant, avx2_and_scalar_agree_bitwise) {
+  if (!cpu::has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  expect_quantizers_agree<int8_t>(127);
+  expect_quantizers_agree<int16_t>(32767);
 }
 
 TEST(matmul_threads, row_split_never_shares_a_cache_line) {
@@ -485,7 +523,8 @@ TEST(matmul_threads, one_and_two_threads_give_identical_bits) {
   std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
   const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
   std::vector<float> x = random_activations(n_tok, n_cols, rng);
-  for (cpu::decode_activations act : {cpu::decode_activations::act_f32, cpu::decode_activations::act_q8}) {
+  for (cpu::decode_activations act :
+       {cpu::decode_activations::act_f32, cpu::decode_activations::act_q16, cpu::decode_activations::act_q8}) {
     std::vector<float> y1((size_t)(n_tok * n_rows)), y2((size_t)(n_tok * n_rows));
     const int saved = omp_get_max_threads();
     omp_set_num_threads(1);
@@ -493,26 +532,31 @@ TEST(matmul_threads, one_and_two_threads_give_identical_bits) {
     omp_set_num_threads(2);
     cpu::detail::matmul_decode(w, x.data(), n_tok, y2.data(), act);
     omp_set_num_threads(saved);
-    EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)))
-        << (act == cpu::decode_activations::act_f32 ? "f32" : "q8") << " activations";
+    EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float))) << "activations " << (int)act;
   }
 }
 
-// ---- continuity: why act_f32 is the default ------------------------------------------------
+// ---- continuity: what the integer grids give up -------------------------------------------
+//
+// (act_f32 was the default while multi-rank attention differed from one rank's by float
+// summation order; attention is now bitwise rank-count invariant, so every decode matmul sees the
+// same inputs on any number of ranks and the grids' discontinuity no longer shows between rank
+// counts. It still shows against exact arithmetic: tests/worker/test_engine_golden.cpp.)
 //
 // A relative 1e-6 change of the activations (what a different float summation order upstream
 // produces, e.g. the same sequence split over another number of ranks) may move y by about as
 // much: |Δy| <= 1e-6·Σ|w x| plus the difference of the two runs' rounding errors, which follow
 // the same order on operands equal to 1e-6 and stay far below 1e-5·Σ|w x| (random walk of
 // n_cols roundings of 2^-24: ~2e-6 at n_cols = 576 even with partial sums as large as Σ|w x|).
-// Hence k_continuity_tol = 1e-5 relative to Σ|w x|. Rounding x to an int8 grid breaks this: an
-// element sitting on a rounding tie moves a whole grid step (d_x·|w_i|) under any perturbation.
+// Hence k_continuity_tol = 1e-5 relative to Σ|w x|. Rounding x to an integer grid breaks this:
+// an element sitting on a rounding tie moves a whole grid step (d_x·|w_i|) under any
+// perturbation.
 constexpr double k_continuity_rel = 1e-6;
 constexpr double k_continuity_tol = 1e-5;
 
 class matmul_continuity_test : public testing::TestWithParam<ggml_type> {};
 
-TEST_P(matmul_continuity_test, f32_activations_are_continuous_q8_are_not) {
+TEST_P(matmul_continuity_test, f32_activations_are_continuous_integer_grids_are_not) {
   const ggml_type type = GetParam();
   const uint32_t seed = 700 + (uint32_t)type;
   std::printf("seed %u\n", seed);
@@ -521,31 +565,34 @@ TEST_P(matmul_continuity_test, f32_activations_are_continuous_q8_are_not) {
   std::vector<uint8_t> w_data = quantized_weights(type, n_rows, n_cols, rng);
   const weight_view w{type, n_rows, n_cols, w_data.data()};
   std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
-  std::vector<float> x((size_t)n_cols), u((size_t)n_cols);  // [n_cols]
-  for (auto& v : x) v = ud(rng);
+  std::vector<float> x0((size_t)n_cols), u((size_t)n_cols);  // [n_cols]
+  for (auto& v : x0) v = ud(rng);
   for (auto& v : u) v = ud(rng);
-  // Block 0: max |x| = 127 makes the q8 grid step exactly 1, and 40.5 sits on a tie (rounds
-  // half-even to 40). The perturbation keeps x[0] (so the step stays 1) and pushes x[1] up by the
-  // full relative 1e-6, to 41 on the grid; every other element moves by a random relative
-  // amount within ±1e-6.
-  x[0] = 127.0f;
-  x[1] = 40.5f;
+  // Block 0: max |x| = L (the grid's levels) makes the grid step exactly 1, and 40.5 sits on a
+  // tie (rounds half-even to 40). The perturbation keeps x[0] (so the step stays 1) and pushes
+  // x[1] up by the full relative 1e-6, to 41 on the grid; every other element moves by a random
+  // relative amount within ±1e-6.
   u[0] = 0.0f;
   u[1] = 1.0f;
-  std::vector<float> xp((size_t)n_cols);
-  for (int64_t i = 0; i < n_cols; ++i) xp[(size_t)i] = x[(size_t)i] * (1.0f + (float)k_continuity_rel * u[(size_t)i]);
-  ASSERT_NE(x[1], xp[1]);
+  std::vector<float> x, xp((size_t)n_cols);
+  auto set_levels = [&](int levels) {
+    x = x0;
+    x[0] = (float)levels;
+    x[1] = 40.5f;
+    for (int64_t i = 0; i < n_cols; ++i) xp[(size_t)i] = x[(size_t)i] * (1.0f + (float)k_continuity_rel * u[(size_t)i]);
+    ASSERT_NE(x[1], xp[1]);
+  };
 
-  std::vector<float> wrow((size_t)n_cols);  // [n_cols]
-  std::vector<double> scale((size_t)n_rows);  // [n_rows] Σ|w x|
-  for (int64_t r = 0; r < n_rows; ++r) {
-    ref::dequantize_row(type, w_data.data() + (size_t)r * w.row_bytes(), wrow.data(), n_cols);
-    double s = 0.0;
-    for (int64_t i = 0; i < n_cols; ++i) s += std::fabs((double)wrow[(size_t)i] * x[(size_t)i]);
-    scale[(size_t)r] = s;
-  }
   // Largest |y(x') - y(x)| / Σ|w x| over the rows, per path.
+  std::vector<float> wrow((size_t)n_cols);  // [n_cols]
   auto max_rel_move = [&](cpu::decode_activations act) {
+    std::vector<double> scale((size_t)n_rows);  // [n_rows] Σ|w x|
+    for (int64_t r = 0; r < n_rows; ++r) {
+      ref::dequantize_row(type, w_data.data() + (size_t)r * w.row_bytes(), wrow.data(), n_cols);
+      double s = 0.0;
+      for (int64_t i = 0; i < n_cols; ++i) s += std::fabs((double)wrow[(size_t)i] * x[(size_t)i]);
+      scale[(size_t)r] = s;
+    }
     std::vector<float> y((size_t)n_rows), yp((size_t)n_rows);
     cpu::detail::matmul_decode(w, x.data(), 1, y.data(), act);
     cpu::detail::matmul_decode(w, xp.data(), 1, yp.data(), act);
@@ -557,14 +604,19 @@ TEST_P(matmul_continuity_test, f32_activations_are_continuous_q8_are_not) {
   };
   for (bool scalar : {false, true}) {
     cpu::set_force_scalar(scalar);
+    const char* kind = scalar ? "scalar" : "simd";
+    set_levels(127);
     const double f32 = max_rel_move(cpu::decode_activations::act_f32);
     const double q8 = max_rel_move(cpu::decode_activations::act_q8);
+    set_levels(32767);
+    const double f32_wide = max_rel_move(cpu::decode_activations::act_f32);
+    const double q16 = max_rel_move(cpu::decode_activations::act_q16);
     cpu::set_force_scalar(false);
-    const char* kind = scalar ? "scalar" : "simd";
-    EXPECT_LE(f32, k_continuity_tol) << kind << ": f32 activations moved y discontinuously";
-    // The documented reason for the default: the grid step shows up in y.
+    EXPECT_LE(std::max(f32, f32_wide), k_continuity_tol) << kind << ": f32 activations moved y discontinuously";
+    // The grid step shows up in y (a step is 1 for both grids here: x[0] = L).
     EXPECT_GT(q8, k_continuity_tol) << kind << ": q8 activations did not flip the tie at x[1] = 40.5";
-    std::printf("%s: max |dy| / sum|w x|: f32 %.3g, q8 %.3g\n", kind, f32, q8);
+    EXPECT_GT(q16, k_continuity_tol) << kind << ": q16 activations did not flip the tie at x[1] = 40.5";
+    std::printf("%s: max |dy| / sum|w x|: f32 %.3g / %.3g, q8 %.3g, q16 %.3g\n", kind, f32, f32_wide, q8, q16);
   }
 }
 
@@ -573,13 +625,15 @@ INSTANTIATE_TEST_SUITE_P(types, matmul_continuity_test,
                                          ggml_type::ggml_q5_1, ggml_type::ggml_q8_0),
                          [](const testing::TestParamInfo<ggml_type>& info) { return ggml_traits(info.param).name; });
 
-// The process-wide switch reaches cpu::matmul (decode-sized n_tok), and f32 is the default
-// unless XCTX_DECODE_ACT=q8 is set.
+// The process-wide switch reaches cpu::matmul (decode-sized n_tok), and q16 is the default
+// unless XCTX_DECODE_ACT says f32 or q8.
 TEST(matmul_activations, setting_selects_the_decode_path) {
   const char* env = std::getenv("XCTX_DECODE_ACT");
+  const std::string e = env != nullptr ? env : "";
   const cpu::decode_activations saved = cpu::get_decode_activations();
-  EXPECT_EQ(saved, env != nullptr && std::string(env) == "q8" ? cpu::decode_activations::act_q8
-                                                              : cpu::decode_activations::act_f32);
+  EXPECT_EQ(saved, e == "q8"    ? cpu::decode_activations::act_q8
+                   : e == "f32" ? cpu::decode_activations::act_f32
+                                : cpu::decode_activations::act_q16);
   const uint32_t seed = 92;
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
@@ -587,14 +641,14 @@ TEST(matmul_activations, setting_selects_the_decode_path) {
   std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
   const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
   std::vector<float> x = random_activations(n_tok, n_cols, rng);
-  for (cpu::decode_activations act : {cpu::decode_activations::act_q8, cpu::decode_activations::act_f32}) {
+  for (cpu::decode_activations act :
+       {cpu::decode_activations::act_q8, cpu::decode_activations::act_f32, cpu::decode_activations::act_q16}) {
     cpu::set_decode_activations(act);
     EXPECT_EQ(cpu::get_decode_activations(), act);
     std::vector<float> want((size_t)(n_tok * n_rows)), got((size_t)(n_tok * n_rows));
     cpu::detail::matmul_decode(w, x.data(), n_tok, want.data(), act);
     cpu::matmul(w, x.data(), n_tok, got.data());
-    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
-        << (act == cpu::decode_activations::act_f32 ? "f32" : "q8");
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << "activations " << (int)act;
   }
   cpu::set_decode_activations(saved);
 }
