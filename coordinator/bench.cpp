@@ -13,6 +13,7 @@
 #include "coordinator/jobs.h"
 #include "coordinator/sampler.h"
 #include "coordinator/session.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
 
@@ -113,6 +114,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["rope"] = describe_rope(engine.rope(), hp.n_ctx_train);
   j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
+  j["decode_activations"] = cpu::decode_activations_name(cpu::get_decode_activations());
   j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;
   j["prefill_s"] = prefill_s;

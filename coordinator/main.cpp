@@ -12,6 +12,7 @@
 #include "coordinator/passkey.h"
 #include "coordinator/service.h"
 #include "coordinator/summarize.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace {
 
@@ -44,6 +45,7 @@ struct cache_flags {
   bool no_sink = false;
   int se_group = 0;        // 0: not given
   std::string se_window;   // empty: not given
+  std::string decode_act;  // empty: XCTX_DECODE_ACT, else q16
 };
 
 std::string cache_format_list() {
@@ -69,6 +71,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
+  cmd->add_option("--decode-act", cf.decode_act,
+                  "activations of the decode matmuls: q16 (16-bit blocks, default) | f32 (exact float) | q8 "
+                  "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16");
   cmd->add_option("--rope-scaling", rope,
                   "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
                   "(grouped positions, with --group and --window)")
@@ -85,6 +90,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
 void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope,
                        const cache_flags& cf) {
   rp.cache = xctx::parse_cache_format(cache);
+  if (!cf.decode_act.empty()) {  // process-wide: every rank parses the same command line
+    xctx::cpu::set_decode_activations(xctx::cpu::parse_decode_activations(cf.decode_act, "--decode-act"));
+  }
   XCTX_CHECK(cf.qnorm == "auto" || cf.qnorm == "on" || cf.qnorm == "off", "--qnorm: unknown '", cf.qnorm,
              "' (auto, on, off)");
   rp.cache_opts.qnorm = cf.qnorm == "auto" ? -1 : (cf.qnorm == "on" ? 1 : 0);
