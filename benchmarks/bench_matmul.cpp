@@ -118,13 +118,16 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
 }
 
 // decode_f32 / decode_q16 / decode_q8: the decode path with float activations / activations
-// rounded to 16-bit blocks / to 8-bit blocks (llama.cpp's arithmetic); "cpu" is cpu::matmul
-// with the process's setting.
+// rounded to 16-bit blocks / to 8-bit blocks (llama.cpp's arithmetic), on the best kernels this
+// CPU has (AVX-512 VNNI for the integer paths where present); *_avx2: the same with AVX-512 off,
+// the baseline of the VNNI kernels in the same run. "cpu" is cpu::matmul with the process's
+// setting.
 enum variant : int {
-  v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16
+  v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16,
+  v_decode_q16_avx2, v_decode_q8_avx2
 };
 const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
-                                       "dequant_blas", "ref", "decode_q16"};
+                                       "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -148,6 +151,14 @@ void BM_matmul(benchmark::State& state) {
         break;
       case v_decode_q16:
         cpu::detail::matmul_decode(d.view, d.x.data(), n_tok, d.y.data(), cpu::decode_activations::act_q16);
+        break;
+      case v_decode_q16_avx2:
+      case v_decode_q8_avx2:
+        cpu::set_force_avx2(true);
+        cpu::detail::matmul_decode(d.view, d.x.data(), n_tok, d.y.data(),
+                                   which == v_decode_q8_avx2 ? cpu::decode_activations::act_q8
+                                                             : cpu::decode_activations::act_q16);
+        cpu::set_force_avx2(false);
         break;
       case v_prefill_split:
         cpu::detail::matmul_prefill(d.view, d.x.data(), n_tok, d.y.data(),
@@ -188,6 +199,9 @@ void matmul_args(benchmark::internal::Benchmark* b) {
   for (int shape = 0; shape < (int)std::size(k_shapes); ++shape) {
     for (int threads : {1, 2}) {
       for (int v : {v_decode_f32, v_decode_q16, v_decode_q8, v_dequant_blas}) b->Args({shape, 1, threads, v});
+      if (cpu::has_avx512()) {
+        for (int v : {v_decode_q16_avx2, v_decode_q8_avx2}) b->Args({shape, 1, threads, v});
+      }
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
     }
   }

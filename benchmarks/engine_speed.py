@@ -230,6 +230,20 @@ def write_results(rows, args, info):
             ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
             f.write(f"| {r['config']} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}) | "
                     f"{ratio} | {r['peak_rss_mib']:.0f} MiB |\n")
+        # Per configuration: xctx's fp16 cache against llama.cpp's fastest KV setting of the run.
+        summary = []
+        for label in order:
+            mine = next((r for r in rows if r["config"] == label and r["engine"] == "xctx" and r["variant"] == "fp16"),
+                        None)
+            theirs = [r for r in rows if r["config"] == label and r["engine"] == "llama.cpp"]
+            if mine and theirs:
+                best = max(theirs, key=lambda r: r["tok_s"])
+                summary.append(f"| {label} | {mine['tok_s']:.1f} | {best['tok_s']:.1f} ({best['variant']}) | "
+                               f"{mine['tok_s'] / best['tok_s']:.2f} |\n")
+        if summary:
+            f.write("\nxctx (fp16 cache) against llama.cpp's faster setting in the same run:\n\n"
+                    "| config | xctx tok/s | llama.cpp best tok/s | xctx / best |\n|---|---|---|---|\n")
+            f.writelines(summary)
     print(open(md).read())
 
 

@@ -14,8 +14,8 @@ bool has_avx2();  // AVX2 + FMA + F16C present on this CPU (cached)
 // Tests and benchmarks: while on, has_avx2() reports false so every kernel takes its scalar
 // fallback. The environment variable XCTX_NO_AVX2 (read once) has the same effect.
 void set_force_scalar(bool on);
-// AVX-512 F/BW/VL/DQ + VBMI on top of has_avx2(): the few kernels with a 16-lane variant (the
-// fused decode step over quantized caches) take it. set_force_avx2(true) or XCTX_NO_AVX512 in
+// AVX-512 F/BW/VL/DQ + VBMI + VNNI on top of has_avx2(): the few kernels with a 16-lane variant
+// (the fused decode step over quantized caches, the integer decode matvecs) take it. set_force_avx2(true) or XCTX_NO_AVX512 in
 // the environment keep them on AVX2.
 bool has_avx512();
 void set_force_avx2(bool on);

@@ -443,7 +443,11 @@ void matmul_decode_int(const weight_view& w, const float* x, int64_t n_tok, floa
   }
   // Built here: inside the region the thread_locals would name each thread's own (empty) vectors.
   const int_act<Code> xq{qs.data(), d.data(), s.data(), nb};
+  const bool vnni = simd && has_avx512();
+  XCTX_ASSERT(is_legacy_quant(w.type), "matmul_decode_int: not a legacy quant type: ", (uint32_t)w.type);
   run_rows(w.n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+    // The VNNI kernel declines only if its scratch cannot be allocated: AVX2 then.
+    if (vnni && dot_rows_q_avx512(w, r0, r1, xq, n_tok, y, w.n_rows)) return;
     if (simd) {
       dot_rows_q_avx2(w, r0, r1, xq, n_tok, y, w.n_rows);
     } else {

@@ -46,6 +46,12 @@ void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q8_act&
                      float* y /*[n_tok, ldy]*/, int64_t ldy);
 void dot_rows_q_avx2(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
                      int64_t ldy);
+// The same with AVX-512 VNNI (matmul_avx512.cpp): two blocks per register, VPDPBUSD / VPDPWSSD.
+// False (nothing written) if w is not a legacy quant.
+bool dot_rows_q_avx512(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy);
+bool dot_rows_q_avx512(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                       int64_t ldy);
 
 // Rows [r0, r1) of a legacy-quant weight against n_tok float activation rows (the act_f32
 // decode path): each block's codes are widened to floats in registers and FMA'd with x, so

@@ -393,12 +393,6 @@ TEST_P(matmul_test, all_paths_match_ref) {
   for (int p = 0; legacy && p < 2; ++p) {
     const decode_activations act = k_int_acts[p];
     const std::string name = p == 0 ? "q8" : "q16";
-    std::vector<float> y_simd = nan_output();
-    cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
-    expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
-                 ("decode " + name + (cpu::has_avx2() ? " avx2" : "")).c_str());
-    expect_near_grid(y_simd, act, ("decode " + name + " vs grid activations").c_str());
-
     std::vector<float> y_scalar = nan_output();
     cpu::set_force_scalar(true);
     cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_scalar.data(), act);
@@ -406,11 +400,24 @@ TEST_P(matmul_test, all_paths_match_ref) {
     expect_close(y_scalar, y_ref_, [&](int64_t i) { return decode_bound(i, act); },
                  ("decode " + name + " scalar").c_str());
     expect_near_grid(y_scalar, act, ("decode " + name + " scalar vs grid activations").c_str());
-    // Both quantize the activations to identical bits, so they differ by float rounding only: at
-    // most each side's own accumulation error.
-    expect_close(y_scalar, y_simd,
-                 [&](int64_t i) { return 2.0 * int_float_err_[p][(size_t)i] + std::numeric_limits<float>::denorm_min(); },
-                 ("decode " + name + " scalar vs simd").c_str());
+
+    // Every SIMD kernel this CPU can run: AVX-512 VNNI (when present) and AVX2 (forced).
+    for (const bool avx512 : {true, false}) {
+      if (avx512 ? !cpu::has_avx512() : !cpu::has_avx2()) continue;
+      const std::string kernel = "decode " + name + (avx512 ? " avx512" : " avx2");
+      std::vector<float> y_simd = nan_output();
+      cpu::set_force_avx2(!avx512);
+      cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
+      cpu::set_force_avx2(false);
+      expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); }, kernel.c_str());
+      expect_near_grid(y_simd, act, (kernel + " vs grid activations").c_str());
+      // Both quantize the activations to identical bits, so they differ by float rounding only:
+      // at most each side's own accumulation error.
+      expect_close(
+          y_scalar, y_simd,
+          [&](int64_t i) { return 2.0 * int_float_err_[p][(size_t)i] + std::numeric_limits<float>::denorm_min(); },
+          (kernel + " vs scalar").c_str());
+    }
   }
 
   for (prefill_mode mode : {prefill_mode::prefill_split_rows, prefill_mode::prefill_whole_matrix}) {
