@@ -120,6 +120,13 @@ class backend {
                       int64_t n_tok,
                       float* y)  // [n_tok, w.n_rows]
       = 0;
+  // ya = x · Aᵀ, yb = x · Bᵀ: the same bits as two matmul calls, which is what backends without
+  // a fused version do.
+  virtual void matmul2(const weight_view& a, const weight_view& b, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                       float* ya, float* yb) {
+    matmul(a, x, n_tok, ya);
+    matmul(b, x, n_tok, yb);
+  }
   // out[i, :] = dequant(W[ids[i], :])   (embedding lookup)
   virtual void get_rows(const weight_view& w, const int32_t* ids /*[n]*/, int64_t n,
                         float* out /*[n, w.n_cols]*/) = 0;

@@ -139,8 +139,7 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
       be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
-      be_.matmul(L.wk, h_.data(), m, k_.data());
-      be_.matmul(L.wv, h_.data(), m, v_.data());
+      be_.matmul2(L.wk, L.wv, h_.data(), m, k_.data(), v_.data());
       add_bias(k_.data(), L.bk, m);
       add_bias(v_.data(), L.bv, m);
       layer_input in;
@@ -166,8 +165,7 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
       be_.matmul(L.wo, o_.data(), m, tmp_.data());
       be_.add(x, tmp_.data(), m * d);
       be_.rms_norm(x, L.ffn_norm.data(), m, d, hp.rms_eps, h_.data());
-      be_.matmul(L.w_gate, h_.data(), m, gate_.data());
-      be_.matmul(L.w_up, h_.data(), m, up_.data());
+      be_.matmul2(L.w_gate, L.w_up, h_.data(), m, gate_.data(), up_.data());
       be_.swiglu(gate_.data(), up_.data(), m * hp.n_ff, gate_.data());
       be_.matmul(L.w_down, gate_.data(), m, tmp_.data());
       be_.add(x, tmp_.data(), m * d);

@@ -425,10 +425,12 @@ void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float
 namespace {
 
 // The integer decode path: each token's activations quantized to Code blocks once, then every
-// thread's rows dotted against them.
+// thread's rows dotted against them. n_w products of the same x (n_w <= 2: k and v, gate and
+// up) share the quantization and one parallel region over their concatenated rows; each row's
+// kernel call is the one a single product would make, so the bits do not depend on the sharing.
 template <typename Code>
-void matmul_decode_int(const weight_view& w, const float* x, int64_t n_tok, float* y, bool simd) {
-  const int64_t n_cols = w.n_cols, nb = n_cols / qk_small;
+void matmul_decode_int(const weight_view* w, float* const* y, int n_w, const float* x, int64_t n_tok, bool simd) {
+  const int64_t n_cols = w[0].n_cols, nb = n_cols / qk_small;
   thread_local std::vector<Code> qs;     // [n_tok, n_cols]
   thread_local std::vector<float> d, s;  // [n_tok, nb]
   qs.resize((size_t)(n_tok * n_cols));
@@ -444,14 +446,28 @@ void matmul_decode_int(const weight_view& w, const float* x, int64_t n_tok, floa
   // Built here: inside the region the thread_locals would name each thread's own (empty) vectors.
   const int_act<Code> xq{qs.data(), d.data(), s.data(), nb};
   const bool vnni = simd && has_avx512();
-  XCTX_ASSERT(is_legacy_quant(w.type), "matmul_decode_int: not a legacy quant type: ", (uint32_t)w.type);
-  run_rows(w.n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+  int64_t n_rows = 0;
+  size_t bytes = 0;
+  for (int i = 0; i < n_w; ++i) {
+    XCTX_ASSERT(is_legacy_quant(w[i].type) && w[i].n_cols == n_cols, "matmul_decode_int: weight ", i, " type ",
+                (uint32_t)w[i].type, ", ", w[i].n_cols, " columns");
+    n_rows += w[i].n_rows;
+    bytes += w[i].bytes();
+  }
+  auto rows_of = [&](const weight_view& wi, float* yi, int64_t r0, int64_t r1) {
     // The VNNI kernel declines only if its scratch cannot be allocated: AVX2 then.
-    if (vnni && dot_rows_q_avx512(w, r0, r1, xq, n_tok, y, w.n_rows)) return;
+    if (vnni && dot_rows_q_avx512(wi, r0, r1, xq, n_tok, yi, wi.n_rows)) return;
     if (simd) {
-      dot_rows_q_avx2(w, r0, r1, xq, n_tok, y, w.n_rows);
+      dot_rows_q_avx2(wi, r0, r1, xq, n_tok, yi, wi.n_rows);
     } else {
-      dot_rows_q_scalar(w, r0, r1, xq, n_tok, y, w.n_rows);
+      dot_rows_q_scalar(wi, r0, r1, xq, n_tok, yi, wi.n_rows);
+    }
+  };
+  run_rows(n_rows, bytes * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
+    int64_t base = 0;  // first concatenated row of w[i]
+    for (int i = 0; i < n_w; base += w[i].n_rows, ++i) {
+      const int64_t a = std::max(r0, base) - base, b = std::min(r1, base + w[i].n_rows) - base;
+      if (a < b) rows_of(w[i], y[i], a, b);
     }
   });
 }
@@ -482,9 +498,9 @@ void matmul_decode(const weight_view& w, const float* x, int64_t n_tok, float* y
       }
     });
   } else if (is_legacy_quant(w.type) && act == decode_activations::act_q16) {
-    matmul_decode_int<int16_t>(w, x, n_tok, y, simd);
+    matmul_decode_int<int16_t>(&w, &y, 1, x, n_tok, simd);
   } else if (is_legacy_quant(w.type)) {
-    matmul_decode_int<int8_t>(w, x, n_tok, y, simd);
+    matmul_decode_int<int8_t>(&w, &y, 1, x, n_tok, simd);
   } else if (is_float_type(w.type)) {
     run_rows(n_rows, w.bytes() * (size_t)n_tok, [&](int64_t r0, int64_t r1) {
       (simd ? dot_rows_f_avx2 : dot_rows_f_scalar)(w, r0, r1, x, n_tok, y, n_rows);
@@ -645,19 +661,46 @@ decode_activations get_decode_activations() {
 // Later, on an AVX2-only AMD EPYC (2026-11-26), n_tok = 1, 1 thread, f32 / q16 / q8:
 //   Q4_1 576x576 70.7 / 43.3 / 42.3 us, 1536x576 181 / 119 / 112 us, 576x1536 165 / 109 / 105 us,
 //   Q8_0 49152x576 5793 / 4541 / 4502 us.
-void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+namespace {
+void check_matmul_args(const weight_view& w, int64_t n_tok) {
   const ggml_type_traits tr = ggml_traits(w.type);
   XCTX_CHECK(tr.name != nullptr, "cpu::matmul: unsupported weight type id ", (uint32_t)w.type);
   XCTX_CHECK(w.n_rows >= 0 && w.n_cols > 0, "cpu::matmul: bad ", tr.name, " weight shape ", w.n_rows, "x", w.n_cols);
   XCTX_CHECK(w.n_cols % tr.block_elems == 0, "cpu::matmul: ", tr.name, " row length ", w.n_cols,
              " is not a multiple of the block size ", tr.block_elems);
   XCTX_CHECK(n_tok >= 0, "cpu::matmul: negative n_tok ", n_tok);
+}
+}  // namespace
+
+void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+  check_matmul_args(w, n_tok);
   if (n_tok == 0 || w.n_rows == 0) return;
   const decode_activations act = get_decode_activations();
   if (n_tok >= detail::prefill_min_tokens(w.type, act)) {
     detail::matmul_prefill(w, x, n_tok, y);
   } else {
     detail::matmul_decode(w, x, n_tok, y, act);
+  }
+}
+
+void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb) {
+  const decode_activations act = get_decode_activations();
+  const bool shared = act != decode_activations::act_f32 && n_tok > 0 && a.n_rows > 0 && b.n_rows > 0 &&
+                      a.n_cols == b.n_cols && detail::is_legacy_quant(a.type) && detail::is_legacy_quant(b.type) &&
+                      n_tok < detail::prefill_min_tokens(a.type, act) && n_tok < detail::prefill_min_tokens(b.type, act);
+  if (!shared) {
+    matmul(a, x, n_tok, ya);
+    matmul(b, x, n_tok, yb);
+    return;
+  }
+  check_matmul_args(a, n_tok);
+  check_matmul_args(b, n_tok);
+  const weight_view w[2] = {a, b};
+  float* const y[2] = {ya, yb};
+  if (act == decode_activations::act_q16) {
+    detail::matmul_decode_int<int16_t>(w, y, 2, x, n_tok, has_avx2());
+  } else {
+    detail::matmul_decode_int<int8_t>(w, y, 2, x, n_tok, has_avx2());
   }
 }
 
