@@ -13,8 +13,10 @@
 // picked by the linker for the portable files.
 // GCC 12 warns about the deliberately undefined inputs inside its own AVX-512 intrinsics
 // (GCC bug 105593), not about this file's code.
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no -Wmaybe-uninitialized
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include <immintrin.h>
 

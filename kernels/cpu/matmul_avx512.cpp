@@ -17,8 +17,10 @@
 // kernels only by float summation order (the integer sums are the same).
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized
 // reports once inlined; the values are always fully written.
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no -Wmaybe-uninitialized
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <cstdlib>
