@@ -194,8 +194,9 @@ void dot_row_vnni(const void* row, int64_t nb, const void* const* xa /*[NT]*/, c
         }
       }
       // [d0 dx0, c0 sx0, d1 dx1, c1 sx1]; the lone block's partner gets zeros.
-      __m128 xds = two ? _mm_unpacklo_ps(_mm_castpd_ps(_mm_load_sd((const double*)(xd[t] + b))),
-                                         _mm_castpd_ps(_mm_load_sd((const double*)(xs[t] + b))))
+      // (movq loads: two floats need not be 8-byte aligned)
+      __m128 xds = two ? _mm_unpacklo_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xd[t] + b))),
+                                         _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xs[t] + b))))
                        : _mm_unpacklo_ps(_mm_load_ss(xd[t] + b), _mm_load_ss(xs[t] + b));
       const __m128 prod = _mm_mul_ps(sc, xds);
       off[u][t] = _mm_add_ps(off[u][t], prod);
