@@ -9,6 +9,9 @@
 // double-precision product: |c - c_ref| <= (k + 2)·2^-24·(Σ|a b| + |c0|), which covers a chain
 // of k fused multiply-adds plus the final beta·C addition, each rounding at most half an ulp of
 // the running magnitude.
+//
+// cpu::matmul2 (two products of one input in one pass) is held to the same rule: bitwise the
+// two separate products.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -275,6 +278,57 @@ INSTANTIATE_TEST_SUITE_P(shapes, gemm_rows_test,
                                          gemm_case{576, 83, true, 1.0f, 3203}, gemm_case{576, 83, false, 1.0f, 3204},
                                          gemm_case{192, 64, false, 0.0f, 3205}, gemm_case{37, 16, true, 1.0f, 3206}),
                          gemm_case_name);
+
+// cpu::matmul2 (k and v, gate and up in one pass) gives the bits of two cpu::matmul calls under
+// every activation setting, on the shared path (legacy quants, decode-sized n_tok, every SIMD
+// level) and on the fallbacks (prefill-sized n_tok, mixed types, different row lengths).
+TEST(matmul_pair, equals_two_products_bitwise) {
+  const uint32_t seed = 93;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  struct pair_case {
+    ggml_type ta, tb;
+    int64_t rows_a, rows_b, cols_a, cols_b, n_tok;
+  };
+  const pair_case cases[] = {
+      {ggml_type::ggml_q4_1, ggml_type::ggml_q4_1, 192, 192, 576, 576, 1},
+      {ggml_type::ggml_q4_1, ggml_type::ggml_q4_1, 1536, 1536, 576, 576, 3},
+      {ggml_type::ggml_q4_0, ggml_type::ggml_q8_0, 37, 100, 96, 96, 5},    // odd rows, mixed legacy types
+      {ggml_type::ggml_q5_1, ggml_type::ggml_q5_0, 64, 48, 160, 160, 1},   // odd block count per row
+      {ggml_type::ggml_q4_1, ggml_type::ggml_f16, 64, 64, 576, 576, 2},    // float weight: two calls
+      {ggml_type::ggml_q4_1, ggml_type::ggml_q4_1, 64, 64, 576, 576, 200},  // prefill: two calls
+  };
+  const cpu::decode_activations saved = cpu::get_decode_activations();
+  for (const pair_case& c : cases) {
+    const int64_t n_cols = c.cols_a;
+    std::vector<uint8_t> wa_data = make_weights(c.ta, c.rows_a, c.cols_a, rng);
+    std::vector<uint8_t> wb_data = make_weights(c.tb, c.rows_b, c.cols_b, rng);
+    const weight_view wa{c.ta, c.rows_a, c.cols_a, wa_data.data()};
+    const weight_view wb{c.tb, c.rows_b, c.cols_b, wb_data.data()};
+    std::vector<float> x = random_floats(c.n_tok * n_cols, 1.0f, rng);
+    for (cpu::decode_activations act :
+         {cpu::decode_activations::act_q16, cpu::decode_activations::act_q8, cpu::decode_activations::act_f32}) {
+      cpu::set_decode_activations(act);
+      for (int level = 0; level < 3; ++level) {  // best kernels, AVX2 forced, scalar
+        cpu::set_force_avx2(level == 1);
+        cpu::set_force_scalar(level == 2);
+        std::vector<float> ya((size_t)(c.n_tok * c.rows_a)), yb((size_t)(c.n_tok * c.rows_b));
+        std::vector<float> want_a(ya.size()), want_b(yb.size());
+        cpu::matmul(wa, x.data(), c.n_tok, want_a.data());
+        cpu::matmul(wb, x.data(), c.n_tok, want_b.data());
+        cpu::matmul2(wa, wb, x.data(), c.n_tok, ya.data(), yb.data());
+        const std::string what = std::string(ggml_traits(c.ta).name) + "+" + ggml_traits(c.tb).name + " n_tok " +
+                                 std::to_string(c.n_tok) + " act " + cpu::decode_activations_name(act) + " level " +
+                                 std::to_string(level);
+        EXPECT_EQ(0, std::memcmp(want_a.data(), ya.data(), ya.size() * sizeof(float))) << what;
+        EXPECT_EQ(0, std::memcmp(want_b.data(), yb.data(), yb.size() * sizeof(float))) << what;
+      }
+      cpu::set_force_avx2(false);
+      cpu::set_force_scalar(false);
+    }
+  }
+  cpu::set_decode_activations(saved);
+}
 
 }  // namespace
 }  // namespace xctx
