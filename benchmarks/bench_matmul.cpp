@@ -124,10 +124,11 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
 // setting.
 enum variant : int {
   v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16,
-  v_decode_q16_avx2, v_decode_q8_avx2
+  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni
 };
 const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
-                                       "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2"};
+                                       "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2",
+                                       "decode_q16_avxvnni", "decode_q8_avxvnni"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -159,6 +160,14 @@ void BM_matmul(benchmark::State& state) {
                                    which == v_decode_q8_avx2 ? cpu::decode_activations::act_q8
                                                              : cpu::decode_activations::act_q16);
         cpu::set_force_avx2(false);
+        break;
+      case v_decode_q16_avxvnni:
+      case v_decode_q8_avxvnni:
+        cpu::set_force_avx_vnni(true);
+        cpu::detail::matmul_decode(d.view, d.x.data(), n_tok, d.y.data(),
+                                   which == v_decode_q8_avxvnni ? cpu::decode_activations::act_q8
+                                                                : cpu::decode_activations::act_q16);
+        cpu::set_force_avx_vnni(false);
         break;
       case v_prefill_split:
         cpu::detail::matmul_prefill(d.view, d.x.data(), n_tok, d.y.data(),
@@ -201,6 +210,9 @@ void matmul_args(benchmark::internal::Benchmark* b) {
       for (int v : {v_decode_f32, v_decode_q16, v_decode_q8, v_dequant_blas}) b->Args({shape, 1, threads, v});
       if (cpu::has_avx512()) {
         for (int v : {v_decode_q16_avx2, v_decode_q8_avx2}) b->Args({shape, 1, threads, v});
+      }
+      if (cpu::has_avx_vnni()) {
+        for (int v : {v_decode_q16_avxvnni, v_decode_q8_avxvnni}) b->Args({shape, 1, threads, v});
       }
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
     }

@@ -208,7 +208,7 @@ def write_results(rows, args, info):
         flags = set(next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags")))
     except (OSError, StopIteration):
         pass
-    isa = ", ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "amx_tile")
+    isa = ", ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "avx_vnni", "amx_tile")
                     if f in flags) or "unknown"
     md = os.path.join(out_dir, args.out + ".md")
     with open(md, "w") as f:

@@ -45,7 +45,7 @@ def cpu_line():
                 name = line.split(":", 1)[1].strip()
                 break
         flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
-        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+        isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
     except (OSError, StopIteration):
         isa = []
     return f"{name}, {os.cpu_count()} cores, ISA {' '.join(isa) or 'baseline'}"

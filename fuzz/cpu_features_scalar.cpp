@@ -9,5 +9,7 @@ bool has_avx2() { return false; }
 void set_force_scalar(bool) {}
 bool has_avx512() { return false; }
 void set_force_avx2(bool) {}
+bool has_avx_vnni() { return false; }
+void set_force_avx_vnni(bool) {}
 
 }  // namespace xctx::cpu

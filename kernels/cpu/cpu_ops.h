@@ -19,6 +19,12 @@ void set_force_scalar(bool on);
 // the environment keep them on AVX2.
 bool has_avx512();
 void set_force_avx2(bool on);
+// AVX-VNNI (256-bit VEX VPDPBUSD / VPDPWSSD) on top of has_avx2(): the integer decode matvecs
+// use it where has_avx512() is false. set_force_avx2(true) or XCTX_NO_AVXVNNI turn it off.
+bool has_avx_vnni();
+// Tests and benchmarks: while on, has_avx512() reports false, so the kernels with an AVX-VNNI
+// variant take it on CPUs that have both.
+void set_force_avx_vnni(bool on);
 
 // ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok

@@ -445,7 +445,7 @@ void matmul_decode_int(const weight_view* w, float* const* y, int n_w, const flo
   }
   // Built here: inside the region the thread_locals would name each thread's own (empty) vectors.
   const int_act<Code> xq{qs.data(), d.data(), s.data(), nb};
-  const bool vnni = simd && has_avx512();
+  const bool vnni512 = simd && has_avx512(), vnni256 = simd && !vnni512 && has_avx_vnni();
   int64_t n_rows = 0;
   size_t bytes = 0;
   for (int i = 0; i < n_w; ++i) {
@@ -455,8 +455,9 @@ void matmul_decode_int(const weight_view* w, float* const* y, int n_w, const flo
     bytes += w[i].bytes();
   }
   auto rows_of = [&](const weight_view& wi, float* yi, int64_t r0, int64_t r1) {
-    // The VNNI kernel declines only if its scratch cannot be allocated: AVX2 then.
-    if (vnni && dot_rows_q_avx512(wi, r0, r1, xq, n_tok, yi, wi.n_rows)) return;
+    // The VNNI kernels decline only if their scratch cannot be allocated (AVX-512): AVX2 then.
+    if (vnni512 && dot_rows_q_avx512(wi, r0, r1, xq, n_tok, yi, wi.n_rows)) return;
+    if (vnni256 && dot_rows_q_avxvnni(wi, r0, r1, xq, n_tok, yi, wi.n_rows)) return;
     if (simd) {
       dot_rows_q_avx2(wi, r0, r1, xq, n_tok, yi, wi.n_rows);
     } else {

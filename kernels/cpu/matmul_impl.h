@@ -52,6 +52,12 @@ bool dot_rows_q_avx512(const weight_view& w, int64_t r0, int64_t r1, const q8_ac
                        int64_t ldy);
 bool dot_rows_q_avx512(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
                        int64_t ldy);
+// The AVX2 kernels built for AVX-VNNI (matmul_avxvnni.cpp): the same bits as dot_rows_q_avx2.
+// False (nothing written) if w is not a legacy quant.
+bool dot_rows_q_avxvnni(const weight_view& w, int64_t r0, int64_t r1, const q8_act& xq, int64_t n_tok, float* y,
+                        int64_t ldy);
+bool dot_rows_q_avxvnni(const weight_view& w, int64_t r0, int64_t r1, const q16_act& xq, int64_t n_tok, float* y,
+                        int64_t ldy);
 
 // Rows [r0, r1) of a legacy-quant weight against n_tok float activation rows (the act_f32
 // decode path): each block's codes are widened to floats in registers and FMA'd with x, so

@@ -401,14 +401,22 @@ TEST_P(matmul_test, all_paths_match_ref) {
                  ("decode " + name + " scalar").c_str());
     expect_near_grid(y_scalar, act, ("decode " + name + " scalar vs grid activations").c_str());
 
-    // Every SIMD kernel this CPU can run: AVX-512 VNNI (when present) and AVX2 (forced).
-    for (const bool avx512 : {true, false}) {
-      if (avx512 ? !cpu::has_avx512() : !cpu::has_avx2()) continue;
-      const std::string kernel = "decode " + name + (avx512 ? " avx512" : " avx2");
+    // Every SIMD kernel this CPU can run: AVX-512 VNNI, AVX-VNNI (when present) and AVX2 (forced).
+    std::vector<float> y_vnni256;
+    for (const int isa : {2, 1, 0}) {  // 2: AVX-512, 1: AVX-VNNI, 0: AVX2; AVX2 last
+      if (isa == 2 ? !cpu::has_avx512() : isa == 1 ? !cpu::has_avx_vnni() : !cpu::has_avx2()) continue;
+      const std::string kernel = "decode " + name + (isa == 2 ? " avx512" : isa == 1 ? " avx-vnni" : " avx2");
       std::vector<float> y_simd = nan_output();
-      cpu::set_force_avx2(!avx512);
+      cpu::set_force_avx_vnni(isa == 1);
+      cpu::set_force_avx2(isa == 0);
       cpu::detail::matmul_decode(w_, x_.data(), c.n_tok, y_simd.data(), act);
       cpu::set_force_avx2(false);
+      cpu::set_force_avx_vnni(false);
+      if (isa == 1) y_vnni256 = y_simd;  // compared with AVX2 below: the same integer sums, the same bits
+      if (isa == 0 && !y_vnni256.empty()) {
+        EXPECT_EQ(0, std::memcmp(y_vnni256.data(), y_simd.data(), y_simd.size() * sizeof(float)))
+            << "decode " << name << " avx-vnni vs avx2: not bitwise the same";
+      }
       expect_close(y_simd, y_ref_, [&](int64_t i) { return decode_bound(i, act); }, kernel.c_str());
       expect_near_grid(y_simd, act, (kernel + " vs grid activations").c_str());
       // Both quantize the activations to identical bits, so they differ by float rounding only:

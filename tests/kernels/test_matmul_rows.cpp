@@ -309,9 +309,10 @@ TEST(matmul_pair, equals_two_products_bitwise) {
     for (cpu::decode_activations act :
          {cpu::decode_activations::act_q16, cpu::decode_activations::act_q8, cpu::decode_activations::act_f32}) {
       cpu::set_decode_activations(act);
-      for (int level = 0; level < 3; ++level) {  // best kernels, AVX2 forced, scalar
+      for (int level = 0; level < 4; ++level) {  // best kernels, AVX2 forced, scalar, AVX-VNNI preferred
         cpu::set_force_avx2(level == 1);
         cpu::set_force_scalar(level == 2);
+        cpu::set_force_avx_vnni(level == 3);
         std::vector<float> ya((size_t)(c.n_tok * c.rows_a)), yb((size_t)(c.n_tok * c.rows_b));
         std::vector<float> want_a(ya.size()), want_b(yb.size());
         cpu::matmul(wa, x.data(), c.n_tok, want_a.data());
@@ -325,6 +326,7 @@ TEST(matmul_pair, equals_two_products_bitwise) {
       }
       cpu::set_force_avx2(false);
       cpu::set_force_scalar(false);
+      cpu::set_force_avx_vnni(false);
     }
   }
   cpu::set_decode_activations(saved);
