@@ -8,6 +8,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -143,6 +144,38 @@ class snapshot_reader {
   hash64 hash_;
 };
 
+// v as an integer of type T, or a clear error naming the file and key: nlohmann's get<T>()
+// converts floats (3e19 into an int is undefined behaviour) and out-of-range integers unchecked.
+// (Found by the cache_snapshot fuzzer: "ranks": 29223372036854775807, which parses as a float.)
+template <typename T>
+T checked_int(const nlohmann::json& v, const char* key, const std::string& path) {
+  using L = std::numeric_limits<T>;
+  if (v.is_number_unsigned()) {
+    const uint64_t x = v.get<uint64_t>();
+    if (x <= (uint64_t)L::max()) return (T)x;
+  } else if (v.is_number_integer() && L::is_signed) {  // nlohmann keeps non-negative integers unsigned
+    const int64_t x = v.get<int64_t>();
+    if (x >= (int64_t)L::min() && x <= (int64_t)L::max()) return (T)x;
+  }
+  fail(path, ": damaged: \"", key, "\" holds ", v.dump(), ", not an integer in [", +L::min(), ", ", +L::max(), "]");
+}
+
+template <typename T>
+T json_int(const nlohmann::json& j, const char* key, const std::string& path) {
+  return checked_int<T>(j.at(key), key, path);
+}
+
+// The array of integers at j[key], each checked as by json_int.
+template <typename T>
+std::vector<T> json_ints(const nlohmann::json& j, const char* key, const std::string& path) {
+  const nlohmann::json& v = j.at(key);
+  XCTX_CHECK(v.is_array(), path, ": damaged: \"", key, "\" holds ", v.dump(), ", not an array of integers");
+  std::vector<T> out;
+  out.reserve(v.size());
+  for (const nlohmann::json& e : v) out.push_back(checked_int<T>(e, key, path));
+  return out;
+}
+
 struct parsed_header {
   nlohmann::json j;
   std::vector<uint64_t> layer_bytes;
@@ -168,10 +201,10 @@ parsed_header read_header(snapshot_reader& r) {
   parsed_header h;
   try {
     h.j = nlohmann::json::parse(text);
-    h.layer_bytes = h.j.at("layer_bytes").get<std::vector<uint64_t>>();
-    h.n_tokens_stored = h.j.at("n_tokens_stored").get<uint64_t>();
+    h.layer_bytes = json_ints<uint64_t>(h.j, "layer_bytes", r.path());
+    h.n_tokens_stored = json_int<uint64_t>(h.j, "n_tokens_stored", r.path());
     (void)h.j.at("identity").at("format").get<std::string>();
-    (void)h.j.at("state").at("held_per_rank").get<std::vector<int64_t>>();
+    (void)json_ints<int64_t>(h.j.at("state"), "held_per_rank", r.path());
   } catch (const nlohmann::json::exception& e) {
     fail(r.path(), ": damaged header: ", e.what());
   }
@@ -196,7 +229,7 @@ snapshot_manifest read_snapshot_manifest(const std::string& dir) {
   snapshot_manifest m;
   try {
     const nlohmann::json j = nlohmann::json::parse(in);
-    m.ranks = j.at("ranks").get<int>(), m.tokens = j.at("tokens").get<int64_t>();
+    m.ranks = json_int<int>(j, "ranks", path), m.tokens = json_int<int64_t>(j, "tokens", path);
     m.format = j.at("format").get<std::string>(), m.model = j.at("model").get<std::string>();
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": damaged: ", e.what());
@@ -335,9 +368,10 @@ snapshot_state read_snapshot_state(const std::string& dir, int rank, int n_rank,
   snapshot_state st;
   try {
     const nlohmann::json& s = h.j.at("state");
-    st.rank = s.at("rank").get<int>(), st.n_rank = s.at("ranks").get<int>(), st.tail_rank = s.at("tail_rank").get<int>();
-    st.next_position = s.at("next_position").get<int64_t>();
-    st.held_per_rank = s.at("held_per_rank").get<std::vector<int64_t>>();
+    st.rank = json_int<int>(s, "rank", path), st.n_rank = json_int<int>(s, "ranks", path);
+    st.tail_rank = json_int<int>(s, "tail_rank", path);
+    st.next_position = json_int<int64_t>(s, "next_position", path);
+    st.held_per_rank = json_ints<int64_t>(s, "held_per_rank", path);
     st.prefill = s.at("prefill").get<std::string>();
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": damaged header: ", e.what());
