@@ -110,6 +110,7 @@ struct quant_values {
   size_t rb;
   __m512 table;
   const uint8_t* row(int r) const { return base + (size_t)r * rb; }
+  size_t stride() const { return rb; }
   __m512 load(const uint8_t* head_row, int d) const { return level_at<BITS, NV16>(head_row, d, table); }
 };
 
@@ -117,6 +118,7 @@ struct f16_rows {
   const uint16_t* base;
   int64_t ld;
   const uint16_t* row(int r) const { return base + r * ld; }
+  int64_t stride() const { return ld; }
   __m512 load(const uint16_t* head_row, int d) const {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(head_row + 16 * d)));
   }
@@ -162,11 +164,77 @@ inline void score_block(const K& keys, int j0, int r0, const float* q /*[RB, hd]
 template <int RB>
 constexpr int kKeysPerBlock = RB == 1 ? 8 : RB == 2 ? 8 : RB == 3 ? 8 : 4;
 
+// ---- scores of 16 keys: a reduction tree ---------------------------------------------------
+// Each key's RB accumulators (16 channel lanes each) are folded with its neighbours' into one
+// vector of 16 keys' dot products: level 1 adds the 256-bit halves of two keys (8 partial sums
+// each), level 2 the 128-bit quarters of two such pairs (4 each), levels 3 and 4 lane pairs
+// inside the quarters; a permute puts the keys in order. Built depth-first, one pending vector
+// per level and query row is live at a time: ~3 instructions per key and row, no spills (holding
+// TB keys' accumulators for one horizontal sum each costs ~3.3, and spills at RB = 3, TB = 8).
+template <int LEVEL>
+[[gnu::always_inline]] inline __m512 tree_combine(__m512 a, __m512 b) {
+  if constexpr (LEVEL == 1)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  else if constexpr (LEVEL == 2)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  else if constexpr (LEVEL == 3)
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  else
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// acc[u] = the 16-lane partial products of q_u · R(o) k for key row r (tile row j).
+template <int NV16, int RB, class K>
+[[gnu::always_inline]] inline void key_dots(const K& keys, int j, int r, const float* q, const float* cos2,
+                                            const float* sin2, const int32_t* rot, __m512* acc /*[RB]*/) {
+  constexpr int hd = 16 * NV16;
+  const auto row = keys.row(r);
+  const int o = rot[j];
+  // The query is read from L1 as memory operands: an opaque copy of its address keeps GCC from
+  // holding all RB·NV16 query vectors in registers across the 16 keys, which spills the tree.
+  const float* qk = q;
+  asm volatile("" : "+r"(qk));
+  for (int d = 0; d < NV16; ++d) {
+    const __m512 k = rotate16(keys.load(row, d), cos2 + o + 16 * d, sin2 + o + 16 * d);
+    for (int u = 0; u < RB; ++u)
+      acc[u] = d == 0 ? _mm512_mul_ps(k, _mm512_loadu_ps(qk + u * hd))
+                      : _mm512_fmadd_ps(k, _mm512_loadu_ps(qk + u * hd + 16 * d), acc[u]);
+  }
+}
+
+// N (a power of 2, <= 16) keys from tile row j / run row r folded to tree level log2(N).
+// (always_inline here and below: GCC otherwise calls key_dots per key, spilling the tree.)
+template <int N, int NV16, int RB, class K>
+[[gnu::always_inline]] inline void key_tree(const K& keys, int j, int r, const float* q, const float* cos2,
+                                            const float* sin2, const int32_t* rot, __m512* out /*[RB]*/) {
+  if constexpr (N == 1) {
+    key_dots<NV16, RB>(keys, j, r, q, cos2, sin2, rot, out);
+  } else {
+    constexpr int level = N == 2 ? 1 : N == 4 ? 2 : N == 8 ? 3 : 4;
+    __m512 a[RB], b[RB];
+    key_tree<N / 2, NV16, RB>(keys, j, r, q, cos2, sin2, rot, a);
+    key_tree<N / 2, NV16, RB>(keys, j + N / 2, r + N / 2, q, cos2, sin2, rot, b);
+    for (int u = 0; u < RB; ++u) out[u] = tree_combine<level>(a[u], b[u]);
+  }
+}
+
+// s[u * kSS + j0 + b] for the 16 keys b of tile rows j0.. (run rows r0..).
+template <int NV16, int RB, class K>
+inline void score_16(const K& keys, int j0, int r0, const float* q, const float* cos2, const float* sin2,
+                     const int32_t* rot, float* s) {
+  // After level 4, lane 4i + q holds key 4q + i.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512 v[RB];
+  key_tree<16, NV16, RB>(keys, j0, r0, q, cos2, sin2, rot, v);
+  for (int u = 0; u < RB; ++u) _mm512_storeu_ps(s + u * kSS + j0, _mm512_permutexvar_ps(order, v[u]));
+}
+
 template <int NV16, int RB, class K>
 void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
                const int32_t* rot, float* s) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
+  for (; j + 16 <= jb; j += 16) score_16<NV16, RB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j + TB <= jb; j += TB) score_block<NV16, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j < jb; ++j) score_block<NV16, RB, 1>(keys, j, j - ja, q, cos2, sin2, rot, s);
 }
@@ -174,14 +242,17 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
 // ---- values ------------------------------------------------------------------------------
 
 // o_u[16 d0, 16 (d0 + W)) += Σ_j w[u][j] · level_j for tile rows [ja, jb) (run rows from 0).
-template <int NV16, int RB, int W, class V>
-inline void pv_slice(const V& vals, int ja, int jb, int d0, const float* w /*[RB, kSS]*/, float* o /*[RB, hd]*/) {
+// D0 >= 0 fixes d0 at compile time (whole heads: each vector's code read -- forward, backward --
+// is then known without a test per row); D0 = -1 takes d0_rt.
+template <int NV16, int RB, int W, int D0, class V>
+inline void pv_slice(const V& vals, int ja, int jb, int d0_rt, const float* w /*[RB, kSS]*/, float* o /*[RB, hd]*/) {
   constexpr int hd = 16 * NV16;
+  const int d0 = D0 >= 0 ? D0 : d0_rt;
   __m512 acc[RB][W];
   for (int u = 0; u < RB; ++u)
     for (int c = 0; c < W; ++c) acc[u][c] = _mm512_loadu_ps(o + u * hd + 16 * (d0 + c));
-  for (int j = ja; j < jb; ++j) {
-    const auto row = vals.row(j - ja);
+  auto row = vals.row(0);
+  for (int j = ja; j < jb; ++j, row += vals.stride()) {
     __m512 wj[RB];
     for (int u = 0; u < RB; ++u) wj[u] = _mm512_set1_ps(w[u * kSS + j]);
     for (int c = 0; c < W; ++c) {
@@ -200,7 +271,7 @@ template <int NV16, int RB, int D0 = 0, class V>
 inline void pv_head(const V& vals, int ja, int jb, const float* w, float* o) {
   if constexpr (D0 < NV16) {
     constexpr int W = NV16 - D0 < kValueSlice<RB> ? NV16 - D0 : kValueSlice<RB>;
-    pv_slice<NV16, RB, W>(vals, ja, jb, D0, w, o);
+    pv_slice<NV16, RB, W, D0>(vals, ja, jb, D0, w, o);
     pv_head<NV16, RB, D0 + W>(vals, ja, jb, w, o);
   }
 }
@@ -211,7 +282,7 @@ inline void pv_slice_upto(const V& vals, int ja, int jb, int d0, int w_rt, const
   if constexpr (W > 1) {
     if (w_rt < W) return pv_slice_upto<NV16, RB, W - 1>(vals, ja, jb, d0, w_rt, w, o);
   }
-  pv_slice<NV16, RB, W>(vals, ja, jb, d0, w, o);
+  pv_slice<NV16, RB, W, -1>(vals, ja, jb, d0, w, o);
 }
 
 // Vectors [da, db) (8-lane indices, even: kvq_fused_avx512_supported keeps value groups to

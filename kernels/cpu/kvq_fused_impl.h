@@ -102,6 +102,14 @@ void value_params(tile_ctx& t) {
 }
 
 // ---- sparse outliers: corrections of the dense result, straight from the layer's lists ------
+// The per-entry loops over a kv head's query rows run g (typically 2-8) times: GCC's vectorized
+// versions of them with their scalar remainders cost more than they save (measured by
+// callgrind: 132 -> ... instructions per key entry), so they stay scalar.
+#if defined(__GNUC__) && !defined(__clang__)
+#define XCTX_SCALAR_LOOPS __attribute__((optimize("no-tree-vectorize")))
+#else
+#define XCTX_SCALAR_LOOPS
+#endif
 // (KVQuant's dense-and-sparse split: δ = stored value − dense decode of the same element.)
 // Everything the loops read is copied to locals first: the stores could alias the view.
 
@@ -111,7 +119,7 @@ void value_params(tile_ctx& t) {
 // with each entry's row found beforehand without branches (rows hold 0-5 entries: a loop per row
 // mispredicts its exit almost every row).
 template <int BITS>
-__attribute__((noinline)) void add_key_outliers(const tile_ctx& t, float* s_all, int32_t* tok) {
+__attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx& t, float* s_all, int32_t* tok) {
   const kvq_layer_view& L = *t.L;
   const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;  // head_dim: a power of 2
   const size_t rb = kvq_row_bytes(t.C, BITS);
@@ -151,7 +159,7 @@ __attribute__((noinline)) void add_key_outliers(const tile_ctx& t, float* s_all,
 // Value outliers, after the dense values: o_r[c] += p_r[j]·δ for the rows r of the outlier's kv
 // head. p_all: [n_head, kSS] probabilities; o: [n_head, hd].
 template <int BITS>
-__attribute__((noinline)) void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
+__attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   const kvq_layer_view& L = *t.L;
   const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;
   const size_t rb = kvq_row_bytes(t.C, BITS);
@@ -207,7 +215,57 @@ inline __m256 rotate8(__m256 x, const float* cos2, const float* sin2) {
 // ---- per-head steps on memory (s: [RB, kSS] scores, then probabilities; o: [RB, hd]) ----------
 
 // Online softmax over the tile's nt scores of RB rows: s becomes the probabilities, m and l are
-// updated, o (hd wide) rescaled.
+// updated, o (hd wide) rescaled -- unless the running maximum held (alpha = 1, most tiles after
+// the first few): multiplying by 1 changes no bit, so the pass over o is skipped.
+// With AVX-512 (the *_avx512.cpp includer) 16 lanes with masked tails, else 8 lanes.
+#if defined(__AVX512F__)
+inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+template <int RB>
+inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int hd) {
+  for (int u = 0; u < RB; ++u) {
+    float* su = s + u * kSS;
+    __m512 mv = _mm512_set1_ps(-__builtin_inff());
+    for (int j = 0; j < nt; j += 16) {
+      const __mmask16 k = first_lanes(nt - j);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, su + j));
+    }
+    const float mt = _mm512_reduce_max_ps(mv);
+    const float m_new = mt > m[u] ? mt : m[u];
+    const float alpha = std::exp(m[u] - m_new);  // 0 on the first tile (m = -inf)
+    m[u] = m_new;
+    const __m512 mn = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < nt; j += 16) {
+      const __mmask16 k = first_lanes(nt - j);
+      const __m512 p = _mm512_maskz_mov_ps(k, avx2::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, su + j), mn)));
+      _mm512_mask_storeu_ps(su + j, k, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    l[u] = l[u] * alpha + _mm512_reduce_add_ps(sum);
+    if (alpha == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(o + u * hd + d, _mm512_mul_ps(_mm512_loadu_ps(o + u * hd + d), a));
+  }
+}
+
+// The value-scale fold: w = p·s_j per row, and the returned Σ_j p_j·z_j per row (zsum [RB]).
+template <int RB>
+inline void fold_value_scales(const float* s, const float* ps /*[kT]*/, const float* pz /*[kT]*/, int nt, float* w,
+                              float* zsum) {
+  for (int u = 0; u < RB; ++u) {
+    __m512 zs = _mm512_setzero_ps();
+    for (int j = 0; j < nt; j += 16) {
+      const __mmask16 k = first_lanes(nt - j);
+      const __m512 p = _mm512_maskz_loadu_ps(k, s + u * kSS + j);
+      _mm512_mask_storeu_ps(w + u * kSS + j, k, _mm512_mul_ps(p, _mm512_maskz_loadu_ps(k, ps + j)));
+      zs = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(k, pz + j), zs);
+    }
+    zsum[u] = _mm512_reduce_add_ps(zs);
+  }
+}
+#else
 template <int RB>
 inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int hd) {
   for (int u = 0; u < RB; ++u) {
@@ -236,6 +294,7 @@ inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int h
       for (int e = 0; j + e < nt; ++e) su[j + e] = buf[e];
     }
     l[u] = l[u] * alpha + avx2::hsum8(sum);
+    if (alpha == 1.0f) continue;
     const __m256 a = _mm256_set1_ps(alpha);
     for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(o + u * hd + d, _mm256_mul_ps(_mm256_loadu_ps(o + u * hd + d), a));
   }
@@ -258,6 +317,7 @@ inline void fold_value_scales(const float* s, const float* ps /*[kT]*/, const fl
     zsum[u] = avx2::hsum8(zs) + zt;
   }
 }
+#endif
 
 // o_u[8 da, 8 db) += zsum_u: the zero points' share, once per tile.
 template <int RB>
@@ -290,6 +350,44 @@ inline void for_value_segments(const tile_ctx& t, int h, float* sj, float* zj, F
 }
 
 // ---- the driver ----------------------------------------------------------------------------
+
+inline void prefetch_bytes(const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t b = 0; b < n; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  if (n > 0) _mm_prefetch(c + n - 1, _MM_HINT_T0);
+}
+
+// The quantized rows of the tile at slot s (up to kT slots, before end): their codes, value
+// parameters and outlier lists into L1 while this tile computes. Measured: the cold rows' first
+// loads otherwise stall the value pass (the hardware prefetcher does not run a tile ahead).
+inline void prefetch_next_tile(const kvq_layer_view& L, int64_t s, int64_t end) {
+  const int64_t a = s > L.n_sink ? s : L.n_sink;
+  int64_t b = s + kT < end ? s + kT : end;
+  b = b < L.q_end ? b : L.q_end;
+  if (a >= b) return;
+  const int64_t i = a - L.n_sink, n = b - a;
+  const int C = L.channels();
+  const size_t rk = kvq_row_bytes(C, L.bits), rv = kvq_row_bytes(C, L.value_bits());
+  prefetch_bytes(L.k_codes + (size_t)i * rk, (size_t)n * rk);
+  prefetch_bytes(L.v_codes + (size_t)i * rv, (size_t)n * rv);
+  if (L.v_tok != nullptr) prefetch_bytes(L.v_tok + i, (size_t)n * sizeof(kvq_affine));
+  if (L.v_group != nullptr) {
+    const size_t n_vg = (size_t)(C + L.group - 1) / L.group;
+    prefetch_bytes(L.v_group + (size_t)i * n_vg, (size_t)n * n_vg * sizeof(kvq_affine));
+  }
+  if (L.k_out_off != nullptr) {
+    prefetch_bytes(L.k_out_off + i, (size_t)(n + 1) * sizeof(uint32_t));
+    const uint32_t e0 = L.k_out_off[i], e1 = L.k_out_off[i + n];  // the offsets were read for the current tile
+    prefetch_bytes(L.k_out_idx + e0, (size_t)(e1 - e0) * sizeof(uint16_t));
+    prefetch_bytes(L.k_out_val + e0, (size_t)(e1 - e0) * sizeof(uint16_t));
+  }
+  if (L.v_out_per_tok > 0) {
+    const size_t e = (size_t)i * L.v_out_per_tok, ne = (size_t)n * L.v_out_per_tok;
+    prefetch_bytes(L.v_out_idx + e, ne * sizeof(uint16_t));
+    prefetch_bytes(L.v_out_val + e, ne * sizeof(uint16_t));
+  }
+}
+
 
 // One tile's heads: scores of every query row into s_all, the key outliers' corrections, per
 // kv head the softmax update and values, the value outliers' corrections. m, l: [n_head];
@@ -531,6 +629,7 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
       t.runs[t.n_runs++] = R;
       j = R.jb;
     }
+    prefetch_next_tile(L, t0 + nt, a.s0 + a.n);
     value_params(t);
     run_heads(t, m, l, a.o, work);
   }
