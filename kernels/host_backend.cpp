@@ -29,12 +29,11 @@ class host_backend final : public backend {
   }
 
   void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override { k_.matmul(w, x, n_tok, y); }
-  void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya,
-               float* yb) override {
-    if (k_.matmul2 != nullptr) {
-      k_.matmul2(a, b, x, n_tok, ya, yb);
+  void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y) override {
+    if (k_.matmul_n != nullptr) {
+      k_.matmul_n(w, n_w, x, n_tok, y);
     } else {
-      backend::matmul2(a, b, x, n_tok, ya, yb);
+      backend::matmul_n(w, n_w, x, n_tok, y);
     }
   }
   void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {

@@ -20,8 +20,8 @@ struct host_kernels {
   void (*merge_partials)(const float*, const float*, int, int64_t, int, float*, float*);
   void (*kvq_encode)(const kvq_encode_job&);
   void (*attention_kvq)(const kvq_attn_args&);
-  // Optional (nullptr: two matmul calls).
-  void (*matmul2)(const weight_view&, const weight_view&, const float*, int64_t, float*, float*);
+  // Optional (nullptr: one matmul call per weight).
+  void (*matmul_n)(const weight_view*, int, const float*, int64_t, float* const*);
 };
 
 std::unique_ptr<backend> make_host_backend(const host_kernels& k);

@@ -120,12 +120,16 @@ class backend {
                       int64_t n_tok,
                       float* y)  // [n_tok, w.n_rows]
       = 0;
-  // ya = x · Aᵀ, yb = x · Bᵀ: the same bits as two matmul calls, which is what backends without
-  // a fused version do.
-  virtual void matmul2(const weight_view& a, const weight_view& b, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
-                       float* ya, float* yb) {
-    matmul(a, x, n_tok, ya);
-    matmul(b, x, n_tok, yb);
+  // y[i] = x · W[i]ᵀ for n_w weights that read the same x (q, k and v; gate and up): the same
+  // bits as n_w matmul calls, which is what backends without a fused version do.
+  virtual void matmul_n(const weight_view* w /*[n_w]*/, int n_w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                        float* const* y /*[n_w]*/) {
+    for (int i = 0; i < n_w; ++i) matmul(w[i], x, n_tok, y[i]);
+  }
+  void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb) {
+    const weight_view w[2] = {a, b};
+    float* const y[2] = {ya, yb};
+    matmul_n(w, 2, x, n_tok, y);
   }
   // out[i, :] = dequant(W[ids[i], :])   (embedding lookup)
   virtual void get_rows(const weight_view& w, const int32_t* ids /*[n]*/, int64_t n,

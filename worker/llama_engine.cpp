@@ -132,6 +132,10 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
   const model_hparams& hp = w_.hp;
   const int64_t d = hp.n_embd;
   const std::vector<int64_t> sb = batch_bounds(n, rp_.n_batch, 1);
+  // One sub-chunk (every decode step, short prompts): q is computed with k and v in pass 1 from
+  // the same normed input (one matmul_n over the three: one parallel region and one activation
+  // quantization instead of two, and no second rms_norm). The same bits as computing it in pass 2.
+  const bool q_with_kv = sb.size() == 2;
   for (int l = 0; l < hp.n_layer; ++l) {
     const layer_weights& L = w_.layers[l];
     // Pass 1: every token's k, v stored before any query of the layer attends (the ring needs
@@ -139,7 +143,14 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
       be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
-      be_.matmul2(L.wk, L.wv, h_.data(), m, k_.data(), v_.data());
+      if (q_with_kv) {
+        const weight_view w[3] = {L.wq, L.wk, L.wv};
+        float* const y[3] = {q_.data(), k_.data(), v_.data()};
+        be_.matmul_n(w, 3, h_.data(), m, y);
+        add_bias(q_.data(), L.bq, m);
+      } else {
+        be_.matmul2(L.wk, L.wv, h_.data(), m, k_.data(), v_.data());
+      }
       add_bias(k_.data(), L.bk, m);
       add_bias(v_.data(), L.bv, m);
       layer_input in;
@@ -157,9 +168,11 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
       float* x = x_.data() + s * d;
-      be_.rms_norm(x, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
-      be_.matmul(L.wq, h_.data(), m, q_.data());
-      add_bias(q_.data(), L.bq, m);
+      if (!q_with_kv) {
+        be_.rms_norm(x, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
+        be_.matmul(L.wq, h_.data(), m, q_.data());
+        add_bias(q_.data(), L.bq, m);
+      }
       be_.rope(q_.data(), pos + s, m, hp.n_head, rope_);
       attn.attend(l, q_.data(), pos + s, m, o_.data());
       be_.matmul(L.wo, o_.data(), m, tmp_.data());

@@ -7,7 +7,7 @@ namespace xctx {
 std::unique_ptr<backend> make_cpu_backend() {
   return make_host_backend({"cpu", cpu::matmul, cpu::get_rows, cpu::rms_norm, cpu::rope, cpu::swiglu, cpu::add,
                             cpu::attention_partial, cpu::merge_partials, cpu::kvq_encode, cpu::attention_kvq,
-                            cpu::matmul2});
+                            cpu::matmul_n});
 }
 
 }  // namespace xctx

@@ -58,9 +58,11 @@ const char* decode_activations_name(decode_activations act);
 decode_activations parse_decode_activations(std::string_view name, const char* what);
 
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
-// Two products of the same x (k and v; gate and up): ya = x·Aᵀ, yb = x·Bᵀ, bitwise what two
-// cpu::matmul calls give. On the integer decode paths x is quantized once and both run in one
-// parallel region over their concatenated rows (one fork/join and barrier instead of two).
+// n_w products of the same x (q, k and v; gate and up): y[i] = x·W[i]ᵀ, bitwise what n_w
+// cpu::matmul calls give. On the integer decode paths x is quantized once and all run in one
+// parallel region over their concatenated rows (one fork/join and barrier instead of n_w).
+void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y);
+// The pair form of matmul_n.
 void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb);
 // C = A·B (b_transposed false: B [k, n_out] row-major) or A·Bᵀ (true: B [n_out, k]), plus C
 // itself when beta is 1 (beta must be 0 or 1). Row-invariant like the prefill matmul: every

@@ -425,7 +425,7 @@ void dot_rows_f_scalar(const weight_view& w, int64_t r0, int64_t r1, const float
 namespace {
 
 // The integer decode path: each token's activations quantized to Code blocks once, then every
-// thread's rows dotted against them. n_w products of the same x (n_w <= 2: k and v, gate and
+// thread's rows dotted against them. n_w products of the same x (q, k and v; gate and
 // up) share the quantization and one parallel region over their concatenated rows; each row's
 // kernel call is the one a single product would make, so the bits do not depend on the sharing.
 template <typename Code>
@@ -684,25 +684,30 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   }
 }
 
-void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb) {
+void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y) {
+  XCTX_CHECK(n_w >= 0, "cpu::matmul_n: ", n_w, " weights");
   const decode_activations act = get_decode_activations();
-  const bool shared = act != decode_activations::act_f32 && n_tok > 0 && a.n_rows > 0 && b.n_rows > 0 &&
-                      a.n_cols == b.n_cols && detail::is_legacy_quant(a.type) && detail::is_legacy_quant(b.type) &&
-                      n_tok < detail::prefill_min_tokens(a.type, act) && n_tok < detail::prefill_min_tokens(b.type, act);
+  bool shared = act != decode_activations::act_f32 && n_tok > 0 && n_w > 1;
+  for (int i = 0; shared && i < n_w; ++i) {
+    shared = w[i].n_rows > 0 && w[i].n_cols == w[0].n_cols && detail::is_legacy_quant(w[i].type) &&
+             n_tok < detail::prefill_min_tokens(w[i].type, act);
+  }
   if (!shared) {
-    matmul(a, x, n_tok, ya);
-    matmul(b, x, n_tok, yb);
+    for (int i = 0; i < n_w; ++i) matmul(w[i], x, n_tok, y[i]);
     return;
   }
-  check_matmul_args(a, n_tok);
-  check_matmul_args(b, n_tok);
+  for (int i = 0; i < n_w; ++i) check_matmul_args(w[i], n_tok);
+  if (act == decode_activations::act_q16) {
+    detail::matmul_decode_int<int16_t>(w, y, n_w, x, n_tok, has_avx2());
+  } else {
+    detail::matmul_decode_int<int8_t>(w, y, n_w, x, n_tok, has_avx2());
+  }
+}
+
+void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb) {
   const weight_view w[2] = {a, b};
   float* const y[2] = {ya, yb};
-  if (act == decode_activations::act_q16) {
-    detail::matmul_decode_int<int16_t>(w, y, 2, x, n_tok, has_avx2());
-  } else {
-    detail::matmul_decode_int<int8_t>(w, y, 2, x, n_tok, has_avx2());
-  }
+  matmul_n(w, 2, x, n_tok, y);
 }
 
 void gemm_rows(const float* a, int64_t n, int k, const float* b, bool b_transposed, int n_out, float beta, float* c,

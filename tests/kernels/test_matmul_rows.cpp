@@ -279,9 +279,10 @@ INSTANTIATE_TEST_SUITE_P(shapes, gemm_rows_test,
                                          gemm_case{192, 64, false, 0.0f, 3205}, gemm_case{37, 16, true, 1.0f, 3206}),
                          gemm_case_name);
 
-// cpu::matmul2 (k and v, gate and up in one pass) gives the bits of two cpu::matmul calls under
-// every activation setting, on the shared path (legacy quants, decode-sized n_tok, every SIMD
-// level) and on the fallbacks (prefill-sized n_tok, mixed types, different row lengths).
+// cpu::matmul2 / matmul_n (q, k and v, gate and up in one pass) give the bits of separate
+// cpu::matmul calls under every activation setting, on the shared path (legacy quants,
+// decode-sized n_tok, every SIMD level) and on the fallbacks (prefill-sized n_tok, mixed types,
+// different row lengths).
 TEST(matmul_pair, equals_two_products_bitwise) {
   const uint32_t seed = 93;
   std::printf("seed %u\n", seed);
@@ -318,11 +319,19 @@ TEST(matmul_pair, equals_two_products_bitwise) {
         cpu::matmul(wa, x.data(), c.n_tok, want_a.data());
         cpu::matmul(wb, x.data(), c.n_tok, want_b.data());
         cpu::matmul2(wa, wb, x.data(), c.n_tok, ya.data(), yb.data());
+        // Three products (q, k and v): b between two a's, so a's rows come first and last.
+        std::vector<float> ya1(ya.size()), yb1(yb.size()), ya2(ya.size());
+        const weight_view w3[3] = {wa, wb, wa};
+        float* const y3[3] = {ya1.data(), yb1.data(), ya2.data()};
+        cpu::matmul_n(w3, 3, x.data(), c.n_tok, y3);
         const std::string what = std::string(ggml_traits(c.ta).name) + "+" + ggml_traits(c.tb).name + " n_tok " +
                                  std::to_string(c.n_tok) + " act " + cpu::decode_activations_name(act) + " level " +
                                  std::to_string(level);
         EXPECT_EQ(0, std::memcmp(want_a.data(), ya.data(), ya.size() * sizeof(float))) << what;
         EXPECT_EQ(0, std::memcmp(want_b.data(), yb.data(), yb.size() * sizeof(float))) << what;
+        EXPECT_EQ(0, std::memcmp(want_a.data(), ya1.data(), ya.size() * sizeof(float))) << what << " (3 products)";
+        EXPECT_EQ(0, std::memcmp(want_b.data(), yb1.data(), yb.size() * sizeof(float))) << what << " (3 products)";
+        EXPECT_EQ(0, std::memcmp(want_a.data(), ya2.data(), ya.size() * sizeof(float))) << what << " (3 products)";
       }
       cpu::set_force_avx2(false);
       cpu::set_force_scalar(false);
