@@ -299,8 +299,11 @@ class quant_cache final : public kv_cache {
     XCTX_CHECK(bytes >= sizeof hdr, "cache block of ", bytes, " bytes is too short for its header");
     std::memcpy(hdr, in, sizeof hdr);
     const int64_t n = hdr[0], n_sink = hdr[1], n_tail = hdr[2], nq = hdr[3], nk = hdr[4];
+    // Every count is bounded by the block's size before any sum (the fuzzer found nq + n_tail
+    // overflowing int64 with both near 2^62).
     const bool sane = n >= 0 && n_sink >= 0 && n_sink <= 1 && n_tail >= 0 && nq >= 0 && nk >= 0 && (size_t)n <= bytes &&
-                      (size_t)nk <= bytes && n == n_sink + nq + n_tail && (kivi_ ? n_sink == 0 && n_tail < G_ && nq % G_ == 0 : n_tail == 0);
+                      (size_t)nq <= bytes && (size_t)n_tail <= bytes && (size_t)nk <= bytes &&
+                      n == n_sink + nq + n_tail && (kivi_ ? n_sink == 0 && n_tail < G_ && nq % G_ == 0 : n_tail == 0);
     XCTX_CHECK(sane && block_bytes(n, n_sink, n_tail, nq, nk) == bytes, "cache block for layer ", layer,
                " is inconsistent: ", n, " tokens (sink ", n_sink, ", quantized ", nq, ", window ", n_tail, ", ", nk,
                " key outliers) in ", bytes, " bytes");

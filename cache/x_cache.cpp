@@ -291,8 +291,9 @@ class x_window_cache final : public kv_cache {
     std::memcpy(hdr, in, sizeof hdr);
     parsed_block p;
     p.n = hdr[0], p.nq = hdr[1], p.n_tail = hdr[2];
-    const bool sane = p.n >= 0 && p.nq >= 0 && p.n_tail >= 0 && (size_t)p.n <= bytes && p.n == p.nq + p.n_tail &&
-                      p.nq % W_ == 0 && p.n_tail < W_;
+    // Every count is bounded by the block's size before the sum can overflow.
+    const bool sane = p.n >= 0 && p.nq >= 0 && p.n_tail >= 0 && (size_t)p.n <= bytes && (size_t)p.nq <= bytes &&
+                      (size_t)p.n_tail <= bytes && p.n == p.nq + p.n_tail && p.nq % W_ == 0 && p.n_tail < W_;
     XCTX_CHECK(sane && block_bytes(layer, p.nq, p.n_tail) == bytes, "cache block for layer ", layer,
                " is inconsistent: ", p.n, " tokens (", p.nq, " quantized, window ", p.n_tail, ") in ", bytes, " bytes");
     const layer_store& L = layers_[layer];

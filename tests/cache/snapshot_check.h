@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -68,6 +69,20 @@ inline void expect_restores_like(kv_cache& src, const std::function<std::unique_
   bad[0] ^= 0x40;  // the token count no longer matches the layout
   EXPECT_THROW(empty->restore_layer(0, bad.data(), bad.size()), Error);
   EXPECT_THROW(empty->restore_layer(g.n_layer, snap.data(), snap.size()), Error);
+  EXPECT_EQ(empty->n_tokens(0), 0);
+}
+
+// Two adjacent int64 counts of a layer block's header (words w and w + 1) set to the
+// cache_snapshot fuzzer's values, whose sum overflows int64: refused with an Error (under
+// UBSan, the overflow itself used to stop the run).
+inline void expect_overflowing_counts_refused(const std::function<std::unique_ptr<kv_cache>()>& make,
+                                              const std::vector<uint8_t>& snap, int w) {
+  std::vector<uint8_t> bad = snap;
+  const int64_t huge[2] = {7957695015293251440, 6878254907934113797};
+  ASSERT_GE(bad.size(), (size_t)(w + 2) * 8);
+  std::memcpy(bad.data() + 8 * w, huge, sizeof huge);
+  auto empty = make();
+  EXPECT_THROW(empty->restore_layer(0, bad.data(), bad.size()), Error);
   EXPECT_EQ(empty->n_tokens(0), 0);
 }
 

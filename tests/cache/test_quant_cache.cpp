@@ -339,6 +339,8 @@ TEST_P(quant_cache_test, snapshot_restores_the_same_cache) {
         for (int l = 0; l < g.n_layer; ++l)
           c.append(l, layer_input{nullptr, extra.k.data(), extra.v.data(), extra_pos.data(), kTestGroup});
       });
+  // Header [n, n_sink, n_tail, nq, key outliers]: n_tail + nq overflowing.
+  test::expect_overflowing_counts_refused([&] { return make_cache(spec, g, *be); }, test::snapshot_of(*fc.cache, 0), 2);
 }
 
 // What the exact ring computes: a shard split over two caches (zigzag-like, boundaries on group

@@ -396,6 +396,10 @@ TEST_P(x_cache_test, snapshot_restores_the_same_cache) {
           for (int l = 0; l < g.n_layer; ++l)
             cache.append(l, layer_input{x[l].data(), k[l].data(), v[l].data(), pos.data(), kTestWindow});
         });
+    if (!cl) {  // header [n, nq, n_tail]: nq + n_tail overflowing
+      test::expect_overflowing_counts_refused([&] { return make_cache(f.spec, g, *be); },
+                                              test::snapshot_of(*f.cache, 0), 1);
+    }
     if (cl || c.format == cache_format::cache_clkv) {  // a layer restored before the one below it
       auto out_of_order = make_cache(f.spec, g, *be);
       const std::vector<uint8_t> top = test::snapshot_of(*f.cache, g.n_layer - 1);
