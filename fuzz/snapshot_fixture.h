@@ -53,10 +53,18 @@ inline void fix_snapshot_checksums(std::vector<uint8_t>& f) {
     if (header_bytes <= f.size() - 24) {
       try {
         const nlohmann::json j = nlohmann::json::parse(f.begin() + 24, f.begin() + 24 + (ptrdiff_t)header_bytes);
-        const auto layers = j.at("layer_bytes").get<std::vector<uint64_t>>();
-        const uint64_t n_tok = j.at("n_tokens_stored").get<uint64_t>();
+        // Only non-negative integers are followed: get<uint64_t>() of a float out of range is
+        // undefined behaviour (UBSan stopped the fuzzer here, in the harness, not the reader).
+        const nlohmann::json &lb = j.at("layer_bytes"), &nt = j.at("n_tokens_stored");
+        std::vector<uint64_t> layers;
+        if (lb.is_array()) {
+          for (const nlohmann::json& e : lb) {
+            if (!e.is_number_unsigned()) break;
+            layers.push_back(e.get<uint64_t>());
+          }
+        }
         uint64_t pos = pad8(24 + header_bytes);
-        if (n_tok <= f.size()) pos += pad8(n_tok * 4);
+        if (nt.is_number_unsigned() && nt.get<uint64_t>() <= f.size()) pos += pad8(nt.get<uint64_t>() * 4);
         for (uint64_t b : layers) {
           if (b > f.size() || pos + b > f.size()) break;
           xctx::hash64 h(kLayerSeed);
