@@ -39,6 +39,16 @@ def cpu_model():
     return platform.processor()
 
 
+def cpu_flags():
+    """The SIMD extensions the kernels choose between, as /proc/cpuinfo lists them."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return ", ".join(f for f in ("avx2", "avx512f", "avx512vbmi", "avx512_vnni", "avx_vnni", "amx_tile")
+                             if f in have) or "none of avx2/avx512/vnni/amx"
+    return "unknown"
+
+
 def token_label(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -92,7 +102,7 @@ def write_markdown(path, rows, meta, info):
     w("# Decode attention over quantized KV caches (CPU)\n")
     w(f"Command: `{info['command']}`  ")
     w(f"Date: {info['date']}; commit {info['commit']}; {info['cpu']}, {info['cores']} cores; "
-      f"isa {info['isa']}, fused decode kernel {info['fused_isa']}.  ")
+      f"isa {info['isa']}, fused decode kernel {info['fused_isa']}; CPU flags: {info['cpu_flags']}.  ")
     w(f"Load before: `{info['uptime_before']}`  ")
     w(f"Load after: `{info['uptime_after']}`  ")
     w(f"Run time: {info['seconds']:.0f} s. Involuntary context switches per (length, threads) block "
@@ -224,6 +234,7 @@ def main():
         "command": "python3 benchmarks/kvq_attention.py" + "".join(f" {a}" for a in sys.argv[1:]),
         "date": t0.strftime("%Y-%m-%d %H:%M"), "commit": commit or "?", "cpu": cpu_model(),
         "cores": os.cpu_count(), "isa": head.get("isa", "?"), "fused_isa": head.get("fused_isa", "?"),
+        "cpu_flags": cpu_flags(),
         "uptime_before": before, "uptime_after": after,
         "seconds": seconds, "switches": switches,
     }

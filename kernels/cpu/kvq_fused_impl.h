@@ -102,6 +102,8 @@ void value_params(tile_ctx& t) {
 }
 
 // ---- sparse outliers: corrections of the dense result, straight from the layer's lists ------
+// (KVQuant's dense-and-sparse split: δ = stored value − dense decode of the same element.)
+// Everything the loops read is copied to locals first: the stores could alias the view.
 // The per-entry loops over a kv head's query rows run g (typically 2-8) times: GCC's vectorized
 // versions of them with their scalar remainders cost more than they save (measured by
 // callgrind on the AVX2 build: 139 -> 131 instructions per key entry), so they stay scalar.
@@ -110,8 +112,6 @@ void value_params(tile_ctx& t) {
 #else
 #define XCTX_SCALAR_LOOPS
 #endif
-// (KVQuant's dense-and-sparse split: δ = stored value − dense decode of the same element.)
-// Everything the loops read is copied to locals first: the stores could alias the view.
 
 // Key outliers, all query rows r = h·g + u of the tile: δ at channel c of row j adds
 // δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C] scratch.
