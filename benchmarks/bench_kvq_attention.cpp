@@ -200,9 +200,9 @@ void decode_tile_no_rope(bool avx2, const kvq_layer_view& L, int64_t s0, int nt,
       float* vr = vt + (size_t)(r + q) * C;
       if (L.k_out_off != nullptr)
         for (uint32_t e = L.k_out_off[i + q]; e < L.k_out_off[i + q + 1]; ++e)
-          kr[L.k_out_idx[e]] = fp16_to_fp32(L.k_out_val[e]);
+          kr[L.k_out_idx[e]] += fp16_to_fp32(L.k_out_val[e]);
       const size_t vo = (size_t)(i + q) * L.v_out_per_tok;
-      for (int e = 0; e < L.v_out_per_tok; ++e) vr[L.v_out_idx[vo + e]] = fp16_to_fp32(L.v_out_val[vo + e]);
+      for (int e = 0; e < L.v_out_per_tok; ++e) vr[L.v_out_idx[vo + e]] += fp16_to_fp32(L.v_out_val[vo + e]);
     }
     r += (int)run;
   }

@@ -10,7 +10,8 @@
 //  kvq_lut      KVQuant nuqX: codes index a per-layer lookup table of 2^bits signposts in
 //               normalized units. Keys: k = lut_k[code] * ch_scale[c] + ch_zero[c] (offline,
 //               per channel); values: v = lut_v[code] * scale[t] + zero[t] (online, per token,
-//               fp16). Dense-and-sparse outliers replace the decoded element.
+//               fp16). Dense-and-sparse outliers: a sparse entry stores the element's
+//               correction to its dense decode (kvq_outlier_delta), which decoders add.
 //
 // A layer's token slots [0, n) are split as
 //   [0, n_sink)        fp16 rows (the attention sink: the sequence's first token)
@@ -98,6 +99,15 @@ XCTX_HOST_DEVICE inline kvq_affine kvq_midrange_params(float lo, float hi) {
 XCTX_HOST_DEVICE inline float kvq_normalize(float x, float scale, float zero) {
   return scale > 0.0f ? (x - zero) / scale : 0.0f;
 }
+// The sparse entry of an outlier x whose dense code decodes to lut[code]·scale + zero: the
+// correction δ = x − dense in fp16. KVQuant writes the split as dense + sparse; storing δ (not x)
+// keeps that sum exact up to δ's rounding -- smaller than x's, as the dense code is the clamped
+// signpost nearest x -- and lets the fused kernels correct a score or an output with δ alone,
+// without decoding the element's code again. The dense value is one fused multiply-add here, so
+// the ref, cpu and cuda encoders store the same bits.
+XCTX_HOST_DEVICE inline uint16_t kvq_outlier_delta(float x, const float* lut, uint32_t code, float scale, float zero) {
+  return fp32_to_fp16(x - fmaf(lut[code], scale, zero));
+}
 
 // ---- one layer of a quantized shard, as the attention kernels read it ----------------------
 // Shapes use C = n_head_kv * head_dim (a token's row), nq = q_end - n_sink (quantized rows).
@@ -130,13 +140,14 @@ struct kvq_layer_view {
   // dense-and-sparse outliers (lut only; null when the format keeps none). Keys: a compressed
   // column per token (CSC of the [C, tokens] key matrix): entries [k_out_off[i], k_out_off[i+1])
   // belong to quantized row i. Values: exactly v_out_per_tok entries per row (the online top-k
-  // fixes the count, so no offsets are stored).
+  // fixes the count, so no offsets are stored). An entry's value is δ (kvq_outlier_delta): the
+  // element decodes to its dense value + δ.
   const uint32_t* k_out_off = nullptr;  // [nq + 1]
   const uint16_t* k_out_idx = nullptr;  // [k_out_off[nq]] channel
-  const uint16_t* k_out_val = nullptr;  // [k_out_off[nq]] fp16
+  const uint16_t* k_out_val = nullptr;  // [k_out_off[nq]] fp16 δ
   int v_out_per_tok = 0;
   const uint16_t* v_out_idx = nullptr;  // [nq, v_out_per_tok] channel
-  const uint16_t* v_out_val = nullptr;  // [nq, v_out_per_tok] fp16
+  const uint16_t* v_out_val = nullptr;  // [nq, v_out_per_tok] fp16 δ
 
   XCTX_HOST_DEVICE int channels() const { return n_head_kv * head_dim; }
   XCTX_HOST_DEVICE int64_t n_quant() const { return q_end - n_sink; }
@@ -202,7 +213,7 @@ struct kvq_encode_job {
   uint8_t* codes = nullptr;        // [n, C*bits/8]
   kvq_affine* affine = nullptr;    // uniform keys [C]; uniform values [n, ceil(C/group)]; lut values [n]
   uint16_t* out_idx = nullptr;     // keys: [n, C] scratch; values: [n, 2*v_out_side]
-  uint16_t* out_val = nullptr;     // same shape, fp16
+  uint16_t* out_val = nullptr;     // same shape, fp16 δ (kvq_outlier_delta)
   uint32_t* out_count = nullptr;   // keys: [n] outliers found per row
 };
 

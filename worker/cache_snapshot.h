@@ -27,7 +27,9 @@ namespace xctx {
 
 struct model_weights;
 
-inline constexpr uint32_t kSnapshotVersion = 1;
+// 2: nuq outlier entries hold δ (kvq_outlier_delta), not the element; a version-1 file of a -1%
+// format would decode wrongly, so version 1 is refused like any other.
+inline constexpr uint32_t kSnapshotVersion = 2;
 
 // What the saving and the restoring run must agree on.
 struct snapshot_identity {

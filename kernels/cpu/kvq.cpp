@@ -124,7 +124,7 @@ void kvq_encode(const kvq_encode_job& j) {
           codes[c] = kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), j.lut, n_lut);
           if (j.ch_lo != nullptr && (x[c] < j.ch_lo[c] || x[c] > j.ch_hi[c])) {
             j.out_idx[t * C + n_out] = (uint16_t)c;
-            j.out_val[t * C + n_out] = fp32_to_fp16(x[c]);
+            j.out_val[t * C + n_out] = kvq_outlier_delta(x[c], j.lut, codes[c], j.ch_scale[c], j.ch_zero[c]);
             ++n_out;
           }
         }
@@ -141,6 +141,7 @@ void kvq_encode(const kvq_encode_job& j) {
         const float* x = j.x + t * C;
         std::vector<uint8_t> codes((size_t)C);
         float lo, hi;
+        std::vector<int> out;  // the outlier channels, ascending
         if (side == 0) {
           const auto [mn, mx] = std::minmax_element(x, x + C);
           lo = *mn, hi = *mx;
@@ -152,19 +153,19 @@ void kvq_encode(const kvq_encode_job& j) {
           std::nth_element(order.begin(), order.begin() + side, order.end(), less);
           std::nth_element(order.begin() + side + 1, order.end() - 1 - side, order.end(), less);
           lo = x[order[side]], hi = x[order[C - 1 - side]];
-          std::vector<int> out(order.begin(), order.begin() + side);
+          out.assign(order.begin(), order.begin() + side);
           out.insert(out.end(), order.end() - side, order.end());
           std::sort(out.begin(), out.end());
-          for (int e = 0; e < 2 * side; ++e) {
-            j.out_idx[t * 2 * side + e] = (uint16_t)out[e];
-            j.out_val[t * 2 * side + e] = fp32_to_fp16(x[out[e]]);
-          }
         }
         const kvq_affine p = kvq_midrange_params(lo, hi);
         j.affine[t] = p;
         const float scale = fp16_to_fp32(p.scale), zero = fp16_to_fp32(p.zero);
         for (int c = 0; c < C; ++c) codes[c] = kvq_lut_encode(kvq_normalize(x[c], scale, zero), j.lut, n_lut);
         kvq_pack_row(codes.data(), C, bits, j.codes + t * rb);
+        for (int e = 0; e < (int)out.size(); ++e) {
+          j.out_idx[t * 2 * side + e] = (uint16_t)out[e];
+          j.out_val[t * 2 * side + e] = kvq_outlier_delta(x[out[e]], j.lut, codes[out[e]], scale, zero);
+        }
       }
       return;
     }
@@ -229,14 +230,14 @@ void decode_tile(isa v, const kvq_layer_view& L, const impl::rope_table& tab, in
       impl::kvq_decode_keys_scalar(L, i, (int)run, sc, zc, kt + (size_t)r * C);
       impl::kvq_decode_values_scalar(L, i, (int)run, vt + (size_t)r * C);
     }
-    for (int64_t q = 0; q < run; ++q) {  // sparse outliers replace the dense element
+    for (int64_t q = 0; q < run; ++q) {  // sparse outliers: δ onto the dense element
       float* kr = kt + (size_t)(r + q) * C;
       float* vr = vt + (size_t)(r + q) * C;
       if (L.k_out_off != nullptr)
         for (uint32_t e = L.k_out_off[i + q]; e < L.k_out_off[i + q + 1]; ++e)
-          kr[L.k_out_idx[e]] = fp16_to_fp32(L.k_out_val[e]);
+          kr[L.k_out_idx[e]] += fp16_to_fp32(L.k_out_val[e]);
       const size_t vo = (size_t)(i + q) * L.v_out_per_tok;
-      for (int e = 0; e < L.v_out_per_tok; ++e) vr[L.v_out_idx[vo + e]] = fp16_to_fp32(L.v_out_val[vo + e]);
+      for (int e = 0; e < L.v_out_per_tok; ++e) vr[L.v_out_idx[vo + e]] += fp16_to_fp32(L.v_out_val[vo + e]);
     }
     r += (int)run;
   }

@@ -45,22 +45,6 @@ inline __m256i codes8_shifted(const uint8_t* p) {
   return _mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts);
 }
 
-// Code ch of a packed row of rb (>= 2) bytes, without a data-dependent branch (kvq_get_code
-// branches on whether the code straddles two bytes, which for 3-bit codes is a coin flip).
-template <int BITS>
-inline uint32_t code_at(const uint8_t* row, size_t rb, int ch) {
-  const int bit = ch * BITS;
-  const size_t byte = (size_t)bit >> 3;
-  if constexpr (8 % BITS == 0) {  // codes never straddle a byte
-    return (uint32_t)row[byte] >> (bit & 7) & ((1u << BITS) - 1);
-  } else {
-    const size_t at = byte + 1 < rb ? byte : rb - 2;  // two readable bytes holding the code
-    uint16_t w;
-    std::memcpy(&w, row + at, 2);
-    return (uint32_t)w >> ((bit & 7) + 8 * (int)(byte - at)) & ((1u << BITS) - 1);
-  }
-}
-
 // The codes themselves (masked to BITS bits).
 template <int BITS, code_read R = code_read::read_exact>
 inline __m256i unpack8(const uint8_t* p) {

@@ -102,11 +102,12 @@ void value_params(tile_ctx& t) {
 }
 
 // ---- sparse outliers: corrections of the dense result, straight from the layer's lists ------
-// (KVQuant's dense-and-sparse split: δ = stored value − dense decode of the same element.)
+// (KVQuant's dense-and-sparse split: an entry stores δ = its element − the element's dense
+// decode, kvq_outlier_delta, so a correction needs δ alone, not the element's code.)
 // Everything the loops read is copied to locals first: the stores could alias the view.
-// The per-entry loops over a kv head's query rows run g (typically 2-8) times: GCC's vectorized
-// versions of them with their scalar remainders cost more than they save (measured by
-// callgrind on the AVX2 build: 139 -> 131 instructions per key entry), so they stay scalar.
+// The per-entry loops over a kv head's G query rows are unrolled for the usual G; GCC's
+// vectorized versions of such short loops with their scalar remainders cost more than they save
+// (callgrind, AVX2 build), so the run-time-G fallback stays scalar.
 #if defined(__GNUC__) && !defined(__clang__)
 #define XCTX_SCALAR_LOOPS __attribute__((optimize("no-tree-vectorize")))
 #else
@@ -117,20 +118,18 @@ void value_params(tile_ctx& t) {
 // δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C] scratch.
 // A run's entries are contiguous in the compressed columns, so they are walked as one flat range
 // with each entry's row found beforehand without branches (rows hold 0-5 entries: a loop per row
-// mispredicts its exit almost every row).
-template <int BITS>
+// mispredicts its exit almost every row). G: query heads per kv head, 0 = t.g at run time.
+template <int G>
 __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx& t, float* s_all, int32_t* tok) {
   const kvq_layer_view& L = *t.L;
-  const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;  // head_dim: a power of 2
-  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const int hd = t.hd, g = G > 0 ? G : t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;  // head_dim: a power of 2
   const uint32_t* off = L.k_out_off;
   const uint16_t *idx = L.k_out_idx, *val = L.k_out_val;
-  const uint8_t* codes = L.k_codes;
-  const float *lut = L.lut_k, *qr = t.qr, *cos2 = t.cos2, *sin2 = t.sin2;
+  const float *qr = t.qr, *cos2 = t.cos2, *sin2 = t.sin2;
+  const int32_t* rot = t.rot;
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (!R.quant) continue;
-    const float *sc = R.sc, *zc = R.zc;
     const uint32_t e0 = off[R.first], n_e = off[R.first + (R.jb - R.ja)] - e0;
     // tok[e] = the tile row of entry e0 + e: each row marks its first entry (a row without
     // entries is overwritten by the next), then a running maximum fills the rest.
@@ -141,43 +140,37 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx
     }
     int32_t cur = R.ja;
     for (uint32_t e = 0; e < n_e; ++e) cur = tok[e] > cur ? tok[e] : cur, tok[e] = cur;
+    const uint16_t *ie = idx + e0, *ve = val + e0;
     for (uint32_t e = 0; e < n_e; ++e) {
-      const int j = tok[e];
-      const int64_t i = R.first + (j - R.ja);
-      const int ch = idx[e0 + e], c = ch & hmask, r0 = (ch >> shift) * g;
-      const float dense = lut[avx2::code_at<BITS>(codes + (size_t)i * rb, rb, ch)] * sc[ch] + zc[ch];
-      const float delta = _cvtsh_ss(val[e0 + e]) - dense;
-      const float a = delta * cos2[t.rot[j] + c], b = delta * sin2[t.rot[j] + (c ^ 1)];
-      for (int u = 0; u < g; ++u) {
-        const float* q = qr + (size_t)(r0 + u) * hd;
-        s_all[(size_t)(r0 + u) * kSS + j] += q[c] * a + q[c ^ 1] * b;
-      }
+      const int j = tok[e], ch = ie[e], c = ch & hmask;
+      const float delta = _cvtsh_ss(ve[e]);
+      const float a = delta * cos2[rot[j] + c], b = delta * sin2[rot[j] + (c ^ 1)];
+      const float* q = qr + (size_t)(ch >> shift) * g * hd;
+      float* s = s_all + (size_t)(ch >> shift) * g * kSS + j;
+      for (int u = 0; u < g; ++u) s[(size_t)u * kSS] += q[(size_t)u * hd + c] * a + q[(size_t)u * hd + (c ^ 1)] * b;
     }
   }
 }
 
 // Value outliers, after the dense values: o_r[c] += p_r[j]·δ for the rows r of the outlier's kv
-// head. p_all: [n_head, kSS] probabilities; o: [n_head, hd].
-template <int BITS>
+// head. p_all: [n_head, kSS] probabilities; o: [n_head, hd]. G as above.
+template <int G>
 __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   const kvq_layer_view& L = *t.L;
-  const int hd = t.hd, g = t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;
-  const size_t rb = kvq_row_bytes(t.C, BITS);
+  const int hd = t.hd, g = G > 0 ? G : t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;
   const int per = L.v_out_per_tok;
   const uint16_t *idx = L.v_out_idx, *val = L.v_out_val;
-  const uint8_t* codes = L.v_codes;
-  const float *lut = L.lut_v, *vs = t.v_scale, *vz = t.v_zero;
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (!R.quant) continue;
-    for (int j = R.ja; j < R.jb; ++j) {
-      const int64_t i = R.first + (j - R.ja);
-      const uint8_t* row = codes + (size_t)i * rb;
+    const uint16_t *ie = idx + (size_t)R.first * per, *ve = val + (size_t)R.first * per;
+    for (int j = R.ja; j < R.jb; ++j, ie += per, ve += per) {
       for (int e = 0; e < per; ++e) {
-        const size_t at = (size_t)i * per + e;
-        const int ch = idx[at], c = ch & hmask, r0 = (ch >> shift) * g;
-        const float delta = _cvtsh_ss(val[at]) - (lut[avx2::code_at<BITS>(row, rb, ch)] * vs[j] + vz[j]);
-        for (int u = 0; u < g; ++u) o[(size_t)(r0 + u) * hd + c] += p_all[(size_t)(r0 + u) * kSS + j] * delta;
+        const int ch = ie[e];
+        const float delta = _cvtsh_ss(ve[e]);
+        const float* p = p_all + (size_t)(ch >> shift) * g * kSS + j;
+        float* oc = o + (size_t)(ch >> shift) * g * hd + (ch & hmask);
+        for (int u = 0; u < g; ++u) oc[(size_t)u * hd] += p[(size_t)u * kSS] * delta;
       }
     }
   }
@@ -185,18 +178,22 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_c
 
 inline void add_key_outliers(const tile_ctx& t, float* s_all) {
   if (t.L->k_out_off == nullptr) return;
-  switch (t.L->bits) {
+  switch (t.g) {
+    case 1: return add_key_outliers<1>(t, s_all, t.entry_row);
     case 2: return add_key_outliers<2>(t, s_all, t.entry_row);
     case 3: return add_key_outliers<3>(t, s_all, t.entry_row);
-    default: return add_key_outliers<4>(t, s_all, t.entry_row);
+    case 4: return add_key_outliers<4>(t, s_all, t.entry_row);
+    default: return add_key_outliers<0>(t, s_all, t.entry_row);
   }
 }
 inline void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   if (t.L->v_out_per_tok == 0) return;
-  switch (t.L->value_bits()) {
+  switch (t.g) {
+    case 1: return add_value_outliers<1>(t, p_all, o);
     case 2: return add_value_outliers<2>(t, p_all, o);
     case 3: return add_value_outliers<3>(t, p_all, o);
-    default: return add_value_outliers<4>(t, p_all, o);
+    case 4: return add_value_outliers<4>(t, p_all, o);
+    default: return add_value_outliers<0>(t, p_all, o);
   }
 }
 

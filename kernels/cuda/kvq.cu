@@ -61,17 +61,19 @@ __device__ inline int block_exclusive_scan(int v, int* s_warp, int* total) {
 }
 
 // Encodes one row: thread = unit of 8 channels (packed into `bits` bytes); the unit's outliers
-// (is_out) go to out_idx/out_val at the position the scan gives, so the row's outliers end up in
-// ascending channel order. Returns the row's outlier count. Called by the whole block.
-template <class CodeOf, class IsOut>
+// (is_out) go to out_idx/out_val (δ = delta_of(channel, code)) at the position the scan gives, so
+// the row's outliers end up in ascending channel order. Returns the row's outlier count. Called
+// by the whole block.
+template <class CodeOf, class IsOut, class DeltaOf>
 __device__ int encode_row(int C, int bits, const float* x /*[C]*/, uint8_t* codes /*[C*bits/8]*/, CodeOf code_of,
-                          IsOut is_out, uint16_t* out_idx /*[outliers] or null*/, uint16_t* out_val, int* s_scan) {
+                          IsOut is_out, DeltaOf delta_of, uint16_t* out_idx /*[outliers] or null*/, uint16_t* out_val,
+                          int* s_scan) {
   int base = 0;
   for (int c0 = 0; c0 < C; c0 += kvq_threads * 8) {
     const int c = c0 + (int)threadIdx.x * 8;
     unsigned mask = 0;
+    uint8_t u[8];
     if (c < C) {
-      uint8_t u[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         u[e] = code_of(c + e);
@@ -85,7 +87,7 @@ __device__ int encode_row(int C, int bits, const float* x /*[C]*/, uint8_t* code
       for (int e = 0; e < 8; ++e) {
         if (mask & (1u << e)) {
           out_idx[at] = (uint16_t)(c + e);
-          out_val[at] = fp32_to_fp16(x[c + e]);
+          out_val[at] = delta_of(c + e, u[e]);
           ++at;
         }
       }
@@ -188,6 +190,7 @@ __global__ void __launch_bounds__(kvq_threads) lut_keys_kernel(const kvq_encode_
         C, j.bits, x, j.codes + t * rb,
         [&](int c) { return kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), s_lut, n_lut); },
         [&](int c) { return thresholds && (x[c] < j.ch_lo[c] || x[c] > j.ch_hi[c]); },
+        [&](int c, uint32_t code) { return kvq_outlier_delta(x[c], s_lut, code, j.ch_scale[c], j.ch_zero[c]); },
         thresholds ? j.out_idx + t * C : nullptr, thresholds ? j.out_val + t * C : nullptr, s_scan);
     if (threadIdx.x == 0 && j.out_count != nullptr) j.out_count[t] = (uint32_t)n_out;
   }
@@ -227,7 +230,9 @@ __global__ void __launch_bounds__(kvq_threads) lut_values_kernel(const kvq_encod
     encode_row(
         C, j.bits, x, j.codes + t * rb,
         [&](int c) { return kvq_lut_encode(kvq_normalize(x[c], scale, zero), s_lut, n_lut); },
-        [&](int c) { return s_flag[c] != 0; }, side > 0 ? j.out_idx + t * 2 * side : nullptr,
+        [&](int c) { return s_flag[c] != 0; },
+        [&](int c, uint32_t code) { return kvq_outlier_delta(x[c], s_lut, code, scale, zero); },
+        side > 0 ? j.out_idx + t * 2 * side : nullptr,
         side > 0 ? j.out_val + t * 2 * side : nullptr, s_scan);
     __syncthreads();  // s_keys and s_flag are rewritten for the next row
   }

@@ -9,7 +9,7 @@
 //   meta      per slot: position, effective RoPE position, quantized row index, per-row value
 //             scale (kvq_tile_meta, item = slot)
 //   dense     per element: fp16 row or code -> f32 (kvq_tile_dense, item = (slot, channel))
-//   outliers  per slot: sparse entries replace dense elements (kvq_tile_outliers, lane-strided)
+//   outliers  per slot: sparse entries add their δ to dense elements (kvq_tile_outliers, lane-strided)
 //   rope      per (slot, rotary pair): pre-RoPE key rotated to its position (kvq_tile_rope)
 // Each phase only reads what earlier phases wrote, so a block needs one barrier between phases.
 //
@@ -289,13 +289,13 @@ XCTX_HOST_DEVICE inline void kvq_tile_outliers(const kvq_layer_view& L, const kv
   if (L.k_out_off != nullptr) {
     for (uint32_t e = L.k_out_off[i] + (uint32_t)lane; e < L.k_out_off[i + 1]; e += (uint32_t)stride) {
       const int d = (int)L.k_out_idx[e] - cb;
-      if (d >= 0 && d < L.head_dim) t.k[(size_t)j * t.k_stride + d] = kvq_h2f(L.k_out_val[e]);
+      if (d >= 0 && d < L.head_dim) t.k[(size_t)j * t.k_stride + d] += kvq_h2f(L.k_out_val[e]);
     }
   }
   for (int e = lane; e < L.v_out_per_tok; e += stride) {
     const size_t at = (size_t)i * L.v_out_per_tok + e;
     const int d = (int)L.v_out_idx[at] - cb;
-    if (d >= 0 && d < L.head_dim) t.v[(size_t)j * t.v_stride + d] = kvq_h2f(L.v_out_val[at]);
+    if (d >= 0 && d < L.head_dim) t.v[(size_t)j * t.v_stride + d] += kvq_h2f(L.v_out_val[at]);
   }
 }
 

@@ -65,12 +65,12 @@ void kvq_encode(const kvq_encode_job& j) {
         const float* x = j.x + t * C;
         uint32_t n_out = 0;
         for (int c = 0; c < C; ++c) {
+          codes[c] = kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), j.lut, n_lut);
           if (j.ch_lo != nullptr && (x[c] < j.ch_lo[c] || x[c] > j.ch_hi[c])) {
             j.out_idx[t * C + n_out] = (uint16_t)c;
-            j.out_val[t * C + n_out] = fp32_to_fp16(x[c]);
+            j.out_val[t * C + n_out] = kvq_outlier_delta(x[c], j.lut, codes[c], j.ch_scale[c], j.ch_zero[c]);
             ++n_out;
           }
-          codes[c] = kvq_lut_encode(kvq_normalize(x[c], j.ch_scale[c], j.ch_zero[c]), j.lut, n_lut);
         }
         if (j.out_count != nullptr) j.out_count[t] = n_out;
         kvq_pack_row(codes.data(), C, bits, j.codes + t * row_bytes);
@@ -98,7 +98,7 @@ void kvq_encode(const kvq_encode_job& j) {
           std::sort(out.begin(), out.end());  // entries stored by channel
           for (int e = 0; e < 2 * side; ++e) {
             j.out_idx[t * 2 * side + e] = (uint16_t)out[e];
-            j.out_val[t * 2 * side + e] = fp32_to_fp16(x[out[e]]);
+            j.out_val[t * 2 * side + e] = kvq_outlier_delta(x[out[e]], j.lut, codes[out[e]], scale, zero);
           }
         }
       }
@@ -122,10 +122,10 @@ void kvq_decode_layer(const kvq_layer_view& v, float* k, float* vo) {
     const int64_t i = s - v.n_sink;
     for (int c = 0; c < C; ++c) kr[c] = kvq_dense_key(v, i, c), vr[c] = kvq_dense_value(v, i, c);
     if (v.k_out_off != nullptr)
-      for (uint32_t e = v.k_out_off[i]; e < v.k_out_off[i + 1]; ++e) kr[v.k_out_idx[e]] = fp16_to_fp32(v.k_out_val[e]);
+      for (uint32_t e = v.k_out_off[i]; e < v.k_out_off[i + 1]; ++e) kr[v.k_out_idx[e]] += fp16_to_fp32(v.k_out_val[e]);
     for (int e = 0; e < v.v_out_per_tok; ++e) {
       const size_t at = (size_t)i * v.v_out_per_tok + e;
-      vr[v.v_out_idx[at]] = fp16_to_fp32(v.v_out_val[at]);
+      vr[v.v_out_idx[at]] += fp16_to_fp32(v.v_out_val[at]);
     }
   }
 }

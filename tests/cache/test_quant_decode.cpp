@@ -183,6 +183,7 @@ std::vector<decode_case> decode_cases() {
       {"hd64_g3", cache_format::cache_fp16, 64, 3, 9, 128},    // SmolLM2: 3 query heads per kv head
       {"hd64_g3_grp16", cache_format::cache_fp16, 64, 3, 9, 16},
       {"hd128_g4", cache_format::cache_fp16, 128, 2, 8, 128},  // Llama-3-style GQA
+      {"hd64_g2", cache_format::cache_fp16, 64, 2, 4, 128},
       {"hd32_g1", cache_format::cache_fp16, 32, 4, 4, 32},     // MHA
       {"hd32_g1_grp16", cache_format::cache_fp16, 32, 4, 4, 16},
       {"hd16_g8", cache_format::cache_fp16, 16, 2, 16, 16},    // two blocks of 4 query heads per kv head
