@@ -118,11 +118,14 @@ void value_params(tile_ctx& t) {
 // δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C] scratch.
 // A run's entries are contiguous in the compressed columns, so they are walked as one flat range
 // with each entry's row found beforehand without branches (rows hold 0-5 entries: a loop per row
-// mispredicts its exit almost every row). G: query heads per kv head, 0 = t.g at run time.
-template <int G>
+// mispredicts its exit almost every row). HD: head_dim (a power of 2: the kv head and channel
+// of an entry are a shift and a mask); G: query heads per kv head, 0 = t.g at run time.
+template <int HD, int G>
 __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx& t, float* s_all, int32_t* tok) {
+  static_assert((HD & (HD - 1)) == 0, "head_dim must be a power of 2");
+  constexpr int shift = __builtin_ctz((unsigned)HD), hmask = HD - 1;
   const kvq_layer_view& L = *t.L;
-  const int hd = t.hd, g = G > 0 ? G : t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;  // head_dim: a power of 2
+  const int g = G > 0 ? G : t.g;
   const uint32_t* off = L.k_out_off;
   const uint16_t *idx = L.k_out_idx, *val = L.k_out_val;
   const float *qr = t.qr, *cos2 = t.cos2, *sin2 = t.sin2;
@@ -145,19 +148,20 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx
       const int j = tok[e], ch = ie[e], c = ch & hmask;
       const float delta = _cvtsh_ss(ve[e]);
       const float a = delta * cos2[rot[j] + c], b = delta * sin2[rot[j] + (c ^ 1)];
-      const float* q = qr + (size_t)(ch >> shift) * g * hd;
+      const float* q = qr + (size_t)(ch >> shift) * g * HD;
       float* s = s_all + (size_t)(ch >> shift) * g * kSS + j;
-      for (int u = 0; u < g; ++u) s[(size_t)u * kSS] += q[(size_t)u * hd + c] * a + q[(size_t)u * hd + (c ^ 1)] * b;
+      for (int u = 0; u < g; ++u) s[(size_t)u * kSS] += q[(size_t)u * HD + c] * a + q[(size_t)u * HD + (c ^ 1)] * b;
     }
   }
 }
 
 // Value outliers, after the dense values: o_r[c] += p_r[j]·δ for the rows r of the outlier's kv
-// head. p_all: [n_head, kSS] probabilities; o: [n_head, hd]. G as above.
-template <int G>
+// head. p_all: [n_head, kSS] probabilities; o: [n_head, HD]. HD, G as above.
+template <int HD, int G>
 __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
+  constexpr int shift = __builtin_ctz((unsigned)HD), hmask = HD - 1;
   const kvq_layer_view& L = *t.L;
-  const int hd = t.hd, g = G > 0 ? G : t.g, shift = __builtin_ctz((unsigned)hd), hmask = hd - 1;
+  const int g = G > 0 ? G : t.g;
   const int per = L.v_out_per_tok;
   const uint16_t *idx = L.v_out_idx, *val = L.v_out_val;
   for (int r = 0; r < t.n_runs; ++r) {
@@ -169,31 +173,33 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_c
         const int ch = ie[e];
         const float delta = _cvtsh_ss(ve[e]);
         const float* p = p_all + (size_t)(ch >> shift) * g * kSS + j;
-        float* oc = o + (size_t)(ch >> shift) * g * hd + (ch & hmask);
-        for (int u = 0; u < g; ++u) oc[(size_t)u * hd] += p[(size_t)u * kSS] * delta;
+        float* oc = o + (size_t)(ch >> shift) * g * HD + (ch & hmask);
+        for (int u = 0; u < g; ++u) oc[(size_t)u * HD] += p[(size_t)u * kSS] * delta;
       }
     }
   }
 }
 
-inline void add_key_outliers(const tile_ctx& t, float* s_all) {
+template <int HD>
+void add_key_outliers(const tile_ctx& t, float* s_all) {
   if (t.L->k_out_off == nullptr) return;
   switch (t.g) {
-    case 1: return add_key_outliers<1>(t, s_all, t.entry_row);
-    case 2: return add_key_outliers<2>(t, s_all, t.entry_row);
-    case 3: return add_key_outliers<3>(t, s_all, t.entry_row);
-    case 4: return add_key_outliers<4>(t, s_all, t.entry_row);
-    default: return add_key_outliers<0>(t, s_all, t.entry_row);
+    case 1: return add_key_outliers<HD, 1>(t, s_all, t.entry_row);
+    case 2: return add_key_outliers<HD, 2>(t, s_all, t.entry_row);
+    case 3: return add_key_outliers<HD, 3>(t, s_all, t.entry_row);
+    case 4: return add_key_outliers<HD, 4>(t, s_all, t.entry_row);
+    default: return add_key_outliers<HD, 0>(t, s_all, t.entry_row);
   }
 }
-inline void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
+template <int HD>
+void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   if (t.L->v_out_per_tok == 0) return;
   switch (t.g) {
-    case 1: return add_value_outliers<1>(t, p_all, o);
-    case 2: return add_value_outliers<2>(t, p_all, o);
-    case 3: return add_value_outliers<3>(t, p_all, o);
-    case 4: return add_value_outliers<4>(t, p_all, o);
-    default: return add_value_outliers<0>(t, p_all, o);
+    case 1: return add_value_outliers<HD, 1>(t, p_all, o);
+    case 2: return add_value_outliers<HD, 2>(t, p_all, o);
+    case 3: return add_value_outliers<HD, 3>(t, p_all, o);
+    case 4: return add_value_outliers<HD, 4>(t, p_all, o);
+    default: return add_value_outliers<HD, 0>(t, p_all, o);
   }
 }
 
@@ -475,7 +481,7 @@ void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
       default: head_scores<ISA, KB, LUT, NV, 4>(t, h, u0, s); break;
     }
   });
-  if (t.outliers) add_key_outliers(t, s_all);
+  if (t.outliers) add_key_outliers<NV * ISA::kLanes>(t, s_all);
   blocks([&](int h, int, int rb, int row) {
     float* s = s_all + (size_t)row * kSS;
     float* oh = o + (size_t)row * t.hd;
@@ -486,7 +492,7 @@ void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
       default: head_values<ISA, VB, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
     }
   });
-  if (t.outliers) add_value_outliers(t, s_all, o);
+  if (t.outliers) add_value_outliers<NV * ISA::kLanes>(t, s_all, o);
 }
 
 // kvq_fused_widths' (key, value) widths; the 1-bit and mixed ones (uniform) only where the
