@@ -53,7 +53,7 @@ struct tile_ctx {
   float* vg = nullptr;       // [kT, n_vg, 2]
   int n_vg = 0;
   bool outliers = false;  // the layer keeps sparse outliers (nuq -1%)
-  int32_t* entry_row = nullptr;  // [kT·C] scratch of add_key_outliers
+  int32_t* entry_row = nullptr;  // [kT·C + 8] scratch of add_key_outliers
 };
 
 // fp16 values [n] to f32, 8 at a time.
@@ -115,7 +115,7 @@ void value_params(tile_ctx& t) {
 #endif
 
 // Key outliers, all query rows r = h·g + u of the tile: δ at channel c of row j adds
-// δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C] scratch.
+// δ·(q'_r·R(o_j)e_c) to score s_all[r][j]. s_all: [n_head, kSS]; tok: [kT·C + 8] scratch.
 // A run's entries are contiguous in the compressed columns, so they are walked as one flat range
 // with each entry's row found beforehand without branches (rows hold 0-5 entries: a loop per row
 // mispredicts its exit almost every row). HD: head_dim (a power of 2: the kv head and channel
@@ -131,18 +131,18 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx
   const float *qr = t.qr, *cos2 = t.cos2, *sin2 = t.sin2;
   const int32_t* rot = t.rot;
   for (int r = 0; r < t.n_runs; ++r) {
-    const run& R = t.runs[r];
+    const run R = t.runs[r];  // a copy: the stores to tok could alias it
     if (!R.quant) continue;
     const uint32_t e0 = off[R.first], n_e = off[R.first + (R.jb - R.ja)] - e0;
-    // tok[e] = the tile row of entry e0 + e: each row marks its first entry (a row without
-    // entries is overwritten by the next), then a running maximum fills the rest.
-    for (uint32_t e = 0; e < n_e; ++e) tok[e] = 0;
+    // tok[e] = the tile row of entry e0 + e: each row stores its index over the 8 entries from
+    // its first with one vector store, and the next row overwrites what lies past its own; a
+    // row of more than 8 entries (rare) stores more. tok has room for 8 past the last entry.
     for (int j = R.ja; j < R.jb; ++j) {
-      const uint32_t at = off[R.first + (j - R.ja)] - e0;
-      if (at < n_e) tok[at] = j;  // at == n_e only for trailing rows without entries
+      const uint32_t a = off[R.first + (j - R.ja)] - e0, b = off[R.first + (j - R.ja) + 1] - e0;
+      const __m256i jj = _mm256_set1_epi32(j);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tok + a), jj);
+      for (uint32_t e = a + 8; e < b; e += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tok + e), jj);
     }
-    int32_t cur = R.ja;
-    for (uint32_t e = 0; e < n_e; ++e) cur = tok[e] > cur ? tok[e] : cur, tok[e] = cur;
     const uint16_t *ie = idx + e0, *ve = val + e0;
     for (uint32_t e = 0; e < n_e; ++e) {
       const int j = tok[e], ch = ie[e], c = ch & hmask;
@@ -548,7 +548,7 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   float* vsz = l + n_head;                    // [2, kT] nuq value scales, zeros
   float* work = vsz + 2 * kT;                 // [kvq_fused_work_floats(n_head)]
   float* vg = work + kvq_fused_work_floats(n_head);  // [kT, C / 4] uniform value (scale, zero) per group
-  int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT, C]
+  int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT·C + 8]
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
