@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common/error.h"
 #include "kernels/cpu/fast_exp_avx2.h"
@@ -180,27 +181,27 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_value_outliers(const tile_c
   }
 }
 
+// f(std::integral_constant<int, G>) for the tile's query heads per kv head: G = g for 1..4 (the
+// unrolled loops), 0 (run time) otherwise.
+template <class F>
+void with_heads_per_kv(int g, F&& f) {
+  switch (g) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
 template <int HD>
 void add_key_outliers(const tile_ctx& t, float* s_all) {
   if (t.L->k_out_off == nullptr) return;
-  switch (t.g) {
-    case 1: return add_key_outliers<HD, 1>(t, s_all, t.entry_row);
-    case 2: return add_key_outliers<HD, 2>(t, s_all, t.entry_row);
-    case 3: return add_key_outliers<HD, 3>(t, s_all, t.entry_row);
-    case 4: return add_key_outliers<HD, 4>(t, s_all, t.entry_row);
-    default: return add_key_outliers<HD, 0>(t, s_all, t.entry_row);
-  }
+  with_heads_per_kv(t.g, [&](auto G) { add_key_outliers<HD, G()>(t, s_all, t.entry_row); });
 }
 template <int HD>
 void add_value_outliers(const tile_ctx& t, const float* p_all, float* o) {
   if (t.L->v_out_per_tok == 0) return;
-  switch (t.g) {
-    case 1: return add_value_outliers<HD, 1>(t, p_all, o);
-    case 2: return add_value_outliers<HD, 2>(t, p_all, o);
-    case 3: return add_value_outliers<HD, 3>(t, p_all, o);
-    case 4: return add_value_outliers<HD, 4>(t, p_all, o);
-    default: return add_value_outliers<HD, 0>(t, p_all, o);
-  }
+  with_heads_per_kv(t.g, [&](auto G) { add_value_outliers<HD, G()>(t, p_all, o); });
 }
 
 // The 16-entry level table of load_lut (entries repeat with period 2^bits; lut = null: the
