@@ -358,6 +358,8 @@ struct options {
                                       "nuq4-1%", "nuq3-1%", "nuq2-1%"};
   std::vector<int> threads;
   int rounds = 0;  // 0: by length
+  int se_group = 1;  // SelfExtend: keys past the window at floor(pos / G) (1: off)
+  int se_window = 1024;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -389,9 +391,14 @@ options parse_args(int argc, char** argv) {
       for (const std::string& s : split(value())) o.threads.push_back((int)parse_count(s, "--threads"));
     } else if (a == "--rounds") {
       o.rounds = (int)parse_count(value(), "--rounds");
+    } else if (a == "--selfextend") {
+      o.se_group = (int)parse_count(value(), "--selfextend");
+    } else if (a == "--window") {
+      o.se_window = (int)parse_count(value(), "--window");
     } else {
       fail("bench_kvq_attention: unknown argument '", a,
-           "' (known: --quick, --lengths 8K,64K,512K, --formats fp16,kivi3,..., --threads 2,1, --rounds N)");
+           "' (known: --quick, --lengths 8K,64K,512K, --formats fp16,kivi3,..., --threads 2,1, --rounds N, "
+           "--selfextend G, --window W)");
     }
   }
   XCTX_CHECK(!o.formats.empty() && o.formats[0] == "fp16", "bench_kvq_attention: --formats must start with fp16 (the baseline)");
@@ -415,6 +422,7 @@ void run(const options& opt) {
   cache_geometry g;
   g.n_layer = 1, g.n_head = kHead, g.n_head_kv = kHeadKv, g.head_dim = kHeadDim, g.n_embd = kHead * kHeadDim;
   g.rope.head_dim = kHeadDim, g.rope.n_rot = kHeadDim, g.rope.freq_base = kRopeBase;
+  if (opt.se_group > 1) g.rope.se_group = opt.se_group, g.rope.se_window = opt.se_window;
 
   std::vector<uint64_t> flush_buf(kFlushBytes / 8, 1), src(kCeilingBytes / 8, 3), dst(kCeilingBytes / 8, 0);
   std::mt19937_64 rng(kSeed + 2);
@@ -429,9 +437,9 @@ void run(const options& opt) {
 
   // The fused decode kernel has a 16-lane variant; everything else runs at most AVX2.
   const char* fused_isa = cpu::has_avx512() ? "avx512" : cpu::impl::isa_name(cpu::impl::best_isa());
-  std::printf("# isa=%s fused_isa=%s default_threads=%d flush_MiB=%zu ceiling_MiB=%zu seed=%llu\n",
+  std::printf("# isa=%s fused_isa=%s default_threads=%d flush_MiB=%zu ceiling_MiB=%zu seed=%llu selfextend_G=%d W=%d\n",
               cpu::impl::isa_name(cpu::impl::best_isa()), fused_isa, default_threads(), kFlushBytes >> 20,
-              kCeilingBytes >> 20, (unsigned long long)kSeed);
+              kCeilingBytes >> 20, (unsigned long long)kSeed, opt.se_group, opt.se_group > 1 ? opt.se_window : 0);
   std::printf("format,tokens,threads,bytes_used,fp16_bytes,key_outliers,attend_ms,attend_min_ms,tiled_ms,decode_ms,"
               "math_ms,memcpy_read_GBps,read_GBps,k_rel_err,v_rel_err,rounds\n");
   std::fflush(stdout);

@@ -19,7 +19,8 @@ namespace xctx::test {
 struct self_extend_case {
   int group, window;
 };
-inline std::vector<self_extend_case> self_extend_cases() { return {{1, 0}, {4, 256}, {3, 77}}; }
+// G >= 16 lets whole blocks of consecutive keys share a rotation (the fused kernels turn the query).
+inline std::vector<self_extend_case> self_extend_cases() { return {{1, 0}, {4, 256}, {3, 77}, {32, 200}}; }
 inline rope_config with_self_extend(rope_config r, self_extend_case c) {
   r.se_group = c.group, r.se_window = c.window;
   return r;

@@ -8,7 +8,9 @@
 //           rotated back by p0 once per unit (q' = R(p0)ᵀ q) and each key only by its offset
 //           o_j = pos_j − p0 < kAttnUnit, from a static table -- one rotation per key vector and
 //           no angle arithmetic per token. A function of positions alone (the unit's slots are
-//           the same on any number of ranks).
+//           the same on any number of ranks). Keys that share one offset (SelfExtend's grouped
+//           side, G >= a block of keys) take the rotation and channel scale onto the query
+//           instead: s_j = (R(o)ᵀq' ⊙ sc)·deq(code) + R(o)ᵀq'·zc (turn_query), made once per offset.
 //  outliers KVQuant's dense-and-sparse split: a key outlier adds δ·(q'·R(o_j)e_c) to its score, a
 //           value outlier p_j·δ to o, with δ = stored value − dense decode of the same element.
 //  values   o += Σ_j (p_j·s_j)·lvl_j + (Σ_j p_j·z_j): the per-token value scale is folded into
@@ -59,10 +61,11 @@ struct quant_keys {
   const float* sc;  // [hd] the head's channel scales (uniform: of the run's key group)
   const float* zc;  // [hd]
   lut_regs L;
+  static constexpr bool kTurnable = true;  // keys sharing a rotation may take turn_query
   const uint8_t* row(int r) const { return base + (size_t)r * rb; }
+  __m256 level(const uint8_t* head_row, int d) const { return quant_row<BITS, LUT, NV>::level_at(head_row, d, L); }
   __m256 load(const uint8_t* head_row, int d) const {
-    return _mm256_fmadd_ps(quant_row<BITS, LUT, NV>::level_at(head_row, d, L), _mm256_loadu_ps(sc + 8 * d),
-                           _mm256_loadu_ps(zc + 8 * d));
+    return _mm256_fmadd_ps(level(head_row, d), _mm256_loadu_ps(sc + 8 * d), _mm256_loadu_ps(zc + 8 * d));
   }
 };
 
@@ -70,6 +73,7 @@ struct quant_keys {
 struct f16_keys {
   const uint16_t* base;
   int64_t ld;
+  static constexpr bool kTurnable = false;
   const uint16_t* row(int r) const { return base + r * ld; }
   __m256 load(const uint16_t* head_row, int d) const { return load_f16x8(head_row + 8 * d); }
 };
@@ -87,10 +91,12 @@ using f16_values = f16_keys;
 // ---- scores -------------------------------------------------------------------------------
 
 // s[u * kSS + j0 + b] = q_u · R(o) k for u < RB, b < TB; keys are rows r0 + b of the run, rotated
-// by the rows of cos2/sin2 at rot[j0 + b] (= offset · hd).
-template <int NV, int RB, int TB, class K>
+// by the rows of cos2/sin2 at rot[j0 + b] (= offset · hd). TURNED: the keys share one rotation;
+// q and z are turn_query's, s = q_u · lvl + z_u.
+template <int NV, int RB, int TB, bool TURNED = false, class K>
 inline void score_block(const K& keys, int j0, int r0, const float* q /*[RB, hd]*/, const float* cos2,
-                        const float* sin2, const int32_t* rot /*[kT]*/, float* s /*[RB, kSS]*/) {
+                        const float* sin2, const int32_t* rot /*[kT]*/, float* s /*[RB, kSS]*/,
+                        const float* z = nullptr) {
   constexpr int hd = 8 * NV;
   __m256 acc[RB][TB];
   for (int u = 0; u < RB; ++u)
@@ -104,18 +110,25 @@ inline void score_block(const K& keys, int j0, int r0, const float* q /*[RB, hd]
   for (int d = 0; d < NV; ++d)
     for (int b = 0; b < TB; ++b) {
       const size_t a = 8 * d;
-      const __m256 k = rotate8(keys.load(rows[b], d), c2[b] + a, s2[b] + a);
+      __m256 k;
+      if constexpr (TURNED)
+        k = keys.level(rows[b], d);
+      else
+        k = rotate8(keys.load(rows[b], d), c2[b] + a, s2[b] + a);
       for (int u = 0; u < RB; ++u) acc[u][b] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q + u * hd + 8 * d), acc[u][b]);
     }
-  const __m256 z = _mm256_setzero_ps();
+  const __m256 z0 = _mm256_setzero_ps();
   for (int u = 0; u < RB; ++u) {
-    // Lanes past TB hold 0 and land on later keys' slots (written after) or the row's padding.
+    // Lanes past TB hold 0 (TURNED: z_u) and land on later keys' slots (written after) or the
+    // row's padding.
+    const auto plus_z = [&](__m128 x) { return TURNED ? _mm_add_ps(x, _mm_set1_ps(z[u])) : x; };
     if constexpr (TB == 8) {
-      _mm_storeu_ps(s + u * kSS + j0, reduce4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]));
-      _mm_storeu_ps(s + u * kSS + j0 + 4, reduce4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]));
+      _mm_storeu_ps(s + u * kSS + j0, plus_z(reduce4(acc[u][0], acc[u][1], acc[u][2], acc[u][3])));
+      _mm_storeu_ps(s + u * kSS + j0 + 4, plus_z(reduce4(acc[u][4], acc[u][5], acc[u][6], acc[u][7])));
     } else {
-      _mm_storeu_ps(s + u * kSS + j0, reduce4(acc[u][0], TB > 1 ? acc[u][TB > 1 ? 1 : 0] : z,
-                                              TB > 2 ? acc[u][TB > 2 ? 2 : 0] : z, TB > 3 ? acc[u][TB > 3 ? 3 : 0] : z));
+      _mm_storeu_ps(s + u * kSS + j0, plus_z(reduce4(acc[u][0], TB > 1 ? acc[u][TB > 1 ? 1 : 0] : z0,
+                                                     TB > 2 ? acc[u][TB > 2 ? 2 : 0] : z0,
+                                                     TB > 3 ? acc[u][TB > 3 ? 3 : 0] : z0)));
     }
   }
 }
@@ -127,14 +140,43 @@ constexpr int kKeysPerBlock = RB == 1 ? 8 : RB == 2 ? 4 : RB == 3 ? 3 : 2;
 
 // Scores of tile rows [ja, jb) from one run (row ja of the tile is row 0 of the run), in
 // increasing order so a short block's zero lanes are overwritten by the keys after it.
+// (GCC cannot see that qt and z are written before the first turned block reads them.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 template <int NV, int RB, class K>
 void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
                const int32_t* rot, float* s) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
+  if constexpr (K::kTurnable) {
+    // TB keys at one rotation (grouped positions) take the turned query, made once per rotation.
+    constexpr int hd = 8 * NV;
+    alignas(32) float qt[RB * hd];
+    float z[RB];
+    int turned_at = 0;
+    bool turned = false;
+    for (; j + TB <= jb; j += TB) {
+      bool shared = true;  // positions need not be monotone: every key checked
+      for (int b = 1; b < TB; ++b) shared &= rot[j + b] == rot[j];
+      if (!shared) {
+        score_block<NV, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
+        continue;
+      }
+      if (!turned || rot[j] != turned_at) {
+        turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, qt, z);
+        turned_at = rot[j], turned = true;
+      }
+      score_block<NV, RB, TB, true>(keys, j, j - ja, qt, cos2, sin2, rot, s, z);
+    }
+  }
   for (; j + TB <= jb; j += TB) score_block<NV, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j < jb; ++j) score_block<NV, RB, 1>(keys, j, j - ja, q, cos2, sin2, rot, s);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 // ---- values -------------------------------------------------------------------------------
 

@@ -97,10 +97,11 @@ struct quant_keys {
   const float* sc;  // [hd]
   const float* zc;  // [hd]
   __m512 table;
+  static constexpr bool kTurnable = true;  // keys sharing a rotation may take turn_query
   const uint8_t* row(int r) const { return base + (size_t)r * rb; }
+  __m512 level(const uint8_t* head_row, int d) const { return level_at<BITS, NV16>(head_row, d, table); }
   __m512 load(const uint8_t* head_row, int d) const {
-    return _mm512_fmadd_ps(level_at<BITS, NV16>(head_row, d, table), _mm512_loadu_ps(sc + 16 * d),
-                           _mm512_loadu_ps(zc + 16 * d));
+    return _mm512_fmadd_ps(level(head_row, d), _mm512_loadu_ps(sc + 16 * d), _mm512_loadu_ps(zc + 16 * d));
   }
 };
 
@@ -117,6 +118,7 @@ struct quant_values {
 struct f16_rows {
   const uint16_t* base;
   int64_t ld;
+  static constexpr bool kTurnable = false;
   const uint16_t* row(int r) const { return base + r * ld; }
   int64_t stride() const { return ld; }
   __m512 load(const uint16_t* head_row, int d) const {
@@ -183,19 +185,24 @@ template <int LEVEL>
     return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
-// acc[u] = the 16-lane partial products of q_u · R(o) k for key row r (tile row j).
-template <int NV16, int RB, class K>
+// acc[u] = the 16-lane partial products of q_u · R(o) k for key row r (tile row j); TURNED: of
+// q_u · lvl, q being turn_query's (the rotation and scales moved onto it).
+template <int NV16, int RB, bool TURNED, class K>
 [[gnu::always_inline]] inline void key_dots(const K& keys, int j, int r, const float* q, const float* cos2,
                                             const float* sin2, const int32_t* rot, __m512* acc /*[RB]*/) {
   constexpr int hd = 16 * NV16;
   const auto row = keys.row(r);
-  const int o = rot[j];
+  const int o = TURNED ? 0 : rot[j];
   // The query is read from L1 as memory operands: an opaque copy of its address keeps GCC from
   // holding all RB·NV16 query vectors in registers across the 16 keys, which spills the tree.
   const float* qk = q;
   asm volatile("" : "+r"(qk));
   for (int d = 0; d < NV16; ++d) {
-    const __m512 k = rotate16(keys.load(row, d), cos2 + o + 16 * d, sin2 + o + 16 * d);
+    __m512 k;
+    if constexpr (TURNED)
+      k = keys.level(row, d);
+    else
+      k = rotate16(keys.load(row, d), cos2 + o + 16 * d, sin2 + o + 16 * d);
     for (int u = 0; u < RB; ++u)
       acc[u] = d == 0 ? _mm512_mul_ps(k, _mm512_loadu_ps(qk + u * hd))
                       : _mm512_fmadd_ps(k, _mm512_loadu_ps(qk + u * hd + 16 * d), acc[u]);
@@ -204,29 +211,34 @@ template <int NV16, int RB, class K>
 
 // N (a power of 2, <= 16) keys from tile row j / run row r folded to tree level log2(N).
 // (always_inline here and below: GCC otherwise calls key_dots per key, spilling the tree.)
-template <int N, int NV16, int RB, class K>
+template <int N, int NV16, int RB, bool TURNED, class K>
 [[gnu::always_inline]] inline void key_tree(const K& keys, int j, int r, const float* q, const float* cos2,
                                             const float* sin2, const int32_t* rot, __m512* out /*[RB]*/) {
   if constexpr (N == 1) {
-    key_dots<NV16, RB>(keys, j, r, q, cos2, sin2, rot, out);
+    key_dots<NV16, RB, TURNED>(keys, j, r, q, cos2, sin2, rot, out);
   } else {
     constexpr int level = N == 2 ? 1 : N == 4 ? 2 : N == 8 ? 3 : 4;
     __m512 a[RB], b[RB];
-    key_tree<N / 2, NV16, RB>(keys, j, r, q, cos2, sin2, rot, a);
-    key_tree<N / 2, NV16, RB>(keys, j + N / 2, r + N / 2, q, cos2, sin2, rot, b);
+    key_tree<N / 2, NV16, RB, TURNED>(keys, j, r, q, cos2, sin2, rot, a);
+    key_tree<N / 2, NV16, RB, TURNED>(keys, j + N / 2, r + N / 2, q, cos2, sin2, rot, b);
     for (int u = 0; u < RB; ++u) out[u] = tree_combine<level>(a[u], b[u]);
   }
 }
 
-// s[u * kSS + j0 + b] for the 16 keys b of tile rows j0.. (run rows r0..).
-template <int NV16, int RB, class K>
+// s[u * kSS + j0 + b] for the 16 keys b of tile rows j0.. (run rows r0..). TURNED: the keys share
+// one rotation, q and z are turn_query's.
+template <int NV16, int RB, bool TURNED = false, class K>
 inline void score_16(const K& keys, int j0, int r0, const float* q, const float* cos2, const float* sin2,
-                     const int32_t* rot, float* s) {
+                     const int32_t* rot, float* s, const float* z = nullptr) {
   // After level 4, lane 4i + q holds key 4q + i.
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512 v[RB];
-  key_tree<16, NV16, RB>(keys, j0, r0, q, cos2, sin2, rot, v);
-  for (int u = 0; u < RB; ++u) _mm512_storeu_ps(s + u * kSS + j0, _mm512_permutexvar_ps(order, v[u]));
+  key_tree<16, NV16, RB, TURNED>(keys, j0, r0, q, cos2, sin2, rot, v);
+  for (int u = 0; u < RB; ++u) {
+    __m512 x = _mm512_permutexvar_ps(order, v[u]);
+    if constexpr (TURNED) x = _mm512_add_ps(x, _mm512_set1_ps(z[u]));
+    _mm512_storeu_ps(s + u * kSS + j0, x);
+  }
 }
 
 template <int NV16, int RB, class K>
@@ -234,6 +246,26 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
                const int32_t* rot, float* s) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
+  if constexpr (K::kTurnable) {
+    // 16 keys at one rotation (grouped positions) take the turned query, made once per rotation.
+    constexpr int hd = 16 * NV16;
+    alignas(64) float qt[RB * hd];
+    float z[RB];
+    int turned_at = 0;
+    bool turned = false;
+    for (; j + 16 <= jb; j += 16) {
+      const __m512i r16 = _mm512_loadu_si512(rot + j);  // positions need not be monotone: all 16 checked
+      if (_mm512_cmpeq_epi32_mask(r16, _mm512_set1_epi32(rot[j])) == 0xFFFF) {
+        if (!turned || rot[j] != turned_at) {
+          turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, qt, z);
+          turned_at = rot[j], turned = true;
+        }
+        score_16<NV16, RB, true>(keys, j, j - ja, qt, cos2, sin2, rot, s, z);
+      } else {
+        score_16<NV16, RB>(keys, j, j - ja, q, cos2, sin2, rot, s);
+      }
+    }
+  }
   for (; j + 16 <= jb; j += 16) score_16<NV16, RB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j + TB <= jb; j += TB) score_block<NV16, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j < jb; ++j) score_block<NV16, RB, 1>(keys, j, j - ja, q, cos2, sin2, rot, s);

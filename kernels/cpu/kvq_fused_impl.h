@@ -36,6 +36,14 @@ struct run {
   const float* zc = nullptr;
 };
 
+// Every query row turned by one key rotation (turn_query without the scales), kept across the
+// unit's tiles: SelfExtend's grouped side puts whole tiles at one rotation.
+struct turned_rows {
+  float* q = nullptr;  // [n_head, hd]: (R(o)ᵀ q'_r)_c = q'_c·cos2_c + q'_{c^1}·sin2_{c^1}
+  int32_t rot = 0;     // o · hd, the table row they were turned by
+  bool valid = false;
+};
+
 struct tile_ctx {
   const kvq_layer_view* L;
   int hd, C, g;
@@ -55,6 +63,7 @@ struct tile_ctx {
   int n_vg = 0;
   bool outliers = false;  // the layer keeps sparse outliers (nuq -1%)
   int32_t* entry_row = nullptr;  // [kT·C + 8] scratch of add_key_outliers
+  turned_rows* turned = nullptr;  // add_key_outliers' turned query rows
 };
 
 // fp16 values [n] to f32, 8 at a time.
@@ -145,6 +154,34 @@ __attribute__((noinline)) XCTX_SCALAR_LOOPS void add_key_outliers(const tile_ctx
       for (uint32_t e = a + 8; e < b; e += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tok + e), jj);
     }
     const uint16_t *ie = idx + e0, *ve = val + e0;
+    // The run's rows at one rotation (grouped positions): a correction is δ times the turned
+    // query's channel, one FMA per query row, the turned rows made once per rotation.
+    bool shared = true;
+    for (int j = R.ja + 1; j < R.jb; ++j) shared &= rot[j] == rot[R.ja];
+    if (shared && n_e > 0) {
+      turned_rows& T = *t.turned;
+      if (!T.valid || T.rot != rot[R.ja]) {
+        const int n_head = L.n_head_kv * g;
+        const float *c2 = cos2 + rot[R.ja], *s2 = sin2 + rot[R.ja];
+        for (int r = 0; r < n_head; ++r)
+          for (int c = 0; c < HD; c += 8) {
+            const __m256 x = _mm256_loadu_ps(qr + (size_t)r * HD + c);
+            const __m256 sw = _mm256_permute_ps(_mm256_loadu_ps(s2 + c), 0xB1);
+            _mm256_storeu_ps(T.q + (size_t)r * HD + c, _mm256_fmadd_ps(x, _mm256_loadu_ps(c2 + c),
+                                                                       _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), sw)));
+          }
+        T.rot = rot[R.ja], T.valid = true;
+      }
+      const float* tq = T.q;
+      for (uint32_t e = 0; e < n_e; ++e) {
+        const int j = tok[e], ch = ie[e];
+        const float delta = _cvtsh_ss(ve[e]);
+        const float* q = tq + (size_t)(ch >> shift) * g * HD + (ch & hmask);
+        float* s = s_all + (size_t)(ch >> shift) * g * kSS + j;
+        for (int u = 0; u < g; ++u) s[(size_t)u * kSS] += delta * q[(size_t)u * HD];
+      }
+      continue;
+    }
     for (uint32_t e = 0; e < n_e; ++e) {
       const int j = tok[e], ch = ie[e], c = ch & hmask;
       const float delta = _cvtsh_ss(ve[e]);
@@ -214,6 +251,27 @@ inline void fill_lut(const float* lut, int bits, float* t16) {
 // x rotated pairwise by the angles whose cos2/sin2 rows are given (sin2 = (-s, +s)).
 inline __m256 rotate8(__m256 x, const float* cos2, const float* sin2) {
   return _mm256_fmadd_ps(x, _mm256_loadu_ps(cos2), _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), _mm256_loadu_ps(sin2)));
+}
+
+// Keys that share one rotation (SelfExtend's grouped side: G consecutive positions attend at one
+// floor(pos / G)) need not be rotated one by one: q·R(o)(lvl ⊙ sc + zc) = (Rᵀ(o)q ⊙ sc)·lvl +
+// Rᵀ(o)q·zc. For RB query rows and the rotation at cos2/sin2 (one table row), qs[u] = Rᵀq_u ⊙ sc
+// and z[u] = Rᵀq_u · zc; a key then costs its levels and one FMA per query row and vector.
+// (Rᵀq)_c = q_c·cos2_c + q_{c^1}·sin2_{c^1}: the adjoint of rotate8.
+template <int RB>
+inline void turn_query(int hd, const float* q /*[RB, hd]*/, const float* cos2, const float* sin2, const float* sc,
+                       const float* zc, float* qs /*[RB, hd]*/, float* z /*[RB]*/) {
+  for (int u = 0; u < RB; ++u) {
+    __m256 zs = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + u * hd + d);
+      const __m256 t = _mm256_fmadd_ps(x, _mm256_loadu_ps(cos2 + d),
+                                       _mm256_mul_ps(_mm256_permute_ps(x, 0xB1), _mm256_permute_ps(_mm256_loadu_ps(sin2 + d), 0xB1)));
+      _mm256_storeu_ps(qs + u * hd + d, _mm256_mul_ps(t, _mm256_loadu_ps(sc + d)));
+      zs = _mm256_fmadd_ps(t, _mm256_loadu_ps(zc + d), zs);
+    }
+    z[u] = avx2::hsum8(zs);
+  }
 }
 
 // ---- per-head steps on memory (s: [RB, kSS] scores, then probabilities; o: [RB, hd]) ----------
@@ -550,6 +608,7 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   float* work = vsz + 2 * kT;                 // [kvq_fused_work_floats(n_head)]
   float* vg = work + kvq_fused_work_floats(n_head);  // [kT, C / 4] uniform value (scale, zero) per group
   int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT·C + 8]
+  float* turned_q = reinterpret_cast<float*>(entry_row + (size_t)kT * C + 8);  // [n_head, hd]
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
@@ -588,6 +647,9 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   t.vg = vg, t.n_vg = lut ? 0 : (C + L.group - 1) / L.group;
   t.outliers = L.k_out_off != nullptr || L.v_out_per_tok > 0;
   t.entry_row = entry_row;
+  turned_rows turned;
+  turned.q = turned_q;
+  t.turned = &turned;
   for (int64_t t0 = a.s0; t0 < a.s0 + a.n; t0 += kT) {
     const int nt = (int)(a.s0 + a.n - t0 < kT ? a.s0 + a.n - t0 : kT);
     t.nt = nt;

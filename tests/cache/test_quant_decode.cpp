@@ -15,6 +15,7 @@
 #include <random>
 
 #include "cache/quant_test_util.h"
+#include "test_util.h"
 #include "common/error.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ref/ref_ops.h"
@@ -79,56 +80,70 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
   const decode_case& c = GetParam();
   auto be = make_backend(backend_kind::backend_cpu);
   const int64_t n = 700;
-  const cache_geometry g = geometry_of(c, n);
-  const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
-  test::synthetic_kv d = make_synthetic_kv(n, C, 41);
-  // Rows with many key outliers (-1% formats): 20, 9 and 8 channels far outside every range,
-  // past the 8 entries the fused kernel's row index writes per vector store.
-  for (const auto& [row, count] : {std::pair<int64_t, int>{123, 20}, {124, 9}, {530, 8}})
-    for (int e = 0; e < count; ++e) d.k[(size_t)row * C + (size_t)(e * 7) % C] *= 12.0f;
-  std::vector<int32_t> pos(n);
-  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(i < 300 || i >= 400 ? i + (i >= 400 ? 150 : 0) : 300 + 2 * (i - 300));
-  auto cache = make_cache(spec_of(c, g), g, *be);
-  append(*cache, d, C, pos, 0, n);
-  const kvq_layer_view v = quant_cache_view(*cache, 0);
-  if (v.k_out_off != nullptr) ASSERT_GE(v.k_out_off[123 - v.n_sink + 1] - v.k_out_off[123 - v.n_sink], 9u);
-  std::vector<float> k((size_t)n * C), val(k.size());
-  ref::kvq_decode_layer(v, k.data(), val.data());
-  float max_v = 0.0f;
-  double max_k = 0.0;  // largest L2 norm of one head's key (RoPE keeps it)
-  for (float x : val) max_v = std::max(max_v, std::fabs(x));
-  for (size_t h = 0; h < k.size(); h += c.head_dim) {
-    double s2 = 0;
-    for (int e = 0; e < c.head_dim; ++e) s2 += (double)k[h + e] * k[h + e];
-    max_k = std::max(max_k, std::sqrt(s2));
-  }
-  std::mt19937 rng(43);
-  std::normal_distribution<float> nd;
-  std::vector<float> q(qd);
-  for (float& x : q) x = 0.3f * nd(rng);
-  double max_q = 0.0;
-  for (size_t h = 0; h < q.size(); h += c.head_dim) {
-    double s2 = 0;
-    for (int e = 0; e < c.head_dim; ++e) s2 += (double)q[h + e] * q[h + e];
-    max_q = std::max(max_q, std::sqrt(s2));
-  }
-  // Query positions: past everything (a decode step), and inside the gap run (a cut unit).
-  for (const int32_t q_pos : {pos[n - 1] + 1, pos[350]}) {
- SCOPED_TRACE(::testing::Message() << format_traits(c.format).name << " " << c.name << " q_pos " << q_pos << " seeds 41/43");
-    std::vector<float> o_ref(qd), l_ref(c.n_head), o(qd), l(c.n_head);
-    kvq_attn_args a;
-    a.kv = v, a.q = q.data(), a.q_pos = &q_pos, a.n_q = 1, a.n_head = c.n_head;
-    a.scale = 1.0f / std::sqrt((float)c.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
-    ref::attention_kvq(a);
-    cache->attend(0, q.data(), &q_pos, 1, o.data(), l.data(), attend_path::attend_decode);
-    // Score error: the query rotated by the unit start and each key by its offset (float tables
-    // of double angles: a few ulps of |q||k|), ~head_dim/2 roundings of the dot product, the
-    // outlier corrections' own roundings (same order): delta <= kScoreRel |q| |k| scale.
-    // Probabilities move by <= delta relative, the output by <= 2 delta max|v|, lse by delta.
-    constexpr double kScoreRel = 32.0 * FLT_EPSILON;
-    const double delta = kScoreRel * max_q * max_k * a.scale;
-    for (int i = 0; i < qd; ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
-    for (int h = 0; h < c.n_head; ++h) ASSERT_NEAR(l[h], l_ref[h], delta + 1e-5 * std::fabs(l_ref[h])) << h;
+  // SelfExtend off, and with groups of 32 positions: blocks of consecutive keys then share one
+  // rotation, which the kernels move onto the query (turn_query).
+  for (const test::self_extend_case se : {test::self_extend_case{1, 0}, test::self_extend_case{32, 64}}) {
+    cache_geometry g = geometry_of(c, n);
+    g.rope = test::with_self_extend(g.rope, se);
+    const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
+    test::synthetic_kv d = make_synthetic_kv(n, C, 41);
+    // Rows with many key outliers (-1% formats): 20, 9 and 8 channels far outside every range,
+    // past the 8 entries the fused kernel's row index writes per vector store.
+    for (const auto& [row, count] : {std::pair<int64_t, int>{123, 20}, {124, 9}, {530, 8}})
+      for (int e = 0; e < count; ++e) d.k[(size_t)row * C + (size_t)(e * 7) % C] *= 12.0f;
+    std::vector<int32_t> pos(n);
+    for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(i < 300 || i >= 400 ? i + (i >= 400 ? 150 : 0) : 300 + 2 * (i - 300));
+    auto cache = make_cache(spec_of(c, g), g, *be);
+    append(*cache, d, C, pos, 0, n);
+    const kvq_layer_view v = quant_cache_view(*cache, 0);
+    if (v.k_out_off != nullptr) {
+      ASSERT_GE(v.k_out_off[123 - v.n_sink + 1] - v.k_out_off[123 - v.n_sink], 9u);
+    }
+    std::vector<float> k((size_t)n * C), val(k.size());
+    ref::kvq_decode_layer(v, k.data(), val.data());
+    float max_v = 0.0f;
+    double max_k = 0.0;  // largest L2 norm of one head's key (RoPE keeps it)
+    for (float x : val) max_v = std::max(max_v, std::fabs(x));
+    for (size_t h = 0; h < k.size(); h += c.head_dim) {
+      double s2 = 0;
+      for (int e = 0; e < c.head_dim; ++e) s2 += (double)k[h + e] * k[h + e];
+      max_k = std::max(max_k, std::sqrt(s2));
+    }
+    std::mt19937 rng(43);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(qd);
+    for (float& x : q) x = 0.3f * nd(rng);
+    double max_q = 0.0;
+    for (size_t h = 0; h < q.size(); h += c.head_dim) {
+      double s2 = 0;
+      for (int e = 0; e < c.head_dim; ++e) s2 += (double)q[h + e] * q[h + e];
+      max_q = std::max(max_q, std::sqrt(s2));
+    }
+    // Query positions: past everything (a decode step), and inside the gap run (a cut unit).
+    for (const int32_t q_pos : {pos[n - 1] + 1, pos[350]})
+    for (const bool force_avx2 : avx2_forced_settings()) {
+      const isa_scope isa(force_avx2);
+      SCOPED_TRACE(::testing::Message() << format_traits(c.format).name << " " << c.name << " q_pos " << q_pos
+                                        << " selfextend G " << se.group << " W " << se.window
+                                        << (force_avx2 ? " avx2" : " avx512") << " seeds 41/43");
+      std::vector<float> o_ref(qd), l_ref(c.n_head), o(qd), l(c.n_head);
+      kvq_attn_args a;
+      a.kv = v, a.q = q.data(), a.q_pos = &q_pos, a.n_q = 1, a.n_head = c.n_head;
+      a.scale = 1.0f / std::sqrt((float)c.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
+      ref::attention_kvq(a);
+      cache->attend(0, q.data(), &q_pos, 1, o.data(), l.data(), attend_path::attend_decode);
+      // Score error: the query rotated by the unit start and each key by its offset (float tables
+      // of double angles: a few ulps of |q||k|), ~head_dim/2 roundings of the dot product, the
+      // outlier corrections' own roundings (same order): delta <= kScoreRel |q| |k| scale.
+      // Keys sharing a rotation (the G 32 case) sum (Rᵀq ⊙ sc)·lvl and Rᵀq·zc apart: roundings of
+      // |sc lvl| + |zc| <= 3 max|k| per channel (the zero point is its minimum or centre): the same
+      // order, inside the margin.
+      // Probabilities move by <= delta relative, the output by <= 2 delta max|v|, lse by delta.
+      constexpr double kScoreRel = 32.0 * FLT_EPSILON;
+      const double delta = kScoreRel * max_q * max_k * a.scale;
+      for (int i = 0; i < qd; ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
+      for (int h = 0; h < c.n_head; ++h) ASSERT_NEAR(l[h], l_ref[h], delta + 1e-5 * std::fabs(l_ref[h])) << h;
+    }
   }
 }
 
