@@ -140,23 +140,15 @@ constexpr int kKeysPerBlock = RB == 1 ? 8 : RB == 2 ? 4 : RB == 3 ? 3 : 2;
 
 // Scores of tile rows [ja, jb) from one run (row ja of the tile is row 0 of the run), in
 // increasing order so a short block's zero lanes are overwritten by the keys after it.
-// (GCC cannot see that qt and z are written before the first turned block reads them.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 template <int NV, int RB, class K>
 void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-               const int32_t* rot, float* s) {
+               const int32_t* rot, float* s, const turned_block& tb) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
   if constexpr (K::kTurnable) {
-    // TB keys at one rotation (grouped positions) take the turned query, made once per rotation.
+    // TB keys at one rotation (grouped positions) take the turned query, made once per rotation
+    // and key scales (kept across the unit's tiles in tb).
     constexpr int hd = 8 * NV;
-    alignas(32) float qt[RB * hd];
-    float z[RB];
-    int turned_at = 0;
-    bool turned = false;
     for (; j + TB <= jb; j += TB) {
       bool shared = true;  // positions need not be monotone: every key checked
       for (int b = 1; b < TB; ++b) shared &= rot[j + b] == rot[j];
@@ -164,19 +156,16 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
         score_block<NV, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
         continue;
       }
-      if (!turned || rot[j] != turned_at) {
-        turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, qt, z);
-        turned_at = rot[j], turned = true;
+      if (*tb.sc != keys.sc || *tb.rot != rot[j]) {
+        turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, tb.q, tb.z);
+        *tb.rot = rot[j], *tb.sc = keys.sc;
       }
-      score_block<NV, RB, TB, true>(keys, j, j - ja, qt, cos2, sin2, rot, s, z);
+      score_block<NV, RB, TB, true>(keys, j, j - ja, tb.q, cos2, sin2, rot, s, tb.z);
     }
   }
   for (; j + TB <= jb; j += TB) score_block<NV, RB, TB>(keys, j, j - ja, q, cos2, sin2, rot, s);
   for (; j < jb; ++j) score_block<NV, RB, 1>(keys, j, j - ja, q, cos2, sin2, rot, s);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 // ---- values -------------------------------------------------------------------------------
 
@@ -249,8 +238,8 @@ struct ops {
   using f16_rows = f16_keys;
   template <int NV, int RB, class K>
   static void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-                        const int32_t* rot, float* s) {
-    avx2::score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s);
+                        const int32_t* rot, float* s, const turned_block& tb) {
+    avx2::score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb);
   }
   template <int NV, int RB, class V>
   static void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {

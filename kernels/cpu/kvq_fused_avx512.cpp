@@ -243,24 +243,21 @@ inline void score_16(const K& keys, int j0, int r0, const float* q, const float*
 
 template <int NV16, int RB, class K>
 void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-               const int32_t* rot, float* s) {
+               const int32_t* rot, float* s, const turned_block& tb) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
   if constexpr (K::kTurnable) {
-    // 16 keys at one rotation (grouped positions) take the turned query, made once per rotation.
+    // 16 keys at one rotation (grouped positions) take the turned query, made once per rotation
+    // and key scales (kept across the unit's tiles in tb).
     constexpr int hd = 16 * NV16;
-    alignas(64) float qt[RB * hd];
-    float z[RB];
-    int turned_at = 0;
-    bool turned = false;
     for (; j + 16 <= jb; j += 16) {
       const __m512i r16 = _mm512_loadu_si512(rot + j);  // positions need not be monotone: all 16 checked
       if (_mm512_cmpeq_epi32_mask(r16, _mm512_set1_epi32(rot[j])) == 0xFFFF) {
-        if (!turned || rot[j] != turned_at) {
-          turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, qt, z);
-          turned_at = rot[j], turned = true;
+        if (*tb.sc != keys.sc || *tb.rot != rot[j]) {
+          turn_query<RB>(hd, q, cos2 + rot[j], sin2 + rot[j], keys.sc, keys.zc, tb.q, tb.z);
+          *tb.rot = rot[j], *tb.sc = keys.sc;
         }
-        score_16<NV16, RB, true>(keys, j, j - ja, qt, cos2, sin2, rot, s, z);
+        score_16<NV16, RB, true>(keys, j, j - ja, tb.q, cos2, sin2, rot, s, tb.z);
       } else {
         score_16<NV16, RB>(keys, j, j - ja, q, cos2, sin2, rot, s);
       }
@@ -344,8 +341,8 @@ struct ops {
   using f16_rows = avx512::f16_rows;
   template <int NV16, int RB, class K>
   static void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-                        const int32_t* rot, float* s) {
-    avx512::score_run<NV16, RB>(keys, ja, jb, q, cos2, sin2, rot, s);
+                        const int32_t* rot, float* s, const turned_block& tb) {
+    avx512::score_run<NV16, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb);
   }
   template <int NV16, int RB, class V>
   static void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {

@@ -44,6 +44,15 @@ struct turned_rows {
   bool valid = false;
 };
 
+// A block of query rows turned by a key rotation with the channel scales folded in (turn_query),
+// for the scores; kept across the unit's tiles (rot and sc say what it holds, sc null: nothing).
+struct turned_block {
+  float* q;          // [RB, hd]
+  float* z;          // [RB]
+  int32_t* rot;      // the rotation's table row (o · hd)
+  const float** sc;  // the key scales it was made with
+};
+
 struct tile_ctx {
   const kvq_layer_view* L;
   int hd, C, g;
@@ -64,6 +73,12 @@ struct tile_ctx {
   bool outliers = false;  // the layer keeps sparse outliers (nuq -1%)
   int32_t* entry_row = nullptr;  // [kT·C + 8] scratch of add_key_outliers
   turned_rows* turned = nullptr;  // add_key_outliers' turned query rows
+  // turn_query's blocks, indexed by the block's first query row: q [n_head, hd], z [n_head],
+  // rot [n_head], sc [n_head].
+  float* tq = nullptr;
+  float* tz = nullptr;
+  int32_t* trot = nullptr;
+  const float** tsc = nullptr;
 };
 
 // fp16 values [n] to f32, 8 at a time.
@@ -464,7 +479,8 @@ using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* 
 //   quant_keys<BITS, LUT, NV>     {head row codes, row bytes, sc, zc, table}: key vectors d of row r
 //   quant_values<BITS, LUT, NV>   {head row codes, row bytes, table}: value levels
 //   f16_rows                      {first row, elements between rows}: fp16 sink / window rows
-//   score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s)   RB query rows' scores of tile rows [ja, jb)
+//   score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb)   RB query rows' scores of tile rows
+//                                 [ja, jb); tb: the rows' turned_block (keys at a shared rotation)
 //   pv_range<NV, RB>(vals, ja, jb, da, db, w, o)             o += Σ w·level over vectors [da, db)
 // (8-lane vector indices for da, db).
 
@@ -474,17 +490,19 @@ void head_scores(const tile_ctx& t, int h, int u0, float* s) {
   constexpr int hd = ISA::kLanes * NV;
   const kvq_layer_view& L = *t.L;
   const size_t rb = kvq_row_bytes(t.C, KB);
-  const float* q = t.qr + (size_t)(h * t.g + u0) * hd;
+  const int row = h * t.g + u0;
+  const float* q = t.qr + (size_t)row * hd;
+  const turned_block tb{t.tq + (size_t)row * hd, t.tz + row, t.trot + row, t.tsc + row};
   const typename ISA::table lk = ISA::load_table(t.lut_k);
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (R.quant) {
       const typename ISA::template quant_keys<KB, LUT, NV> k{
           L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * KB, rb, R.sc + h * hd, R.zc + h * hd, lk};
-      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb);
     } else {
       const typename ISA::f16_rows k{R.k16 + (size_t)R.first * t.C + h * hd, t.C};
-      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s);
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb);
     }
   }
 }
@@ -609,6 +627,11 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   float* vg = work + kvq_fused_work_floats(n_head);  // [kT, C / 4] uniform value (scale, zero) per group
   int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT·C + 8]
   float* turned_q = reinterpret_cast<float*>(entry_row + (size_t)kT * C + 8);  // [n_head, hd]
+  float* tq = turned_q + (size_t)n_head * hd;                                  // [n_head, hd]
+  float* tz = tq + (size_t)n_head * hd;                                        // [n_head]
+  int32_t* trot = reinterpret_cast<int32_t*>(tz + n_head);                     // [n_head]
+  const float** tsc = reinterpret_cast<const float**>(  // [n_head], aligned up (the scratch has a float to spare)
+      (reinterpret_cast<uintptr_t>(trot + n_head) + alignof(const float*) - 1) & ~(uintptr_t)(alignof(const float*) - 1));
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
@@ -650,6 +673,9 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   turned_rows turned;
   turned.q = turned_q;
   t.turned = &turned;
+  // Rotations are offsets from the unit's start: what was turned in another unit does not hold.
+  for (int r = 0; r < n_head; ++r) tsc[r] = nullptr;
+  t.tq = tq, t.tz = tz, t.trot = trot, t.tsc = tsc;
   for (int64_t t0 = a.s0; t0 < a.s0 + a.n; t0 += kT) {
     const int nt = (int)(a.s0 + a.n - t0 < kT ? a.s0 + a.n - t0 : kT);
     t.nt = nt;

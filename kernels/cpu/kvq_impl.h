@@ -51,7 +51,8 @@ inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
          2 * (size_t)kScaleSlots * channels + 2 * (size_t)n_head + 2 * kFusedTile + kvq_fused_work_floats(n_head) +
          (size_t)kFusedTile * channels / 4 +  // uniform value parameters (groups of >= 8 channels)
          (size_t)kFusedTile * channels + 8 +  // the row of each key outlier of a tile (int32)
-         (size_t)n_head * head_dim;           // the query rows turned by a shared key rotation
+         2 * (size_t)n_head * head_dim +      // the query rows turned by a shared key rotation (twice)
+         4 * (size_t)n_head + 2;              // their zero sums, rotations and scale pointers
 }
 // The code widths the fused kernel is instantiated for (keys, values): 2..4 bits alike (the KV
 // formats; nuq or uniform), and uniform 1 or 2 bits in any mix (clkv's per-layer widths).
