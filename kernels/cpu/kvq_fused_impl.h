@@ -710,6 +710,9 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
               gs[c] = _cvtsh_ss(p.scale), gz[c] = _cvtsh_ss(p.zero);
             }
             slot_group[slot] = grp;
+            // A turned query made with the slot's old scales must not be taken for the new ones.
+            for (int r = 0; r < n_head; ++r)
+              if (tsc[r] >= gs && tsc[r] < gs + C) tsc[r] = nullptr;
           }
           R.sc = gs, R.zc = gz;
         }

@@ -80,9 +80,11 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
   const decode_case& c = GetParam();
   auto be = make_backend(backend_kind::backend_cpu);
   const int64_t n = 700;
-  // SelfExtend off, and with groups of 32 positions: blocks of consecutive keys then share one
-  // rotation, which the kernels move onto the query (turn_query).
-  for (const test::self_extend_case se : {test::self_extend_case{1, 0}, test::self_extend_case{32, 64}}) {
+  // SelfExtend off, and with groups of 32 and 256 positions: blocks of consecutive keys then
+  // share one rotation, which the kernels move onto the query (turn_query); at 256 a whole unit
+  // does, across more uniform key groups than the kernel keeps scale slots for (16-token groups).
+  for (const test::self_extend_case se :
+       {test::self_extend_case{1, 0}, test::self_extend_case{32, 64}, test::self_extend_case{256, 64}}) {
     cache_geometry g = geometry_of(c, n);
     g.rope = test::with_self_extend(g.rope, se);
     const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
