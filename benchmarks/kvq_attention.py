@@ -115,7 +115,12 @@ def write_markdown(path, rows, meta, info):
       "query at the position after the last key, `kv_cache::attend` on the CPU backend. Each timed call "
       "starts with cold caches (a 128 MiB buffer is read first, 4x the LLC), as in a real model where the "
       "other layers evict this one between decode steps. Median of the rounds after a warm-up round; "
-      "formats are timed round-robin so load changes hit all of them alike.\n")
+      "formats are timed round-robin so load changes hit all of them alike." +
+      (f" **SelfExtend G {info['selfextend']}, window 1024:** keys farther than 1024 positions from the "
+       "query attend at floor(pos / G), as in the runs past the model's trained context; the quantized "
+       "formats' fused kernel then turns the query once per shared rotation instead of rotating each key, "
+       "while fp16 (post-RoPE keys) re-rotates every far key through the tiled path, so the *vs fp16* "
+       "column compares two different code paths here." if info["selfextend"] > 1 else "") + "\n")
     w("**What is counted.** *bytes* = `bytes_used()` of the one-layer cache: packed K/V codes, "
       "fp16 scales/zeros, per-layer tables (nuq LUTs, key channel scale/zero, -1% thresholds), sparse "
       "outliers (values + indices + per-token offsets), the fp16 attention-sink row (nuq), and int32 "
@@ -199,6 +204,9 @@ def main():
     ap.add_argument("--threads", help="comma list passed to the binary (default: all, then 1)")
     ap.add_argument("--rounds", type=int, help="timed rounds per block (default: by length)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kvq_attention"), help="path prefix")
+    ap.add_argument("--selfextend", type=int, default=1,
+                    help="SelfExtend group G (window 1024): keys past the window attend at floor(pos / G), as "
+                         "the long runs past the trained context do (1: off)")
     ap.add_argument("--no-avx512", action="store_true",
                     help="keep the fused kernel on AVX2 (XCTX_NO_AVX512=1) on a CPU that has AVX-512")
     args = ap.parse_args()
@@ -211,6 +219,8 @@ def main():
         cmd += ["--threads", args.threads]
     if args.rounds:
         cmd += ["--rounds", str(args.rounds)]
+    if args.selfextend > 1:
+        cmd += ["--selfextend", str(args.selfextend)]
     before = uptime()
     t0 = datetime.datetime.now()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -236,7 +246,7 @@ def main():
         "cores": os.cpu_count(), "isa": head.get("isa", "?"), "fused_isa": head.get("fused_isa", "?"),
         "cpu_flags": cpu_flags(),
         "uptime_before": before, "uptime_after": after,
-        "seconds": seconds, "switches": switches,
+        "seconds": seconds, "switches": switches, "selfextend": args.selfextend,
     }
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
