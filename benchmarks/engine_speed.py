@@ -7,6 +7,7 @@ same token ids and the same thread count, in the same run.
     benchmarks/install-llama-native            # once: llama.cpp built from source for this CPU
     python3 benchmarks/engine_speed.py [--threads 2] [--repeat 2] [--only 'prefill 8K,decode @8K']
         [--xctx-caches fp16,kivi4,nuq3-1%] [--llama-kv f16,f16+fa,q8_0+fa,q4_0+fa]
+        [--prefill-from-decode]    # 'prefill N' from the prefill of the 'decode @N' run
 
 llama.cpp runs in the interpreter of build-llama-native/venv (made by install-llama-native)
 when it exists, else in --llama-python (any interpreter with llama-cpp-python), else not at all.
@@ -127,6 +128,9 @@ def main():
     ap.add_argument("--llama-python", default="",
                     help="interpreter with llama-cpp-python (default: build-llama-native's, else this one)")
     ap.add_argument("--out", default="engine_speed", help="results file stem in benchmarks/results")
+    ap.add_argument("--prefill-from-decode", action="store_true",
+                    help="also report each decode run's prefill (64 tokens short of the prefill row's "
+                         "prompt) as that length's prefill row, instead of a second long prefill")
     ap.add_argument("--merge", nargs="*", default=[],
                     help="instead of measuring, write the results from the JSON rows in these logs")
     args = ap.parse_args()
@@ -189,6 +193,15 @@ def main():
                    "peak_rss_mib": max(x["peak_rss_bytes"] for x in runs) / 2**20}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            # The decode run prefilled n_prompt tokens first: at 32K that prefill is the expensive
+            # part (an hour for llama.cpp's q4_0 KV on 2 cores), so it need not run twice.
+            twin = next((c[0] for c in CONFIGS if c[3] == "prefill" and c[1] == n_ctx), None)
+            if args.prefill_from_decode and kind == "decode" and twin:
+                prow = dict(row, config=twin, kind="prefill", gen_tokens=0, from_decode_run=True,
+                            tok_s=max(x["prefill_tok_s"] for x in runs),
+                            tok_s_min=min(x["prefill_tok_s"] for x in runs))
+                rows.append(prow)
+                print(json.dumps(prow), file=sys.stderr, flush=True)
     write_results(rows, args, info)
 
 
@@ -198,7 +211,8 @@ def write_results(rows, args, info):
     order = [c[0] for c in CONFIGS]
     rows.sort(key=lambda r: order.index(r["config"]))
     with open(os.path.join(out_dir, args.out + ".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        fields = list(dict.fromkeys(k for r in rows for k in r))  # a row may carry from_decode_run
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(rows)
     cpu, flags = platform.processor() or "cpu", set()
@@ -228,8 +242,12 @@ def write_results(rows, args, info):
             base = next((b["tok_s"] for b in rows if b["config"] == r["config"] and b["engine"] == "xctx"
                          and b["variant"] == "fp16"), None)
             ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
-            f.write(f"| {r['config']} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}) | "
+            mark = " †" if r.get("from_decode_run") else ""
+            f.write(f"| {r['config']}{mark} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}) | "
                     f"{ratio} | {r['peak_rss_mib']:.0f} MiB |\n")
+        if any(r.get("from_decode_run") for r in rows):
+            f.write("\n† the prefill of the decode run of the same length: its prompt is 64 tokens shorter "
+                    "(`--prefill-from-decode`).\n")
         # Per configuration: xctx's fp16 cache against llama.cpp's fastest KV setting of the run.
         summary = []
         for label in order:
