@@ -15,6 +15,10 @@
 // bound from l* = P W / (F - P B) tokens on (never when F / B <= P).
 //
 // Usage: bench_x_rebuild [--lengths 1024,8192,65536] [--reps N] [--out-dir benchmarks/results]
+//                        [--selfextend G --window W]
+// With --selfextend the decode query sees its last W tokens at exact positions and the rest at
+// SelfExtend's grouped ones (the long runs' setting past the trained window); results go to
+// x_rebuild_selfextend.{csv,md}. The FLOP and byte columns stay the plain rebuild's accounting.
 #include <cblas.h>
 #include <omp.h>
 
@@ -44,8 +48,11 @@ constexpr uint64_t kSeed = 20250601;
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
+int g_se_group = 1, g_se_window = 0;  // --selfextend G --window W
+
 cache_geometry geometry(int64_t cap) {
   cache_geometry g;
+  g.rope.se_group = g_se_group, g.rope.se_window = g_se_window;
   g.n_layer = kLayers, g.n_head = kHead, g.n_head_kv = kHeadKv, g.head_dim = kHd, g.n_embd = kD;
   g.rope.head_dim = kHd, g.rope.n_rot = kHd, g.rope.freq_base = 1e5f;
   g.capacity = cap;
@@ -191,7 +198,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     if (i + 1 == argc || a.rfind("--", 0) != 0) {
-      std::fprintf(stderr, "usage: %s [--lengths N,N,...] [--reps R] [--out-dir DIR]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--lengths N,N,...] [--reps R] [--out-dir DIR] [--selfextend G --window W]\n",
+                   argv[0]);
       return 2;
     }
     if (a == "--lengths") {
@@ -203,10 +211,18 @@ int main(int argc, char** argv) {
       reps = std::stoi(argv[i + 1]);
     } else if (a == "--out-dir") {
       out_dir = argv[i + 1];
+    } else if (a == "--selfextend") {
+      g_se_group = std::stoi(argv[i + 1]);
+    } else if (a == "--window") {
+      g_se_window = std::stoi(argv[i + 1]);
     } else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
     }
+  }
+  if (g_se_group < 1 || g_se_window < 0) {
+    std::fprintf(stderr, "--selfextend needs G >= 1 and --window W >= 0\n");
+    return 2;
   }
   const model m = make_model();
   std::shared_ptr<const x_factors> fl = build_x_factors(m.w, x_factor_kind::xf_latent);
@@ -273,12 +289,16 @@ int main(int argc, char** argv) {
     }
   }
   const double wbytes = layer_weight_bytes();
-  const std::string csv_path = out_dir + "/x_rebuild.csv", md_path = out_dir + "/x_rebuild.md";
+  const std::string stem = out_dir + (g_se_group > 1 ? "/x_rebuild_selfextend" : "/x_rebuild");
+  const std::string csv_path = stem + ".csv", md_path = stem + ".md";
   std::ofstream csv(csv_path), md(md_path);
   XCTX_CHECK(csv && md, "cannot write ", csv_path, " / ", md_path);
   csv << "format,tokens,flops,flops_paper,bytes,ms,gflops,gbps,intensity,threads,read_gbps,tile_gflops,big_gflops\n";
   md << "# Decode-step rebuild cost of the X caches (one layer, SmolLM2 geometry)\n\n";
-  md << "Command: `build/benchmarks/bench_x_rebuild` (" << omp_get_max_threads()
+  md << "Command: `build/benchmarks/bench_x_rebuild"
+     << (g_se_group > 1 ? " --selfextend " + std::to_string(g_se_group) + " --window " + std::to_string(g_se_window)
+                        : std::string())
+     << "` (" << omp_get_max_threads()
      << " threads). Ceilings measured in the same run: read bandwidth " << bw << " GB/s, sgemm " << tile_gf
      << " GFLOP/s at the rebuild tile (64x192x192, one per thread), " << big_gf
      << " GFLOP/s at 1536^3; ridge point P = " << ridge << " FLOP/byte.\n\n";

@@ -363,6 +363,18 @@ struct unit_rebuilder {
       if (zvt != nullptr) std::copy(zvp, zvp + (size_t)m * cv, zvt + (size_t)h * cv);
     }
   }
+  // The latent rows alone: zkt [nt, ck]; zvt [nt, cv] unless null (or the streams are one).
+  void latents(int64_t t0, int nt, float* zkt, float* zvt) {
+    for (int h = 0; h < nt; h += kTile) {
+      const int m = std::min(kTile, nt - h);
+      decode_rows(a.zk, t0 + h, m, zkt + (size_t)h * ck, sc, zc);
+      if (zvt == nullptr) continue;
+      if (a.same_stream)
+        std::copy(zkt + (size_t)h * ck, zkt + (size_t)(h + m) * ck, zvt + (size_t)h * cv);
+      else
+        decode_rows(a.zv, t0 + h, m, zvt + (size_t)h * cv, sc, zc);
+    }
+  }
   void rebuild_fixed(const float* z, int nt, int cz, const float* m, int64_t ldm, const float* b, float* out) const {
     if (m != nullptr) {
       // M is [cz, ldm] with the kv columns first: a row-invariant product over those columns.
@@ -399,6 +411,73 @@ class xq_unit_loader final : public unit_loader {
   unit_rebuilder rb_;
 };
 
+// SelfExtend's grouped side rotates G consecutive keys alike (floor(pos / G)), so there the keys
+// can be absorbed like the values: with w = R(gp)ᵀ q (the query turned back by the run's angle),
+// q · R(gp)(M_kᵀ z + b_k) = (M_k w) · z + w · b_k, one turned query of ck latent channels per head
+// and run instead of a rebuilt key of kv channels per row. Per row that is ck·n_head products
+// instead of ck·kv, plus n_head·hd·ck per run for the turning; taken when the runs are long enough
+// to repay the turning twice over (the skinny product runs at a fraction of the rebuild's rate).
+bool far_keys_absorbed(const xq_attn_args& a) {
+  const int64_t kv = (int64_t)a.n_head_kv * a.head_dim;
+  return self_extend_on(a.rope) && a.m_k != nullptr && a.m_v != nullptr &&
+         (int64_t)a.rope.se_group * (kv - a.n_head) > 2 * (int64_t)a.n_head * a.head_dim;
+}
+
+// One query's grouped-side partial over unit rows [b, e) with the keys absorbed (above): zk [n, ck]
+// and zv [n, cv] the unit's latents (unit-relative rows), q the grouped-side query [n_head, hd]
+// times the scale, mk [n_head_kv, hd, ck] M_k's columns per kv head, transposed. Writes the normalised latent
+// o [n_head, cv] and lse [n_head]. Row-invariant products only, so the partial is a function of
+// the query and the unit.
+struct absorbed_far_side {
+  const xq_attn_args& a;
+  const impl::rope_table& tab;
+  const float* mk;
+  int g, hd, ck, cv;
+  std::vector<float> w, qt, beta, s, p;
+  absorbed_far_side(const xq_attn_args& args, const impl::rope_table& t, const float* mk_heads)
+      : a(args), tab(t), mk(mk_heads), g(args.n_head / args.n_head_kv), hd(args.head_dim), ck(args.zk.channels),
+        cv(args.zv.channels) {
+    w.resize((size_t)a.n_head * hd), qt.resize((size_t)a.n_head * ck), beta.resize((size_t)a.n_head);
+    s.resize((size_t)kAttnUnit * a.n_head), p.resize((size_t)a.n_head * kAttnUnit);
+  }
+  void attend(const float* q, const float* zk, const float* zv, int64_t s0, int64_t b, int64_t e, float* o,
+              float* lse) {
+    const int H = a.n_head;
+    for (int64_t r0 = b; r0 < e;) {  // runs of one grouped position
+      const int64_t gp = self_extend_key_pos(a.rope, a.pos[s0 + r0]);
+      int64_t r1 = r0 + 1;
+      while (r1 < e && self_extend_key_pos(a.rope, a.pos[s0 + r1]) == gp) ++r1;
+      std::copy(q, q + (size_t)H * hd, w.begin());
+      const int64_t back = -gp;
+      impl::rotate_rows(impl::best_isa(), w.data(), &back, 1, H, tab);
+      for (int kvh = 0; kvh < a.n_head_kv; ++kvh)  // qt[h] = M_k[:, head kvh] · w[h] (B read in place)
+        gemm_rows(w.data() + (size_t)kvh * g * hd, g, hd, mk + (size_t)kvh * hd * ck, false, ck, 0.0f,
+                  qt.data() + (size_t)kvh * g * ck, ck);
+      gemm_rows(zk + r0 * ck, r1 - r0, ck, qt.data(), true, H, 0.0f, s.data() + r0 * H, H);  // s[t, h]
+      if (a.b_k != nullptr)
+        for (int h = 0; h < H; ++h) {
+          const float* bk = a.b_k + (h / g) * hd;
+          float bh = 0.0f;
+          for (int c = 0; c < hd; ++c) bh += w[(size_t)h * hd + c] * bk[c];
+          for (int64_t t = r0; t < r1; ++t) s[t * H + h] += bh;
+        }
+      r0 = r1;
+    }
+    const int64_t m = e - b;
+    for (int h = 0; h < H; ++h) {
+      float mx = kNegInf;
+      for (int64_t t = b; t < e; ++t) mx = std::max(mx, s[t * H + h]);
+      float l = 0.0f;
+      for (int64_t t = b; t < e; ++t) l += (p[h * m + t - b] = std::exp(s[t * H + h] - mx));
+      beta[h] = 1.0f / l;
+      lse[h] = mx + std::log(l);
+    }
+    gemm_rows(p.data(), H, (int)m, zv + b * cv, false, cv, 0.0f, o, cv);  // o[h] = Σ_t p[h, t] zv[t]
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < cv; ++c) o[(size_t)h * cv + c] *= beta[h];
+  }
+};
+
 // Decode steps: per unit, K rebuilt and rotated; V absorbed: each query head accumulates the
 // normalised latent u = Σ_t p_t z_v,t / Σ_t p_t with the shared decode kernel (AVX2: the heads of
 // a kv head share every key and latent load; impl::decode_job's value layout), then
@@ -420,6 +499,14 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
     mv.resize((size_t)cv * kv);
     for (int c = 0; c < cv; ++c) std::copy(a.m_v + c * a.ld_mv, a.m_v + c * a.ld_mv + kv, mv.begin() + (size_t)c * kv);
   }
+  const bool absorb_far = ranges.grouped && far_keys_absorbed(a);
+  std::vector<float> mk_heads;  // [n_head_kv, hd, ck] M_k's columns per kv head, transposed, for absorb_far
+  if (absorb_far) {
+    const int ck = a.zk.channels;
+    mk_heads.resize((size_t)ck * kv);
+    for (int j = 0; j < ck; ++j)
+      for (int c = 0; c < kv; ++c) mk_heads[((size_t)(c / hd) * hd + c % hd) * ck + j] = a.m_k[j * a.ld_mk + c];
+  }
   const impl::isa isa = impl::best_isa();
   const int blas_threads = openblas_get_num_threads();
   openblas_set_num_threads(1);
@@ -427,14 +514,31 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
 #pragma omp parallel if (n_unit > 1)
   {
     unit_rebuilder rb(a, tab);
+    std::unique_ptr<absorbed_far_side> far_side;
+    std::vector<float> zk_unit;  // [unit, ck] latent keys, for absorb_far
+    if (absorb_far) {
+      far_side = std::make_unique<absorbed_far_side>(a, tab, mk_heads.data());
+      zk_unit.resize((size_t)kAttnUnit * a.zk.channels);
+    }
     // [unit, kv] keys (near side, grouped side), [unit, cv] latent values
-    std::vector<float> kt((size_t)kAttnUnit * kv), kt_far(ranges.grouped ? kt.size() : 0), zvt((size_t)kAttnUnit * cv);
+    std::vector<float> kt((size_t)kAttnUnit * kv), kt_far(ranges.grouped && !absorb_far ? kt.size() : 0),
+        zvt((size_t)kAttnUnit * cv);
     std::vector<float> ol((size_t)a.n_head * vw), lse((size_t)a.n_head), proj((size_t)a.n_head * kv), o(hd);
     std::vector<float> scratch((size_t)impl::decode_scratch_floats(a.n_head, hd));
     std::vector<int64_t> row_end((size_t)a.n_head);
     softmax_acc mine(acc.rows(), acc.width());
+    // Query i's partial (ol, lse: normalised latents) projected by M_v and deposited.
+    const auto deposit = [&](int64_t i) {
+      if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
+      for (int h = 0; h < a.n_head; ++h) {
+        const int col0 = (h / g) * hd;
+        const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
+        for (int c = 0; c < hd; ++c) o[c] = src[c] + (a.b_v ? a.b_v[col0 + c] : 0.0f);
+        mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
+      }
+    };
     // Query i over the unit's slots [b, e) with keys k (near or grouped) and query rows qi.
-    const auto run = [&](int64_t i, const float* qi, const float* k, int64_t b, int64_t e, int n) {
+    const auto run = [&](int64_t i, const float* qi, const float* k, int64_t b, int64_t e) {
       if (b >= e) return;
       std::fill(row_end.begin(), row_end.end(), e);
       impl::decode_job jb;
@@ -445,13 +549,7 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
       jb.j0 = b, jb.j1 = e;
       jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
       impl::decode_block(isa, jb);
-      if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
-      for (int h = 0; h < a.n_head; ++h) {
-        const int col0 = (h / g) * hd;
-        const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
-        for (int c = 0; c < hd; ++c) o[c] = src[c] + (a.b_v ? a.b_v[col0 + c] : 0.0f);
-        mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
-      }
+      deposit(i);
     };
 #pragma omp for schedule(dynamic, 2)
     for (int64_t un = 0; un < n_unit; ++un) {
@@ -460,13 +558,21 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
         const int n = (int)(ub[un + 1] - s0);
         const bool near = ranges.any_near(s0, n), far = ranges.any_far(s0, n);
         if (near) rb.rows(s0, n, kt.data(), nullptr, zvt.data());
-        if (far) rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
+        if (far && absorb_far)
+          rb.latents(s0, n, zk_unit.data(), near ? nullptr : zvt.data());
+        else if (far)
+          rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
         for (int64_t i = 0; i < a.n_q; ++i) {
           const auto [nb, ne] = ranges.near(i, s0, n);
-          run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne, n);
-          if (ranges.grouped) {
-            const auto [fb, fe] = ranges.far(i, s0, n);
-            run(i, ranges.q_far.data() + (size_t)i * a.n_head * hd, kt_far.data(), fb, fe, n);
+          run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne);
+          if (!ranges.grouped) continue;
+          const auto [fb, fe] = ranges.far(i, s0, n);
+          const float* qf = ranges.q_far.data() + (size_t)i * a.n_head * hd;
+          if (!absorb_far) {
+            run(i, qf, kt_far.data(), fb, fe);
+          } else if (fb < fe) {
+            far_side->attend(qf, zk_unit.data(), zvt.data(), s0, fb, fe, ol.data(), lse.data());
+            deposit(i);
           }
         }
       });

@@ -99,14 +99,15 @@ std::shared_ptr<const x_factors> factors_for(const model_weights& w, x_factor_ki
 struct sp_case {
   cache_format format;
   cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl only
-  bool self_extend = false;  // SelfExtend G 4, W 200: both sides in every rank's attention
+  int se_group = 0;  // SelfExtend G (0: off), W 200: both sides in every rank's attention
 };
 
 std::string sp_case_name(const sp_case& c) {
   std::string s = format_traits(c.format).name;
   for (char& ch : s)
     if (ch == '-' || ch == '%') ch = '_';
-  if (c.self_extend) s += "_selfextend";
+  if (c.se_group == 4) s += "_selfextend";
+  if (c.se_group > 0 && c.se_group != 4) s += "_selfextend" + std::to_string(c.se_group);
   return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
 }
 
@@ -143,7 +144,7 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
     run_params rp;
     rp.cache = format;
     rp.n_batch = n_batch;
-    if (c.self_extend) rp.se_group = 4, rp.se_window = 200;
+    if (c.se_group > 0) rp.se_group = c.se_group, rp.se_window = 200;
     llama_engine engine(w, *be, rp);
     sequence_options opt;
     opt.mode = prefill_mode::prefill_exact;
@@ -546,9 +547,11 @@ std::vector<sp_case> family_cases() {
                               {cache_format::cache_clkv},      {cache_format::cache_xquant_cl2, cl_ring_mode::cl_ring_latent}};
   // SelfExtend: one format per attention path (post-RoPE fp keys turned; the unit tiles and
   // fused decode of the quantized KV formats, which clkv's decode shares; xquant's rebuild and
-  // absorbed decode, which xquant-cl's layers share). The cache tests cover every format.
+  // absorbed decode, which xquant-cl's layers share; at G 16 xquant's decode absorbs the grouped
+  // keys too). The cache tests cover every format.
   for (cache_format f : {cache_format::cache_fp16, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2})
-    out.push_back({f, cl_ring_mode::cl_ring_deltas, true});
+    out.push_back({f, cl_ring_mode::cl_ring_deltas, 4});
+  out.push_back({cache_format::cache_xquant2, cl_ring_mode::cl_ring_deltas, 16});
   return out;
 }
 
