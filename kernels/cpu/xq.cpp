@@ -50,6 +50,15 @@ constexpr int kGemmRows = 64;          // rows per work item of the parallel row
 void gemm_fixed_rows(const float* a, int64_t n, int k, const float* b, bool b_trans, int n_out, float beta, float* c,
                      int64_t ldc) {
   const int64_t n_blk = (n + kGemmRows - 1) / kGemmRows;
+  // gemm_rows packs a transposed B on every call: transpose it once here instead (the same
+  // chains of FMAs, so the same bits), or each block of kGemmRows rows would pay k·n_out copies.
+  std::vector<float> bt;
+  if (b_trans && n_blk > 1) {
+    bt.resize((size_t)k * n_out);
+    for (int o = 0; o < n_out; ++o)
+      for (int j = 0; j < k; ++j) bt[(size_t)j * n_out + o] = b[(size_t)o * k + j];
+    b = bt.data(), b_trans = false;
+  }
 #pragma omp parallel for schedule(static) if (n_blk > 1 && !omp_in_parallel())
   for (int64_t blk = 0; blk < n_blk; ++blk) {
     const int64_t r0 = blk * kGemmRows;
