@@ -434,19 +434,19 @@ bool far_keys_absorbed(const xq_attn_args& a) {
 
 // One query's grouped-side partial over unit rows [b, e) with the keys absorbed (above): zk [n, ck]
 // and zv [n, cv] the unit's latents (unit-relative rows), q the grouped-side query [n_head, hd]
-// times the scale, mk [n_head_kv, hd, ck] M_k's columns per kv head, transposed. Writes the normalised latent
-// o [n_head, cv] and lse [n_head]. Row-invariant products only, so the partial is a function of
-// the query and the unit.
+// times the scale, mk [n_head_kv, hd, ck] M_k's columns per kv head, transposed. Writes the
+// normalised latent o [n_head, cv] and lse [n_head]. Row-invariant products only, so the partial
+// is a function of the query and the unit.
 struct absorbed_far_side {
   const xq_attn_args& a;
   const impl::rope_table& tab;
   const float* mk;
   int g, hd, ck, cv;
-  std::vector<float> w, qt, beta, s, p;
+  std::vector<float> w, qt, inv_l, s, p;  // turned queries, their latents, 1/Σp, scores, weights
   absorbed_far_side(const xq_attn_args& args, const impl::rope_table& t, const float* mk_heads)
       : a(args), tab(t), mk(mk_heads), g(args.n_head / args.n_head_kv), hd(args.head_dim), ck(args.zk.channels),
         cv(args.zv.channels) {
-    w.resize((size_t)a.n_head * hd), qt.resize((size_t)a.n_head * ck), beta.resize((size_t)a.n_head);
+    w.resize((size_t)a.n_head * hd), qt.resize((size_t)a.n_head * ck), inv_l.resize((size_t)a.n_head);
     s.resize((size_t)kAttnUnit * a.n_head), p.resize((size_t)a.n_head * kAttnUnit);
   }
   void attend(const float* q, const float* zk, const float* zv, int64_t s0, int64_t b, int64_t e, float* o,
@@ -478,12 +478,12 @@ struct absorbed_far_side {
       for (int64_t t = b; t < e; ++t) mx = std::max(mx, s[t * H + h]);
       float l = 0.0f;
       for (int64_t t = b; t < e; ++t) l += (p[h * m + t - b] = std::exp(s[t * H + h] - mx));
-      beta[h] = 1.0f / l;
+      inv_l[h] = 1.0f / l;
       lse[h] = mx + std::log(l);
     }
     gemm_rows(p.data(), H, (int)m, zv + b * cv, false, cv, 0.0f, o, cv);  // o[h] = Σ_t p[h, t] zv[t]
     for (int h = 0; h < H; ++h)
-      for (int c = 0; c < cv; ++c) o[(size_t)h * cv + c] *= beta[h];
+      for (int c = 0; c < cv; ++c) o[(size_t)h * cv + c] *= inv_l[h];
   }
 };
 
