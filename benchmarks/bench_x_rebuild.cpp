@@ -304,6 +304,11 @@ int main(int argc, char** argv) {
      << " GFLOP/s at 1536^3; ridge point P = " << ridge << " FLOP/byte.\n\n";
   md << "FLOPs = this implementation (K rebuilt, V absorbed); paper = XQuant §3.4's count (K and V rebuilt). "
         "Bytes = the layer's stored cache (+ the xquant-cl accumulator traffic, 3 x n_embd x 4 bytes per token).\n\n";
+  if (g_se_group > 1)
+    md << "With SelfExtend (G " << g_se_group << ", W " << g_se_window
+       << ") the xquant formats absorb the grouped keys into turned queries (docs/x_formats.md): the MFLOP, "
+          "GFLOP/s and FLOP/byte columns still count the plain rebuild, not what ran; compare the ms column "
+          "with x_rebuild.md or a run of an older binary.\n\n";
   md << "| format | tokens | MFLOP | MFLOP (paper) | MB read | ms | GFLOP/s | GB/s | FLOP/byte |\n";
   md << "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   char buf[512];

@@ -175,9 +175,11 @@ def main():
         engines = [("xctx", c) for c in caches] + ([("llama.cpp", k) for k in kvs] if info else [])
         for engine, variant in engines:
             if engine == "xctx":
+                # --prefill exact: auto picks star (block-local attention) from 32K tokens, which is
+                # not the computation llama.cpp does.
                 cmd = [args.xctx, "bench", "--model", args.model, "--text", text_file, "--prompt-tokens", str(n_prompt),
                        "--gen-tokens", str(n_gen), "--threads", str(args.threads), "--cache", variant,
-                       "--ctx", str(n_ctx + 8)]
+                       "--ctx", str(n_ctx + 8), "--prefill", "exact"]
                 if variant.startswith("nuq"):
                     cmd += ["--calib", args.calib]
                 if f > 1:
