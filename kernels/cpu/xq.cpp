@@ -514,7 +514,7 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
     const int ck = a.zk.channels;
     mk_heads.resize((size_t)ck * kv);
     for (int j = 0; j < ck; ++j)
-      for (int c = 0; c < kv; ++c) mk_heads[((size_t)(c / hd) * hd + c % hd) * ck + j] = a.m_k[j * a.ld_mk + c];
+      for (int c = 0; c < kv; ++c) mk_heads[(size_t)c * ck + j] = a.m_k[j * a.ld_mk + c];
   }
   const impl::isa isa = impl::best_isa();
   const int blas_threads = openblas_get_num_threads();
