@@ -387,6 +387,21 @@ class plain_loader final : public unit_loader {
   impl::rope_cursor cur_;
 };
 
+int64_t visible_prefixes(const int32_t* q_pos, int64_t n_q, const int32_t* kv_pos, int64_t n_kv, int n_head,
+                         int head_dim, float* o, float* lse, std::vector<int64_t>& q_end) {
+  q_end.assign((size_t)n_q, 0);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n_q; ++i) {
+    q_end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, q_pos[i]) - kv_pos;
+    longest = std::max(longest, q_end[i]);
+  }
+  if (longest == 0) {
+    std::fill(o, o + n_q * n_head * head_dim, 0.0f);
+    std::fill(lse, lse + n_q * n_head, kNegInf);
+  }
+  return longest;
+}
+
 void attention_partial(isa v, const attn_args& a) {
   if (a.acc != nullptr) {
     const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope};
@@ -402,19 +417,9 @@ void attention_partial(isa v, const attn_args& a) {
     XCTX_CHECK(a.kv_pos[j - 1] <= a.kv_pos[j], "attention: kv_pos must be non-decreasing, kv_pos[", j - 1,
                "]=", a.kv_pos[j - 1], " > kv_pos[", j, "]=", a.kv_pos[j]);
   if (a.n_q == 0) return;
-  // Key j is visible to query i iff kv_pos[j] <= q_pos[i]; kv_pos being sorted, that is the
-  // prefix [0, q_end[i]).
-  std::vector<int64_t> q_end((size_t)a.n_q);  // [n_q]
-  int64_t kv_len = 0;
-  for (int64_t i = 0; i < a.n_q; ++i) {
-    q_end[i] = std::upper_bound(a.kv_pos, a.kv_pos + a.n_kv, a.q_pos[i]) - a.kv_pos;
-    kv_len = std::max(kv_len, q_end[i]);
-  }
-  if (kv_len == 0) {
-    std::fill(a.o, a.o + a.n_q * a.n_head * a.head_dim, 0.0f);
-    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
-    return;
-  }
+  std::vector<int64_t> q_end;  // [n_q]
+  const int64_t kv_len = visible_prefixes(a.q_pos, a.n_q, a.kv_pos, a.n_kv, a.n_head, a.head_dim, a.o, a.lse, q_end);
+  if (kv_len == 0) return;
   if (a.n_q <= kDecodeMaxQueries)
     attention_decode(v, a, q_end, kv_len);
   else

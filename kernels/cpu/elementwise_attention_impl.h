@@ -77,6 +77,12 @@ void decode_block(isa v, const decode_job& job);
 // Up to this many queries the attention kernels take the decode path.
 inline constexpr int64_t kDecodeMaxQueries = 8;
 
+// Key j is visible to query i iff kv_pos[j] <= q_pos[i]; kv_pos being sorted, that is the prefix
+// [0, q_end[i]). Fills q_end [n_q] and returns the longest prefix. When it is 0 no query sees a
+// key, and the (o, lse) partials of the n_q * n_head rows are written empty here (o 0, lse -inf).
+int64_t visible_prefixes(const int32_t* q_pos, int64_t n_q, const int32_t* kv_pos, int64_t n_kv, int n_head,
+                         int head_dim, float* o, float* lse, std::vector<int64_t>& q_end);
+
 // Attention of many queries over a shard streamed tile by tile (the compressed caches decode a
 // tile to f32, then add() it): each tile's partial is merged into the running one by lse.
 class streamed_attention {

@@ -456,17 +456,9 @@ void attention_kvq(const kvq_attn_args& a) {
   }
   XCTX_CHECK(!self_extend_on(a.rope), "attention_kvq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
   if (a.n_q == 0) return;
-  std::vector<int64_t> q_end((size_t)a.n_q);
-  int64_t kv_len = 0;
-  for (int64_t i = 0; i < a.n_q; ++i) {
-    q_end[i] = std::upper_bound(L.pos, L.pos + L.n, a.q_pos[i]) - L.pos;
-    kv_len = std::max(kv_len, q_end[i]);
-  }
-  if (kv_len == 0) {
-    std::fill(a.o, a.o + a.n_q * a.n_head * L.head_dim, 0.0f);
-    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
-    return;
-  }
+  std::vector<int64_t> q_end;  // [n_q]
+  const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, L.pos, L.n, a.n_head, L.head_dim, a.o, a.lse, q_end);
+  if (kv_len == 0) return;
   const isa v = impl::best_isa();
   if (a.n_q <= impl::kDecodeMaxQueries)
     attention_kvq_decode(v, a, q_end, kv_len);

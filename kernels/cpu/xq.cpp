@@ -649,17 +649,9 @@ void attention_xq(const xq_attn_args& a) {
   }
   XCTX_CHECK(!self_extend_on(a.rope), "attention_xq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
   if (a.n_q == 0) return;
-  std::vector<int64_t> q_end((size_t)a.n_q);
-  int64_t kv_len = 0;
-  for (int64_t i = 0; i < a.n_q; ++i) {
-    q_end[i] = std::upper_bound(a.pos, a.pos + a.n, a.q_pos[i]) - a.pos;
-    kv_len = std::max(kv_len, q_end[i]);
-  }
-  if (kv_len == 0) {
-    std::fill(a.o, a.o + a.n_q * a.n_head * a.head_dim, 0.0f);
-    std::fill(a.lse, a.lse + a.n_q * a.n_head, kNegInf);
-    return;
-  }
+  std::vector<int64_t> q_end;  // [n_q]
+  const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, a.pos, a.n, a.n_head, a.head_dim, a.o, a.lse, q_end);
+  if (kv_len == 0) return;
   if (a.n_q <= impl::kDecodeMaxQueries)
     attention_decode(a, q_end, kv_len);
   else
