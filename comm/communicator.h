@@ -41,6 +41,8 @@ std::unique_ptr<communicator> make_mpi_communicator(double timeout_s = 0);
 
 // True when this process was started by mpirun/srun with more than one rank.
 bool launched_by_mpi();
+// The linked MPI library's name and version (first line of MPI_Get_library_version).
+std::string mpi_library_version();
 
 // MPI when launched by mpirun with several ranks, else local.
 std::unique_ptr<communicator> make_default_communicator();

@@ -183,6 +183,17 @@ std::unique_ptr<communicator> make_mpi_communicator(double timeout_s) {
   return std::make_unique<mpi_communicator>(timeout_s);
 }
 
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
+  int len = 0;
+  if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return "";  // callable before MPI_Init
+  std::string v(text, (size_t)std::max(0, len));
+  // Open MPI appends build details after a comma and a newline; the first line names it.
+  if (const size_t nl = v.find_first_of("\r\n"); nl != std::string::npos) v.resize(nl);
+  while (!v.empty() && (v.back() == ',' || v.back() == ' ')) v.pop_back();
+  return v;
+}
+
 bool launched_by_mpi() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_NTASKS"}) {
     if (const char* v = std::getenv(var)) {

@@ -10,6 +10,7 @@
 
 #include "comm/nccl.h"
 #include "common/error.h"
+#include "kernels/ops.h"  // cuda_device_for_process
 
 namespace xctx {
 namespace {
@@ -36,12 +37,6 @@ std::string where(int rank) {
                    __LINE__, ")");                                                                             \
   } while (0)
 
-int local_rank_hint() {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"})
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  return 0;
-}
-
 class nccl_communicator final : public communicator {
  public:
   explicit nccl_communicator(communicator& bootstrap) : boot_(bootstrap) {
@@ -50,10 +45,7 @@ class nccl_communicator final : public communicator {
     int n_dev = 0;
     CUDA_CALL(cudaGetDeviceCount(&n_dev));
     XCTX_CHECK(n_dev > 0, "NCCL communicator: no CUDA device visible to ", where(rank_));
-    int dev = local_rank_hint() % n_dev;
-    if (const char* env = std::getenv("XCTX_CUDA_DEVICE")) dev = std::atoi(env);
-    XCTX_CHECK(dev >= 0 && dev < n_dev, "XCTX_CUDA_DEVICE=", dev, " but ", n_dev, " devices are visible");
-    CUDA_CALL(cudaSetDevice(dev));
+    CUDA_CALL(cudaSetDevice(cuda_device_for_process(n_dev)));  // the CUDA backend's device too
     CUDA_CALL(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     ncclUniqueId id;
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
@@ -143,6 +135,11 @@ class nccl_communicator final : public communicator {
 
 std::unique_ptr<communicator> make_nccl_communicator(communicator& bootstrap) {
   return std::make_unique<nccl_communicator>(bootstrap);
+}
+
+int nccl_version() {
+  int v = 0;
+  return ncclGetVersion(&v) == ncclSuccess ? v : 0;
 }
 
 }  // namespace xctx

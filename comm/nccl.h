@@ -11,9 +11,11 @@
 namespace xctx {
 
 // `bootstrap` must outlive the returned communicator. Selects the device the CUDA backend
-// uses (XCTX_CUDA_DEVICE, else node-local rank mod device count). Buffers passed to the
+// uses (cuda_device_for_process, kernels/ops.h). Buffers passed to the
 // returned communicator are device pointers; every call is stream-ordered and synchronizes
 // before it returns (the worker's step loop is host-driven).
 std::unique_ptr<communicator> make_nccl_communicator(communicator& bootstrap);
+// The linked NCCL's version code (e.g. 22105 for 2.21.5), 0 if it cannot say.
+int nccl_version();
 
 }  // namespace xctx

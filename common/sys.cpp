@@ -56,6 +56,30 @@ int node_local_ranks() {
   return 1;
 }
 
+std::string where_am_i() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  std::string s = std::string("host ") + (host[0] ? host : "?");
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    if (const char* r = std::getenv(var)) return s + " rank " + r;
+  }
+  return s;
+}
+
+int node_local_rank(std::string* source) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    const char* env = std::getenv(var);
+    if (env == nullptr || *env == '\0') continue;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    XCTX_CHECK(*end == '\0' && v >= 0 && v < (1L << 30), "environment ", var, "='", env,
+               "' is not a node-local rank (a non-negative integer)");
+    if (source != nullptr) *source = var;
+    return (int)v;
+  }
+  return -1;
+}
+
 int default_threads() {
   if (const char* env = std::getenv("OMP_NUM_THREADS")) {
     const int n = std::atoi(env);

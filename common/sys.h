@@ -22,8 +22,15 @@ class stopwatch {
 size_t peak_rss_bytes();     // VmHWM of this process
 size_t current_rss_bytes();  // VmRSS
 std::string format_bytes(double bytes);  // "12.3 MiB"
+// "host gpu7 rank 3" (the world rank from the launcher's environment; omitted outside one):
+// where an error happened, which with many ranks on many nodes is the first question.
+std::string where_am_i();
 // Ranks of this MPI job on this node, from the launcher's environment (1 outside a launcher).
 int node_local_ranks();
+// This process's rank among them (OpenMPI, MPICH/Hydra, Slurm, torchrun variables, first set
+// wins), or -1 outside a launcher; `source`, when given, receives the variable's name. A value
+// that is not a non-negative integer is an error naming the variable.
+int node_local_rank(std::string* source = nullptr);
 // OMP_NUM_THREADS if set, else the cores this process may use, shared evenly among the node's
 // ranks (at least 1).
 int default_threads();

@@ -40,6 +40,13 @@ struct info_options {
 };
 int run_info(const info_options& opt);
 
+// `xctx doctor`: backends, kernels, library versions, devices and per-rank binding (collective
+// under mpirun; rank 0 prints).
+struct doctor_options {
+  std::string json_path;  // non-empty: also write the report there
+};
+int run_doctor(const doctor_options& opt, communicator& comm);
+
 // `xctx plan` (coordinator/cluster_plan.h): a model's needs and projected speed per cache format
 // at a context on a cluster, before anything runs.
 struct plan_options {

@@ -176,6 +176,9 @@ int main(int argc, char** argv) {
       ->default_val(1)
       ->needs("--cpu-profile");
   pl->add_flag("--json", plan.json, "one JSON object instead of the table");
+  xctx::doctor_options doc;
+  auto* dr = app.add_subcommand("doctor", "backends, CPU kernels, BLAS/MPI/NCCL/CUDA versions, devices and what each rank binds to");
+  dr->add_option("--json", doc.json_path, "also write the report to this JSON file");
   auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
   i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
   i->add_option("--cache", info.cache, "also print the byte breakdown of this cache format");
@@ -393,6 +396,10 @@ int main(int argc, char** argv) {
       plan.context = xctx::parse_count(plan_ctx, "--context");
       plan.block = xctx::parse_count(plan_block, "--block");
       return xctx::run_plan(plan);
+    }
+    if (*dr) {
+      comm = xctx::make_default_communicator();
+      return xctx::run_doctor(doc, *comm);
     }
     if (*i) {
       if (!info_ctx.empty()) info.context = xctx::parse_count(info_ctx, "--context");

@@ -1,8 +1,8 @@
 // The CUDA backend: device memory, one stream per backend instance, cuBLAS for prefill GEMMs.
 //
-// Device choice: XCTX_CUDA_DEVICE if set, else the launcher's node-local rank modulo the device
-// count (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, LOCAL_RANK), else 0, so
-// ranks sharing a node spread over its GPUs without any configuration.
+// Device choice: cuda_device_for_process (kernels/ops.h): XCTX_CUDA_DEVICE if set, else the
+// launcher's node-local rank modulo the device count, else 0, so ranks sharing a node spread
+// over its GPUs without any configuration.
 // XCTX_CUDA_TF32=0 makes prefill GEMMs exact fp32 instead of TF32 tensor-core math.
 //
 // Every op is enqueued on the backend's stream and returns at once; upload, download and
@@ -34,30 +34,6 @@ constexpr const char* kNoSelfExtend =
 // Probed by device_present(): fails with "no kernel image" on GPUs older than the compiled
 // architectures (sm_80 SASS + PTX), which would otherwise fail at the first real launch.
 __global__ void probe_kernel() {}
-
-int env_int(const char* name, int fallback) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  XCTX_CHECK(end != s && *end == '\0' && v >= 0 && v < (1L << 30), "environment ", name, "='", s,
-             "' is not a non-negative integer");
-  return (int)v;
-}
-
-int choose_device(int count) {
-  const int explicit_dev = env_int("XCTX_CUDA_DEVICE", -1);
-  if (explicit_dev >= 0) {
-    XCTX_CHECK(explicit_dev < count, "XCTX_CUDA_DEVICE=", explicit_dev, " but only ", count,
-               " CUDA device(s) are visible on ", where_am_i());
-    return explicit_dev;
-  }
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"}) {
-    const int local = env_int(var, -1);
-    if (local >= 0) return local % count;
-  }
-  return 0;
-}
 
 void* device_malloc(size_t bytes, int device) {
   void* p = nullptr;
@@ -277,7 +253,7 @@ bool device_present() {
     }
     try {
       // Probe the device this process would use, so no context is created on another rank's GPU.
-      const int dev = choose_device(n);
+      const int dev = cuda_device_for_process(n);
       cudaFuncAttributes attr{};
       if (cudaSetDevice(dev) != cudaSuccess || cudaFuncGetAttributes(&attr, probe_kernel) != cudaSuccess) {
         const cudaError_t e = cudaGetLastError();
@@ -293,11 +269,55 @@ bool device_present() {
   return present;
 }
 
+cuda_probe probe_runtime() {
+  cuda_probe p;
+  p.compiled = true;
+  if (cudaRuntimeGetVersion(&p.runtime_version) != cudaSuccess) (void)cudaGetLastError();
+  if (cudaDriverGetVersion(&p.driver_version) != cudaSuccess) (void)cudaGetLastError();
+  int n = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    p.error = e != cudaSuccess ? std::string("no usable CUDA driver or device: ") + cudaGetErrorString(e)
+                               : std::string("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)");
+    return p;
+  }
+  // Properties need no context; only the device this process binds to gets one (its free memory).
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp prop{};
+    cuda_probe::device dev;
+    if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) {
+      dev.name = prop.name;
+      dev.cc_major = prop.major, dev.cc_minor = prop.minor, dev.sm_count = prop.multiProcessorCount;
+      dev.total_bytes = prop.totalGlobalMem;
+    } else {
+      (void)cudaGetLastError();
+      dev.name = "(properties unreadable)";
+    }
+    p.devices.push_back(dev);
+  }
+  try {
+    p.bound = cuda_device_for_process(n, &p.bound_why);
+  } catch (const Error& e) {
+    p.bound_why = e.what();
+    return p;
+  }
+  if (!device_present()) {
+    p.error = "device " + std::to_string(p.bound) + " is visible but cannot run this build's kernels (see above)";
+    return p;
+  }
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(p.bound) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+    p.bound_free_bytes = free_b;
+  else
+    (void)cudaGetLastError();
+  return p;
+}
+
 std::unique_ptr<backend> make_cuda_backend() {
   int n = 0;
   CUDA_CHECK(cudaGetDeviceCount(&n));
   XCTX_CHECK(n > 0, "cuda backend: no CUDA device on ", where_am_i());
-  return std::make_unique<cuda_backend>(choose_device(n));
+  return std::make_unique<cuda_backend>(cuda_device_for_process(n));
 }
 
 }  // namespace xctx::cuda

@@ -10,5 +10,8 @@ namespace xctx::cuda {
 
 bool device_present();  // a CUDA device is visible and the runtime initializes
 std::unique_ptr<backend> make_cuda_backend();
+// Runtime and driver versions, the visible devices and the one this process binds to
+// (no context is created on the others); nccl_version is filled by the caller.
+cuda_probe probe_runtime();
 
 }  // namespace xctx::cuda

@@ -5,25 +5,12 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #include <string>
 
 #include "common/error.h"
+#include "common/sys.h"  // where_am_i
 
 namespace xctx::cuda {
-
-// "host gpu7 rank 3" (rank from the launcher's environment; omitted when not started by one).
-inline std::string where_am_i() {
-  char host[256] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
-  std::string s = std::string("host ") + (host[0] ? host : "?");
-  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
-    if (const char* r = std::getenv(var)) return s + " rank " + r;
-  }
-  return s;
-}
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t e, const char* call, const char* file, int line) {
   int dev = -1;

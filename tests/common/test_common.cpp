@@ -3,12 +3,18 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
 #include "common/half.h"
 #include "common/hash.h"
 #include "common/sys.h"
+#include "kernels/ops.h"
 
 namespace xctx {
 namespace {
@@ -80,6 +86,76 @@ TEST(sys, memory_and_threads) {
   EXPECT_GE(default_threads(), 1);
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(1536), "1.5 KiB");
+}
+
+// The launcher variables the device binding reads, cleared for a test and restored after it
+// (the suite may itself run under a launcher).
+class launcher_env {
+ public:
+  launcher_env() {
+    for (const char* v : kVars) {
+      const char* s = std::getenv(v);
+      saved_.emplace_back(v, s ? std::optional<std::string>(s) : std::nullopt);
+      unsetenv(v);
+    }
+  }
+  ~launcher_env() {
+    for (const auto& [name, value] : saved_) {
+      if (value) setenv(name, value->c_str(), 1);
+      else unsetenv(name);
+    }
+  }
+  void set(const char* name, const char* value) const { setenv(name, value, 1); }
+
+ private:
+  static constexpr const char* kVars[] = {"XCTX_CUDA_DEVICE", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                                          "SLURM_LOCALID", "LOCAL_RANK"};
+  std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// What `xctx doctor` reports and the CUDA backend and NCCL communicator bind to: the override,
+// else node-local rank mod device count, else device 0; bad settings are errors naming them.
+TEST(sys, cuda_device_binding_rules) {
+  const launcher_env env;
+  std::string why;
+  EXPECT_EQ(node_local_rank(), -1);
+  EXPECT_EQ(cuda_device_for_process(8, &why), 0);
+  EXPECT_EQ(why, "no launcher: device 0");
+
+  env.set("OMPI_COMM_WORLD_LOCAL_RANK", "13");
+  EXPECT_EQ(cuda_device_for_process(8, &why), 5);
+  EXPECT_EQ(why, "OMPI_COMM_WORLD_LOCAL_RANK=13 mod 8");
+  EXPECT_EQ(cuda_device_for_process(1), 0);
+  env.set("SLURM_LOCALID", "2");  // OpenMPI's variable comes first
+  std::string source;
+  EXPECT_EQ(node_local_rank(&source), 13);
+  EXPECT_EQ(source, "OMPI_COMM_WORLD_LOCAL_RANK");
+  unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  EXPECT_EQ(cuda_device_for_process(4, &why), 2);
+  EXPECT_EQ(why, "SLURM_LOCALID=2 mod 4");
+
+  env.set("XCTX_CUDA_DEVICE", "3");
+  EXPECT_EQ(cuda_device_for_process(4, &why), 3);
+  EXPECT_EQ(why, "XCTX_CUDA_DEVICE");
+  env.set("XCTX_CUDA_DEVICE", "4");
+  EXPECT_NE(error_of([] { cuda_device_for_process(4); }).find("XCTX_CUDA_DEVICE='4' but 4 CUDA device(s) are visible"),
+            std::string::npos);
+  env.set("XCTX_CUDA_DEVICE", "1x");
+  EXPECT_NE(error_of([] { cuda_device_for_process(4); }).find("XCTX_CUDA_DEVICE='1x'"), std::string::npos);
+  unsetenv("XCTX_CUDA_DEVICE");
+
+  env.set("SLURM_LOCALID", "-1");
+  EXPECT_NE(error_of([] { node_local_rank(); }).find("SLURM_LOCALID='-1' is not a node-local rank"), std::string::npos);
+  EXPECT_NE(error_of([] { cuda_device_for_process(0); }).find("no device to choose from"), std::string::npos);
 }
 
 TEST(error, check_throws_with_message_assert_aborts) {
