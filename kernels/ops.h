@@ -99,7 +99,8 @@ struct attn_args {
   // ref backend as one deposit per row, the CUDA backend not at all (it throws).
   softmax_acc* acc = nullptr;
   // The rope the keys were rotated with. Only SelfExtend reads it (grouped side: keys turned by
-  // floor(p / G) - p, queries by their grouped shift); it needs acc on the CPU backend.
+  // floor(p / G) - p, queries by their grouped shift); it needs acc on the CPU backend, and the
+  // CUDA backend (which has no acc) takes it on (o, lse) calls.
   rope_config rope;
 };
 

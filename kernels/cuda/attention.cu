@@ -11,6 +11,9 @@
 // (flash-decoding); the splits' partials are merged by merge_kernel, which also serves the
 // public merge_partials op. Key j is visible to row (i, h) iff kv_pos[j] <= q_pos[i]; since
 // kv_pos is non-decreasing, a block stops at the first tile beyond its largest q_pos.
+// SelfExtend (attention.cuh): the rows also hold their turned queries, and a key grouped for a
+// row is scored against it turned by its own shift (decode: per lane in registers; prefill: a
+// turned K tile beside the plain one). Tiles that no row sees grouped take the plain path only.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -23,6 +26,7 @@
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
+#include "kernels/cuda/kvq.cuh"  // kvq_rope_setup, kvq_rotate_pair, se_turned_query_pair
 
 namespace xctx::cuda {
 
@@ -47,7 +51,13 @@ struct attn_params {
   int64_t o_split_stride, lse_split_stride;
   bool kv_vec;            // head_dim % 4 == 0 and K/V 16-byte (f32) / 8-byte (f16) aligned
   int* err;
+  // SelfExtend: off when se_group <= 1. Pairs [0, n_pair) rotate at ((shift / pos_div) · w).
+  int se_group, se_window, n_pair;
+  double pos_div;
+  double w[attn_max_head_dim / 2];
 };
+
+__device__ inline bool se_on(const attn_params& p) { return p.se_group > 1; }
 
 template <bool F16>
 __device__ inline float kv_load(const void* base, int64_t idx) {
@@ -109,6 +119,24 @@ __device__ inline void load_q_tile(const attn_params& p, float* qs /*[R][d4]*/, 
   }
 }
 
+// The rows' queries turned by their SelfExtend shift (pre-multiplied by the scale, zero padded).
+__device__ inline void load_turned_q_tile(const attn_params& p, float* qf /*[R][d4]*/, int R, int64_t r0, int g) {
+  const int half = p.d4 / 2;
+  for (int idx = threadIdx.x; idx < R * half; idx += kThreads) {
+    const int r = idx / half, d = 2 * (idx % half);
+    const int64_t rho = r0 + r;
+    float x[2] = {0.0f, 0.0f};
+    if (rho < p.rows_total) {
+      const int64_t i = rho / p.group;
+      const int h = g * p.group + (int)(rho % p.group);
+      se_turned_query_pair(p.q + (i * p.n_head + h) * (int64_t)p.head_dim, p.head_dim, p.scale, p.n_pair, p.w,
+                           (double)se_query_shift(p.q_pos[i], p.se_group, p.se_window) / p.pos_div, d, x);
+    }
+    qf[r * p.d4 + d] = x[0];
+    qf[r * p.d4 + d + 1] = x[1];
+  }
+}
+
 // Warp-level check that the tile's kv_pos does not decrease (the early exit relies on it).
 __device__ inline void check_kv_order(const attn_params& p, int64_t j0, int nt, int kvp, int& prev_last) {
   const int lane = threadIdx.x % 32;
@@ -141,8 +169,10 @@ template <int KD, bool F16>
 __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params p) {
   constexpr int R = attn_decode_rows;
   extern __shared__ float4 smem4[];
+  const bool se = se_on(p);
   float* qs = reinterpret_cast<float*>(smem4);  // [R][d4]
-  float* sacc = qs + R * p.d4;                  // [warps][R][d4]
+  float* qf = qs + R * p.d4;                    // [R][d4] turned rows (SelfExtend only)
+  float* sacc = qf + (se ? R * p.d4 : 0);       // [warps][R][d4]
   __shared__ float sm_m[attn_warps][R], sm_l[attn_warps][R];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -150,6 +180,7 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
   const int64_t r0 = (int64_t)blockIdx.x * R;
   const int n_rows = (int)min((int64_t)R, p.rows_total - r0);  // valid rows in this block
   load_q_tile(p, qs, R, r0, g);
+  if (se) load_turned_q_tile(p, qf, R, r0, g);
 
   int qpos[R];
   int max_pos = INT_MIN;
@@ -182,10 +213,31 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
 
     // Scores: lane = key j0 + lane (clamped to a real key; masked below).
     const int64_t kbase = (j0 + min(lane, nt - 1)) * kv_row + kv_off;
-    float s[R];
+    // SelfExtend: which sides this warp's tile needs (a row sees a key grouped or at its place).
+    bool any_grouped = false, any_near = !se;
+    if (se && lane < nt) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = 0.0f;
-    if (p.kv_vec) {
+      for (int r = 0; r < R; ++r)
+        if (r < n_rows && kvp <= qpos[r]) (se_grouped(qpos[r], kvp, p.se_window) ? any_grouped : any_near) = true;
+    }
+    const bool tile_grouped = se && __any_sync(0xffffffffu, any_grouped);
+    const bool tile_near = !se || __any_sync(0xffffffffu, any_near);
+    float s[R], sg[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.0f, sg[r] = 0.0f;
+    if (tile_grouped) {  // the lane's key turned by its shift, pair by pair, against the turned rows
+      const double shift = (double)se_key_shift(p.kv_pos[j0 + min(lane, nt - 1)], p.se_group) / p.pos_div;
+      for (int d = 0; d < p.head_dim; d += 2) {
+        float x[2] = {kv_load<F16>(p.k, kbase + d), d + 1 < p.head_dim ? kv_load<F16>(p.k, kbase + d + 1) : 0.0f};
+        if (d / 2 < p.n_pair) kvq_rotate_pair(x, shift * p.w[d / 2]);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (r < n_rows) sg[r] = fmaf(qf[r * p.d4 + d + 1], x[1], fmaf(qf[r * p.d4 + d], x[0], sg[r]));
+      }
+    }
+    if (!tile_near) {
+      // every visible key of the tile is grouped for every row: the plain scores are not needed
+    } else if (p.kv_vec) {
       for (int d = 0; d < p.head_dim; d += 4) {
         const float4 k4 = kv_load4<F16>(p.k, kbase + d);
 #pragma unroll
@@ -206,7 +258,8 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
       pr[r] = 0.0f;
       if (r < n_rows) {
         const bool vis = lane < nt && kvp <= qpos[r];
-        pr[r] = softmax_step<KD>(vis ? s[r] : -INFINITY, m[r], l[r], acc[r]);
+        const float sc = se && se_grouped(qpos[r], kvp, p.se_window) ? sg[r] : s[r];
+        pr[r] = softmax_step<KD>(vis ? sc : -INFINITY, m[r], l[r], acc[r]);
       }
     }
     // acc[r][d] += Σ_j p[r][j] · V[j][d], lane = d slice; V rows are contiguous: coalesced.
@@ -276,31 +329,39 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
   constexpr int R = attn_prefill_rows;
   constexpr int RW = R / attn_warps;  // rows per warp: warp w owns rows w, w+4, ...
   extern __shared__ float4 smem4[];
+  const bool se = se_on(p);
+  const int q_sets = se ? 2 : 1;
   float* qs = reinterpret_cast<float*>(smem4);  // [R][d4]
-  float* ks = qs + R * p.d4;                    // [tile][k_stride]
-  float* vs = ks + attn_tile * p.k_stride;      // [tile][d4]
-  __shared__ int sm_maxpos[attn_warps];
+  float* qf = qs + R * p.d4;                    // [R][d4] turned rows (SelfExtend only)
+  float* ks = qs + q_sets * R * p.d4;           // [tile][k_stride]
+  float* kf = ks + attn_tile * p.k_stride;      // [tile][k_stride] turned keys (SelfExtend only)
+  float* vs = ks + q_sets * attn_tile * p.k_stride;  // [tile][d4]
+  __shared__ int sm_maxpos[attn_warps], sm_minpos[attn_warps];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = blockIdx.y;
   const int64_t r0 = (int64_t)blockIdx.x * R;
   load_q_tile(p, qs, R, r0, g);
+  if (se) load_turned_q_tile(p, qf, R, r0, g);
   // Zero K's padding columns once: tiles only overwrite [0, head_dim).
   for (int idx = threadIdx.x; idx < attn_tile * (p.k_stride - p.head_dim); idx += kThreads) {
     const int j = idx / (p.k_stride - p.head_dim), d = p.head_dim + idx % (p.k_stride - p.head_dim);
     ks[j * p.k_stride + d] = 0.0f;
+    if (se) kf[j * p.k_stride + d] = 0.0f;
   }
 
   row_ref rows[RW];
-  int max_pos = INT_MIN;
+  int max_pos = INT_MIN, min_pos = INT_MAX;
 #pragma unroll
   for (int k = 0; k < RW; ++k) {
     rows[k] = resolve_row(p, r0 + warp + attn_warps * k, g);
     max_pos = max(max_pos, rows[k].pos);
+    if (rows[k].valid) min_pos = min(min_pos, rows[k].pos);
   }
-  if (lane == 0) sm_maxpos[warp] = max_pos;
+  if (lane == 0) sm_maxpos[warp] = max_pos, sm_minpos[warp] = min_pos;  // a warp's rows: the same in every lane
   __syncthreads();
   max_pos = max(max(sm_maxpos[0], sm_maxpos[1]), max(sm_maxpos[2], sm_maxpos[3]));
+  min_pos = min(min(sm_minpos[0], sm_minpos[1]), min(sm_minpos[2], sm_minpos[3]));
 
   float m[RW], l[RW], acc[RW][KD];
 #pragma unroll
@@ -336,28 +397,51 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
         vs[j * p.d4 + d] = kv_load<F16>(p.v, src);
       }
     }
+    // SelfExtend, block-uniform: some row sees a key of the tile grouped (the tile's first key,
+    // W behind the latest row), or at its place (its last key within W of the earliest row).
+    const bool tile_grouped = se && (int64_t)max_pos - p.kv_pos[j0] >= p.se_window;
+    const bool tile_near = !se || (int64_t)p.kv_pos[j0 + nt - 1] > (int64_t)min_pos - p.se_window;
+    if (tile_grouped) {  // K turned by each key's shift, pair by pair (re-read: L2 holds the tile)
+      const int half = (p.head_dim + 1) / 2;
+      for (int idx = threadIdx.x; idx < nt * half; idx += kThreads) {
+        const int j = idx / half, d = 2 * (idx % half);
+        const int64_t src = (j0 + j) * kv_row + kv_off + d;
+        float x[2] = {kv_load<F16>(p.k, src), d + 1 < p.head_dim ? kv_load<F16>(p.k, src + 1) : 0.0f};
+        if (d / 2 < p.n_pair)
+          kvq_rotate_pair(x, (double)se_key_shift(p.kv_pos[j0 + j], p.se_group) / p.pos_div * p.w[d / 2]);
+        kf[j * p.k_stride + d] = x[0];
+        if (d + 1 < p.head_dim) kf[j * p.k_stride + d + 1] = x[1];
+      }
+    }
     const int kvp = lane < nt ? p.kv_pos[j0 + lane] : INT_MAX;
     if (warp == 0 && blockIdx.x == 0) check_kv_order(p, j0, nt, kvp, prev_last);
     __syncthreads();
 
-    float s[RW];
+    float s[RW], sg[RW];
 #pragma unroll
-    for (int k = 0; k < RW; ++k) s[k] = 0.0f;
-    const float* krow = ks + lane * p.k_stride;  // rows >= nt hold stale data: masked below
-    for (int d = 0; d < p.d4; d += 4) {
-      const float4 k4 = *reinterpret_cast<const float4*>(krow + d);
+    for (int k = 0; k < RW; ++k) s[k] = 0.0f, sg[k] = 0.0f;
+    // One side's scores (inlined per call, so each array stays in registers). Rows >= nt of
+    // the tiles hold stale data: masked below.
+    const auto score = [&](const float* ktile, const float* qrows, float(&out)[RW]) {
+      const float* krow = ktile + lane * p.k_stride;
+      for (int d = 0; d < p.d4; d += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + d);
 #pragma unroll
-      for (int k = 0; k < RW; ++k)
-        if (rows[k].valid)
-          s[k] = dot4(s[k], *reinterpret_cast<const float4*>(qs + (warp + attn_warps * k) * p.d4 + d), k4);
-    }
+        for (int k = 0; k < RW; ++k)
+          if (rows[k].valid)
+            out[k] = dot4(out[k], *reinterpret_cast<const float4*>(qrows + (warp + attn_warps * k) * p.d4 + d), k4);
+      }
+    };
+    if (tile_near) score(ks, qs, s);
+    if (tile_grouped) score(kf, qf, sg);
     float pr[RW];
 #pragma unroll
     for (int k = 0; k < RW; ++k) {
       pr[k] = 0.0f;
       if (rows[k].valid) {
         const bool vis = lane < nt && kvp <= rows[k].pos;
-        pr[k] = softmax_step<KD>(vis ? s[k] : -INFINITY, m[k], l[k], acc[k]);
+        const float sc = se && se_grouped(rows[k].pos, kvp, p.se_window) ? sg[k] : s[k];
+        pr[k] = softmax_step<KD>(vis ? sc : -INFINITY, m[k], l[k], acc[k]);
       }
     }
     for (int jj = 0; jj < nt; ++jj) {
@@ -469,7 +553,12 @@ void attention_partial(context& ctx, const attn_args& a) {
   if (a.n_q == 0) return;
   XCTX_CHECK(a.q && a.q_pos && a.o && a.lse && (a.n_kv == 0 || (a.k && a.v && a.kv_pos)),
              "cuda attention: null pointer among q/q_pos/k/v/kv_pos/o/lse");
-  const attn_plan plan = plan_attention(a.n_q, a.n_kv, a.n_head, a.n_head_kv, a.head_dim, ctx.n_sm);
+  const bool se = self_extend_on(a.rope);
+  if (se)
+    XCTX_CHECK(a.rope.n_rot >= 0 && a.rope.n_rot <= a.head_dim && a.rope.n_rot % 2 == 0 && a.rope.se_window >= 0,
+               "cuda attention: SelfExtend rope n_rot=", a.rope.n_rot, " window=", a.rope.se_window,
+               " do not fit head_dim=", a.head_dim);
+  const attn_plan plan = plan_attention(a.n_q, a.n_kv, a.n_head, a.n_head_kv, a.head_dim, ctx.n_sm, se);
   XCTX_CHECK(plan.row_blocks <= INT_MAX, "cuda attention: too many query rows ", plan.rows_total);
   XCTX_CHECK(plan.smem_bytes <= ctx.smem_optin, "cuda attention: head_dim ", a.head_dim, " needs ", plan.smem_bytes,
              " bytes of shared memory per block, the device allows ", ctx.smem_optin);
@@ -494,6 +583,13 @@ void attention_partial(context& ctx, const attn_args& a) {
   prm.chunk = plan.chunk;
   prm.kv_vec = a.head_dim % 4 == 0 && ((uintptr_t)a.k & kv_align) == 0 && ((uintptr_t)a.v & kv_align) == 0;
   prm.err = ctx.err;
+  prm.se_group = 1;
+  if (se) {
+    prm.se_group = a.rope.se_group;
+    prm.se_window = a.rope.se_window;
+    prm.n_pair = a.rope.n_rot / 2;
+    kvq_rope_setup(a.rope, prm.w, prm.pos_div);
+  }
 
   const int64_t n_row = a.n_q * a.n_head;
   float* parts = nullptr;

@@ -1,12 +1,27 @@
-// Launch planning of the CUDA attention kernels: host-only and free of CUDA headers, so the
-// test binary checks the plans (coverage of the cache, shared-memory budget) without a GPU.
+// Launch planning of the CUDA attention kernels and the SelfExtend position arithmetic: host
+// code or host-device, free of CUDA headers, so the test binary checks the plans (coverage of
+// the cache, shared-memory budget) and the grouped-position turns without a GPU.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
+#include "common/half.h"  // XCTX_HOST_DEVICE
+
 namespace xctx::cuda {
+
+// ---- SelfExtend on post-RoPE (f32/f16) caches ---------------------------------------------
+// rope_config (kernels/ops.h): a key at p that is W or more positions behind the query at i is
+// attended at grouped positions, the key at floor(p / G) and the query at
+// floor(i / G) + W - floor(W / G). The cache holds R(p) k and the query arrives as R(i) q, so
+// the kernels score (R(a) q')·(R(b) k') with the query's shift a = qg(i) - i and the key's
+// b = floor(p / G) - p: equal to ref::rope_score's q'·R(b - a) k' (R is orthogonal), with each
+// factor turned once per row or key instead of per pair of them.
+XCTX_HOST_DEVICE inline int64_t se_floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+XCTX_HOST_DEVICE inline int64_t se_key_shift(int64_t p, int G) { return se_floor_div(p, G) - p; }
+XCTX_HOST_DEVICE inline int64_t se_query_shift(int64_t i, int G, int W) { return se_floor_div(i, G) + W - W / G - i; }
+XCTX_HOST_DEVICE inline bool se_grouped(int64_t q_pos, int64_t k_pos, int W) { return q_pos - k_pos >= W; }
 
 constexpr int attn_max_head_dim = 256;  // per-lane accumulators cover head_dim in 32-wide slices
 constexpr int attn_warps = 4;
@@ -31,7 +46,9 @@ struct attn_plan {
   size_t smem_bytes = 0;     // dynamic shared memory per block
 };
 
-inline attn_plan plan_attention(int64_t n_q, int64_t n_kv, int n_head, int n_head_kv, int head_dim, int n_sm) {
+// self_extend: the rows' turned queries (both kernels) and a tile of turned keys (prefill) too.
+inline attn_plan plan_attention(int64_t n_q, int64_t n_kv, int n_head, int n_head_kv, int head_dim, int n_sm,
+                                bool self_extend = false) {
   attn_plan p;
   const int group = n_head / n_head_kv;
   p.rows_total = n_q * group;
@@ -41,11 +58,11 @@ inline attn_plan plan_attention(int64_t n_q, int64_t n_kv, int n_head, int n_hea
   p.d4 = (head_dim + 3) / 4 * 4;
   p.k_stride = p.d4 % 8 == 0 ? p.d4 + 4 : p.d4;  // ≡ 4 (mod 8): 8 lanes of a 16-byte phase hit distinct banks
   p.row_blocks = (p.rows_total + p.rows_per_block - 1) / p.rows_per_block;
-  const size_t R = (size_t)p.rows_per_block;
-  if (p.decode)  // q rows + one accumulator set per warp for the final cross-warp merge
-    p.smem_bytes = (R * p.d4 + (size_t)attn_warps * R * p.d4) * sizeof(float);
-  else  // q rows + a K tile + a V tile
-    p.smem_bytes = (R * p.d4 + (size_t)attn_tile * p.k_stride + (size_t)attn_tile * p.d4) * sizeof(float);
+  const size_t R = (size_t)p.rows_per_block, q_sets = self_extend ? 2 : 1;
+  if (p.decode)  // q rows (and turned ones) + one accumulator set per warp for the final cross-warp merge
+    p.smem_bytes = (q_sets * R * p.d4 + (size_t)attn_warps * R * p.d4) * sizeof(float);
+  else  // q rows + a K tile (each also turned) + a V tile
+    p.smem_bytes = (q_sets * (R * p.d4 + (size_t)attn_tile * p.k_stride) + (size_t)attn_tile * p.d4) * sizeof(float);
 
   const int64_t tiles = std::max<int64_t>(1, (n_kv + attn_tile - 1) / attn_tile);
   const int64_t base_blocks = std::max<int64_t>(1, p.row_blocks * n_head_kv);

@@ -28,8 +28,6 @@ namespace {
 constexpr const char* kNoAccumulator =
     "cuda backend: exact per-unit attention accumulation (softmax_acc) runs on the CPU backend only; "
     "the CUDA kernels produce (o, lse) partials";
-constexpr const char* kNoSelfExtend =
-    "cuda backend: SelfExtend grouped positions (--rope-scaling selfextend) run on the CPU backend only";
 
 // Probed by device_present(): fails with "no kernel image" on GPUs older than the compiled
 // architectures (sm_80 SASS + PTX), which would otherwise fail at the first real launch.
@@ -152,7 +150,6 @@ class cuda_backend final : public backend {
   }
   void attention_partial(const attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
-    XCTX_CHECK(!self_extend_on(a.rope), kNoSelfExtend);
     use_device();
     cuda::attention_partial(ctx_, a);
   }
@@ -167,7 +164,6 @@ class cuda_backend final : public backend {
   }
   void attention_kvq(const kvq_attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
-    XCTX_CHECK(!self_extend_on(a.rope), kNoSelfExtend);
     use_device();
     cuda::attention_kvq(ctx_, a);
   }

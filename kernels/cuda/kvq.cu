@@ -283,6 +283,7 @@ struct attn_params {
   float* o;    // [n_split][n_q, n_head, head_dim]
   float* lse;  // [n_split][n_q, n_head]
   int64_t o_split_stride, lse_split_stride;
+  int se_group, se_window;  // SelfExtend when se_group > 1 (plan.self_extend)
   double w[kvq_max_pairs];  // RoPE frequency per pair
 };
 static_assert(sizeof(attn_params) <= 4096, "kernel parameters must fit the 4 KiB every architecture accepts");
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
 
   kvq_tile_view t = kvq_bind_tile(pl, sm, g);
   float* qs = reinterpret_cast<float*>(sm + pl.off_q);  // [R, d4] pre-scaled, zero padded
-  __shared__ int sm_maxpos[kvq_warps];
+  __shared__ int sm_maxpos[kvq_warps], sm_minpos[kvq_warps];
 
   for (int idx = threadIdx.x; idx < R * d4; idx += kvq_threads) {
     const int r = idx / d4, d = idx % d4;
@@ -335,17 +336,37 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
     }
     qs[idx] = val;
   }
+  const bool se = pl.self_extend;
+  float* qf = reinterpret_cast<float*>(sm + pl.off_qf);  // [R, d4] SelfExtend: rows turned by their shift
+  if (se) {
+    for (int idx = threadIdx.x; idx < R * d4 / 2; idx += kvq_threads) {
+      const int r = idx / (d4 / 2), d = 2 * (idx % (d4 / 2));
+      const int64_t rho = r0 + r;
+      float x[2] = {0.0f, 0.0f};
+      if (rho < pl.rows_total) {
+        const int64_t i = rho / p.group;
+        const int h = g * p.group + (int)(rho % p.group);
+        se_turned_query_pair(p.q + (i * p.n_head + h) * (int64_t)hd, hd, p.scale, pl.n_pair, p.w,
+                             (double)se_query_shift(p.q_pos[i], p.se_group, p.se_window) / p.pos_div, d, x);
+      }
+      qf[r * d4 + d] = x[0];
+      qf[r * d4 + d + 1] = x[1];
+    }
+  }
   // K columns [hd, d4) meet q's zero padding in the float4 dot: they must be finite, so zero
   // them once (tiles write [0, hd) only).
-  for (int idx = threadIdx.x; idx < kvq_tile * (d4 - hd); idx += kvq_threads)
-    t.k[(idx / (d4 - hd)) * pl.k_stride + hd + idx % (d4 - hd)] = 0.0f;
+  for (int idx = threadIdx.x; idx < kvq_tile * (d4 - hd); idx += kvq_threads) {
+    const size_t at = (size_t)(idx / (d4 - hd)) * pl.k_stride + hd + idx % (d4 - hd);
+    t.k[at] = 0.0f;
+    if (se) t.kf[at] = 0.0f;
+  }
   for (int idx = threadIdx.x; idx < kvq_setup_items(L, pl.n_pair); idx += kvq_threads)
     kvq_tile_setup(L, t, p.w, pl.n_pair, idx);
 
   int64_t row_i[RW];
   int row_h[RW], row_pos[RW];
   bool row_ok[RW];
-  int max_pos = INT_MIN;
+  int max_pos = INT_MIN, min_pos = INT_MAX;
 #pragma unroll
   for (int k = 0; k < RW; ++k) {
     const int64_t rho = r0 + warp + kvq_warps * k;
@@ -354,11 +375,12 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
     row_h[k] = g * p.group + (int)(rho % p.group);
     row_pos[k] = row_ok[k] ? p.q_pos[row_i[k]] : INT_MIN;
     max_pos = max(max_pos, row_pos[k]);
+    if (row_ok[k]) min_pos = min(min_pos, row_pos[k]);
   }
-  if (lane == 0) sm_maxpos[warp] = max_pos;
+  if (lane == 0) sm_maxpos[warp] = max_pos, sm_minpos[warp] = min_pos;  // a warp's rows: the same in every lane
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kvq_warps; ++w) max_pos = max(max_pos, sm_maxpos[w]);
+  for (int w = 0; w < kvq_warps; ++w) max_pos = max(max_pos, sm_maxpos[w]), min_pos = min(min_pos, sm_minpos[w]);
 
   float m[RW], l[RW], acc[RW][KD];
 #pragma unroll
@@ -385,29 +407,46 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
       for (int j = warp; j < nt; j += kvq_warps) kvq_tile_outliers(L, t, j, lane, 32);
       __syncthreads();
     }
-    if (pl.n_pair > 0) {
+    // SelfExtend, block-uniform: some row sees a slot of the tile grouped (the tile's first slot
+    // W behind the latest row), or at its place (its last slot within W of the earliest row).
+    const bool tile_grouped = se && (int64_t)max_pos - L.pos[j0] >= p.se_window;
+    const bool tile_near = !se || (int64_t)L.pos[j0 + nt - 1] > (int64_t)min_pos - p.se_window;
+    if (tile_grouped) {
+      kvq_for_items(threadIdx.x, kvq_threads, nt, (hd + 1) / 2, [&](int j, int c) {
+        kvq_tile_rope_grouped(t, j, c, hd, pl.n_pair, p.se_group, p.pos_div);
+      });
+      __syncthreads();
+    } else if (pl.n_pair > 0) {
       kvq_for_items(threadIdx.x, kvq_threads, nt, pl.n_pair, [&](int j, int i) { kvq_tile_rope(t, j, i); });
       __syncthreads();
     }
 
     const int kvp = lane < nt ? t.pos[lane] : INT_MAX;
-    float s[RW];
+    float s[RW], sg[RW];
 #pragma unroll
-    for (int k = 0; k < RW; ++k) s[k] = 0.0f;
-    const float* krow = t.k + lane * pl.k_stride;  // rows >= nt hold stale data: masked below
-    for (int d = 0; d < d4; d += 4) {
-      const float4 k4 = *reinterpret_cast<const float4*>(krow + d);
+    for (int k = 0; k < RW; ++k) s[k] = 0.0f, sg[k] = 0.0f;
+    // One side's scores (inlined per call, so each array stays in registers). Rows >= nt of the
+    // tiles hold stale data: masked below.
+    const auto score = [&](const float* ktile, const float* qrows, float(&out)[RW]) {
+      const float* krow = ktile + lane * pl.k_stride;
+      for (int d = 0; d < d4; d += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(krow + d);
 #pragma unroll
-      for (int k = 0; k < RW; ++k)
-        if (row_ok[k]) s[k] = dot4(s[k], *reinterpret_cast<const float4*>(qs + (warp + kvq_warps * k) * d4 + d), k4);
-    }
+        for (int k = 0; k < RW; ++k)
+          if (row_ok[k])
+            out[k] = dot4(out[k], *reinterpret_cast<const float4*>(qrows + (warp + kvq_warps * k) * d4 + d), k4);
+      }
+    };
+    if (tile_near) score(t.k, qs, s);
+    if (tile_grouped) score(t.kf, qf, sg);
     float pr[RW];
 #pragma unroll
     for (int k = 0; k < RW; ++k) {
       pr[k] = 0.0f;
       if (row_ok[k]) {
         const bool vis = lane < nt && kvp <= row_pos[k];
-        pr[k] = softmax_step<KD>(vis ? s[k] : -INFINITY, m[k], l[k], acc[k]);
+        const float sc = se && se_grouped(row_pos[k], kvp, p.se_window) ? sg[k] : s[k];
+        pr[k] = softmax_step<KD>(vis ? sc : -INFINITY, m[k], l[k], acc[k]);
       }
     }
     for (int jj = 0; jj < nt; ++jj) {
@@ -532,7 +571,9 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   if (a.n_q == 0) return;
   const kvq_layer_view& L = a.kv;
   attn_params prm{};
-  prm.plan = plan_kvq_attention(a.n_q, L.n, a.n_head, L.n_head_kv, L.head_dim, a.rope.n_rot, ctx.n_sm);
+  const bool se = self_extend_on(a.rope);
+  XCTX_CHECK(!se || a.rope.se_window >= 0, "cuda attention_kvq: SelfExtend window ", a.rope.se_window, " is negative");
+  prm.plan = plan_kvq_attention(a.n_q, L.n, a.n_head, L.n_head_kv, L.head_dim, a.rope.n_rot, ctx.n_sm, se);
   const kvq_attn_plan& pl = prm.plan;
   XCTX_CHECK(pl.row_blocks <= INT_MAX, "cuda attention_kvq: too many query rows ", pl.rows_total);
   XCTX_CHECK(pl.smem_bytes <= ctx.smem_optin, "cuda attention_kvq: head_dim ", L.head_dim, " needs ",
@@ -544,6 +585,8 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   prm.group = a.n_head / L.n_head_kv;
   prm.scale = a.scale;
   kvq_rope_setup(a.rope, prm.w, prm.pos_div);
+  prm.se_group = se ? a.rope.se_group : 1;
+  prm.se_window = se ? a.rope.se_window : 0;
 
   const int64_t n_row = a.n_q * a.n_head;
   if (pl.n_split == 1) {

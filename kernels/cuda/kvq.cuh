@@ -31,6 +31,7 @@
 
 #include "common/error.h"
 #include "common/half.h"
+#include "kernels/cuda/attention.cuh"  // SelfExtend shifts
 #include "kernels/kv_quant.h"
 
 #if defined(__CUDACC__)
@@ -173,6 +174,7 @@ struct kvq_tile_view {
   int k_stride = 0;   // floats between K rows
   int v_stride = 0;   // floats between V rows
   float* k = nullptr;  // [T, k_stride] decoded, patched, rotated keys (columns [0, hd))
+  float* kf = nullptr;  // [T, k_stride] SelfExtend: the same keys rotated to floor(pos / G) instead
   float* v = nullptr;  // [T, v_stride] decoded, patched values
   // per block
   float* lut_k = nullptr;     // [2^bits]
@@ -299,9 +301,9 @@ XCTX_HOST_DEVICE inline void kvq_tile_outliers(const kvq_layer_view& L, const kv
   }
 }
 
-// Rotary pair p (dims 2p, 2p+1) of slot j's key, as ref::rope rotates it.
-XCTX_HOST_DEVICE inline void kvq_tile_rope(const kvq_tile_view& t, int j, int p) {
-  const float h = kvq_half_turns(t.pos_eff[j] * t.w[p]);
+// The pair (x[0], x[1]) rotated by the angle a (radians), as ref::rope rotates a pair.
+XCTX_HOST_DEVICE inline void kvq_rotate_pair(float* x, double a) {
+  const float h = kvq_half_turns(a);
   float sn, cs;
 #if defined(__CUDA_ARCH__)
   sincospif(h, &sn, &cs);
@@ -309,10 +311,39 @@ XCTX_HOST_DEVICE inline void kvq_tile_rope(const kvq_tile_view& t, int j, int p)
   constexpr double pi = 3.141592653589793;
   sn = (float)std::sin(pi * (double)h), cs = (float)std::cos(pi * (double)h);  // sincospif within 1 ulp
 #endif
-  float* x = t.k + (size_t)j * t.k_stride + 2 * p;
   const float x0 = x[0], x1 = x[1];
   x[0] = x0 * cs - x1 * sn;
   x[1] = x0 * sn + x1 * cs;
+}
+
+// Rotary pair p (dims 2p, 2p+1) of slot j's key, as ref::rope rotates it.
+XCTX_HOST_DEVICE inline void kvq_tile_rope(const kvq_tile_view& t, int j, int p) {
+  kvq_rotate_pair(t.k + (size_t)j * t.k_stride + 2 * p, t.pos_eff[j] * t.w[p]);
+}
+
+// SelfExtend's rope phase for tiles that some row sees grouped, item c < (hd + 1) / 2 of slot j:
+// the pair (2c, 2c+1) of the decoded key copied to kf rotated to the grouped position
+// floor(pos / G), then rotated in place to pos as kvq_tile_rope does (pairs past n_pair are
+// copied as they are).
+XCTX_HOST_DEVICE inline void kvq_tile_rope_grouped(const kvq_tile_view& t, int j, int c, int hd, int n_pair,
+                                                   int se_group, double pos_div) {
+  float* x = t.k + (size_t)j * t.k_stride + 2 * c;
+  float* y = t.kf + (size_t)j * t.k_stride + 2 * c;
+  y[0] = x[0];
+  if (2 * c + 1 < hd) y[1] = x[1];
+  if (c >= n_pair) return;
+  kvq_rotate_pair(y, (double)se_floor_div(t.pos[j], se_group) / pos_div * t.w[c]);
+  kvq_rotate_pair(x, t.pos_eff[j] * t.w[c]);
+}
+
+// Pair (d, d + 1) of a query row of hd values (RoPE at its position), pre-multiplied by `scale`
+// and turned by its SelfExtend shift (shift_eff = se_query_shift / pos_div) where pairs rotate;
+// zeros past hd.
+XCTX_HOST_DEVICE inline void se_turned_query_pair(const float* q_row, int hd, float scale, int n_pair, const double* w,
+                                                  double shift_eff, int d, float* out /*[2]*/) {
+  out[0] = d < hd ? q_row[d] * scale : 0.0f;
+  out[1] = d + 1 < hd ? q_row[d + 1] * scale : 0.0f;
+  if (d / 2 < n_pair) kvq_rotate_pair(out, shift_eff * w[d / 2]);
 }
 
 // ---- attention: launch plan -------------------------------------------------------------------
@@ -330,16 +361,19 @@ struct kvq_attn_plan {
   int64_t row_blocks = 0;
   int n_split = 1;            // blocks along the slot axis; > 1 means partials + a merge
   int64_t chunk = kvq_tile;   // slots per split, a multiple of kvq_tile
+  bool self_extend = false;   // turned query rows (off_qf) and a grouped K tile (off_kf) too
   // dynamic shared memory layout (byte offsets, each 16-byte aligned)
   size_t off_w = 0, off_pos_eff = 0, off_qrow = 0, off_k_aff = 0, off_v_aff = 0;
   size_t off_q = 0, off_k = 0, off_v = 0, off_ch_scale = 0, off_ch_zero = 0, off_v_grp = 0;
   size_t off_lut_k = 0, off_lut_v = 0, off_v_scale = 0, off_v_zero = 0, off_pos = 0;
+  size_t off_qf = 0, off_kf = 0;
   size_t smem_bytes = 0;
 };
 
 inline kvq_attn_plan plan_kvq_attention(int64_t n_q, int64_t n_slots, int n_head, int n_head_kv, int head_dim,
-                                        int n_rot, int n_sm) {
+                                        int n_rot, int n_sm, bool self_extend = false) {
   kvq_attn_plan p;
+  p.self_extend = self_extend;
   const int group = n_head / n_head_kv;
   p.rows_total = n_q * group;
   p.rows_per_warp = p.rows_total <= kvq_decode_rows_per_warp * kvq_warps ? kvq_decode_rows_per_warp
@@ -374,6 +408,10 @@ inline kvq_attn_plan plan_kvq_attention(int64_t n_q, int64_t n_slots, int n_head
   p.off_v_scale = carve(T * sizeof(float));
   p.off_v_zero = carve(T * sizeof(float));
   p.off_pos = carve(T * sizeof(int32_t));
+  if (self_extend) {
+    p.off_qf = carve((size_t)p.rows_per_block * p.d4 * sizeof(float));
+    p.off_kf = carve(T * p.k_stride * sizeof(float));
+  }
   p.smem_bytes = at;
 
   // Split the slot axis when the grid would not fill the device (flash-decoding).
@@ -398,6 +436,7 @@ XCTX_HOST_DEVICE inline kvq_tile_view kvq_bind_tile(const kvq_attn_plan& pl, cha
   kvq_tile_view t;
   t.g = g, t.k_stride = pl.k_stride, t.v_stride = pl.d4;
   t.k = reinterpret_cast<float*>(sm + pl.off_k);
+  t.kf = pl.self_extend ? reinterpret_cast<float*>(sm + pl.off_kf) : nullptr;
   t.v = reinterpret_cast<float*>(sm + pl.off_v);
   t.lut_k = reinterpret_cast<float*>(sm + pl.off_lut_k);
   t.lut_v = reinterpret_cast<float*>(sm + pl.off_lut_v);

@@ -141,7 +141,10 @@ __global__ void __launch_bounds__(xq_threads) xq_attn_kernel(const __grid_consta
   const int tid = threadIdx.x, hd = pl.hd;
   __shared__ int s_maxpos;
 
+  const bool se = pl.self_extend;
+  const int se_window = se ? a.rope.se_window : -1;
   kvq_for_items(tid, xq_threads, pl.R, hd, [&](int r, int d) { xq_setup_q(a, t, r, d); });
+  if (se) kvq_for_items(tid, xq_threads, pl.R, (hd + 1) / 2, [&](int r, int c) { xq_setup_qf(a, t, p.w, p.pos_div, r, c); });
   for (int idx = tid; idx < xq_setup_items(pl); idx += xq_threads) xq_setup_misc(a, t, p.w, idx);
   __syncthreads();
   if (tid == 0) {
@@ -170,11 +173,16 @@ __global__ void __launch_bounds__(xq_threads) xq_attn_kernel(const __grid_consta
       }
     }
     __syncthreads();
-    if (pl.n_pair > 0) {
+    // SelfExtend, block-uniform: the tile's first slot W behind the block's latest row.
+    if (se && (int64_t)max_pos - a.pos[j0] >= se_window) {
+      kvq_for_items(tid, xq_threads, t.nt, (hd + 1) / 2,
+                    [&](int j, int c) { xq_tile_rope_grouped(t, a.rope.se_group, p.pos_div, j, c); });
+      __syncthreads();
+    } else if (pl.n_pair > 0) {
       kvq_for_items(tid, xq_threads, t.nt, pl.n_pair, [&](int j, int i) { xq_tile_rope(t, j, i); });
       __syncthreads();
     }
-    kvq_for_items(tid, xq_threads, t.n_rows, xq_tile, [&](int r, int j) { xq_tile_score(t, r, j); });
+    kvq_for_items(tid, xq_threads, t.n_rows, xq_tile, [&](int r, int j) { xq_tile_score(t, r, j, se_window); });
     __syncthreads();
     if (tid < t.n_rows) xq_tile_softmax(t, tid);
     for (int c0 = 0; c0 < pl.wv; c0 += xq_vc) {
@@ -240,6 +248,8 @@ void check_attn_args(const xq_attn_args& a) {
              " and scaling_factor ", r.scaling_factor, " must be positive");
   XCTX_CHECK(r.scaling != rope_scaling::rope_scaling_ntk || r.n_rot > 2,
              "cuda attention_xq: NTK scaling needs n_rot > 2, got ", r.n_rot);
+  XCTX_CHECK(!self_extend_on(r) || r.se_window >= 0, "cuda attention_xq: SelfExtend window ", r.se_window,
+             " is negative");
   if (a.n_q > 0)
     XCTX_CHECK(a.q != nullptr && a.q_pos != nullptr && a.o != nullptr && a.lse != nullptr,
                "cuda attention_xq: null q, q_pos, o or lse");
@@ -267,13 +277,13 @@ void xq_encode(context& ctx, const xq_encode_job& j) {
 
 void attention_xq(context& ctx, const xq_attn_args& a) {
   check_attn_args(a);
-  XCTX_CHECK(!self_extend_on(a.rope), "cuda attention_xq: SelfExtend grouped positions run on the CPU backend only");
   if (a.n_q == 0) return;
+  const bool se = self_extend_on(a.rope);
   const int wv = a.m_v != nullptr ? a.zv.channels : a.head_dim;
   attn_params prm{};
   prm.a = a;
   prm.plan = plan_xq_attention(a.n_q, a.n, a.n_head, a.n_head_kv, a.head_dim, a.rope.n_rot, wv, ctx.n_sm,
-                               ctx.smem_optin);
+                               ctx.smem_optin, se);
   const xq_attn_plan& pl = prm.plan;
   XCTX_CHECK(pl.smem_bytes <= ctx.smem_optin, "cuda attention_xq: a latent window of ", wv,
              " channels with head_dim ", a.head_dim, " needs ", pl.smem_bytes,

@@ -10,8 +10,11 @@
 //            then per chunk of xq_kc latent channels: decode Z_k chunk     (xq_tile_zk_chunk)
 //            and M_k[chunk, head g] into shared memory, k += Z·M           (xq_tile_mk_chunk,
 //                                                                          xq_tile_k_rebuild)
-//   RoPE     per (slot, pair): kvq.cuh's kvq_tile_rope (same angle reduction and accuracy bound)
-//   scores   per (row, slot): q·k with q pre-scaled                       (xq_tile_score)
+//   RoPE     per (slot, pair): kvq.cuh's kvq_tile_rope (same angle reduction and accuracy bound);
+//            SelfExtend tiles that a row sees grouped also keep the key rotated to floor(p / G)
+//            (xq_tile_rope_grouped), and the block's rows their turned queries (xq_setup_qf)
+//   scores   per (row, slot): q·k with q pre-scaled, the grouped pair where the row sees the
+//            slot grouped                                                  (xq_tile_score)
 //   softmax  per row: online max/sum over the tile, p and the rescale α    (xq_tile_softmax)
 //   U        per chunk of xq_vc latent channels: decode Z_v, U = α U + P·Z_v (xq_tile_zv_chunk,
 //                                                                          xq_tile_u_update)
@@ -119,8 +122,10 @@ struct xq_attn_plan {
   int64_t row_blocks = 0;
   int n_split = 1;
   int64_t chunk = xq_tile;   // stream rows per split, a multiple of xq_tile
+  bool self_extend = false;  // turned query rows (off_qf) and a grouped K tile (off_kf) too
   size_t off_w = 0, off_pos_eff = 0, off_q = 0, off_k = 0, off_zc = 0, off_mk = 0, off_bk = 0;
   size_t off_s = 0, off_alpha = 0, off_m = 0, off_l = 0, off_u = 0, off_row_pos = 0, off_pos = 0;
+  size_t off_qf = 0, off_kf = 0;
   size_t smem_bytes = 0;
 };
 
@@ -146,6 +151,10 @@ inline size_t xq_attn_layout(xq_attn_plan& p) {
   p.off_u = carve(R * (size_t)p.wv * sizeof(float));
   p.off_row_pos = carve(R * sizeof(int32_t));
   p.off_pos = carve(T * sizeof(int32_t));
+  if (p.self_extend) {
+    p.off_qf = carve(R * hd * sizeof(float));
+    p.off_kf = carve(T * p.k_stride * sizeof(float));
+  }
   p.smem_bytes = at;
   return at;
 }
@@ -153,8 +162,9 @@ inline size_t xq_attn_layout(xq_attn_plan& p) {
 // smem_cap: the dynamic shared memory a block may use. R shrinks (down to 1) until the layout
 // fits; smem_bytes > smem_cap afterwards means even one row does not (the caller reports it).
 inline xq_attn_plan plan_xq_attention(int64_t n_q, int64_t n, int n_head, int n_head_kv, int head_dim, int n_rot,
-                                      int wv, int n_sm, size_t smem_cap) {
+                                      int wv, int n_sm, size_t smem_cap, bool self_extend = false) {
   xq_attn_plan p;
+  p.self_extend = self_extend;
   const int group = n_head / n_head_kv;
   p.hd = head_dim;
   p.k_stride = head_dim | 1;
@@ -195,6 +205,8 @@ struct xq_tile_view {
   double* pos_eff = nullptr;  // [T]
   float* q = nullptr;         // [R, hd] scaled queries
   float* k = nullptr;         // [T, k_stride] rebuilt, rotated keys of head g
+  float* qf = nullptr;        // [R, hd] SelfExtend: scaled queries turned by their shift
+  float* kf = nullptr;        // [T, k_stride] SelfExtend: the keys rotated to floor(p / G)
   float* zc = nullptr;        // [T, zc_stride] decoded latent chunk
   float* mk = nullptr;        // [xq_kc, hd] M_k chunk, head g's columns
   float* bk = nullptr;        // [hd] b_k of head g (zeros when absent)
@@ -218,6 +230,8 @@ XCTX_HOST_DEVICE inline xq_tile_view xq_bind_tile(const xq_attn_plan& pl, char* 
   t.pos_eff = reinterpret_cast<double*>(sm + pl.off_pos_eff);
   t.q = reinterpret_cast<float*>(sm + pl.off_q);
   t.k = reinterpret_cast<float*>(sm + pl.off_k);
+  t.qf = pl.self_extend ? reinterpret_cast<float*>(sm + pl.off_qf) : nullptr;
+  t.kf = pl.self_extend ? reinterpret_cast<float*>(sm + pl.off_kf) : nullptr;
   t.zc = reinterpret_cast<float*>(sm + pl.off_zc);
   t.mk = reinterpret_cast<float*>(sm + pl.off_mk);
   t.bk = reinterpret_cast<float*>(sm + pl.off_bk);
@@ -259,6 +273,21 @@ XCTX_HOST_DEVICE inline void xq_setup_q(const xq_attn_args& a, const xq_tile_vie
     v = a.q[(i * a.n_head + h) * (int64_t)a.head_dim + d] * a.scale;
   }
   t.q[r * t.pl.hd + d] = v;
+}
+// SelfExtend, item (r, c) of r < R, c < (hd + 1) / 2: pair (2c, 2c+1) of row r's scaled query
+// turned by its grouped shift (zero for rows past the block's valid rows).
+XCTX_HOST_DEVICE inline void xq_setup_qf(const xq_attn_args& a, const xq_tile_view& t, const double* w, double pos_div,
+                                         int r, int c) {
+  float x[2] = {0.0f, 0.0f};
+  if (r < t.n_rows) {
+    int64_t i;
+    int h;
+    xq_row_of(t, a.n_head / a.n_head_kv, r, i, h);
+    se_turned_query_pair(a.q + (i * a.n_head + h) * (int64_t)a.head_dim, a.head_dim, a.scale, t.pl.n_pair, w,
+                         (double)se_query_shift(a.q_pos[i], a.rope.se_group, a.rope.se_window) / pos_div, 2 * c, x);
+  }
+  t.qf[r * t.pl.hd + 2 * c] = x[0];
+  if (2 * c + 1 < t.pl.hd) t.qf[r * t.pl.hd + 2 * c + 1] = x[1];
 }
 // Item idx < max(R, hd, n_pair, wv * R): per-row state, b_k slice, frequencies, U = 0.
 XCTX_HOST_DEVICE inline void xq_setup_misc(const xq_attn_args& a, const xq_tile_view& t, const double* w, int idx) {
@@ -329,13 +358,28 @@ XCTX_HOST_DEVICE inline void xq_tile_rope(const xq_tile_view& t, int j, int p) {
   kvq_tile_rope(kv, j, p);
 }
 
-// Item (r, j) of r < n_rows, j < T: score of row r against slot j (-inf when invisible).
-XCTX_HOST_DEVICE inline void xq_tile_score(const xq_tile_view& t, int r, int j) {
+// SelfExtend, item (j, c) of j < nt, c < (hd + 1) / 2, instead of xq_tile_rope where a row sees
+// the tile grouped: kf = the rebuilt key rotated to floor(p / G), k = rotated to p.
+XCTX_HOST_DEVICE inline void xq_tile_rope_grouped(const xq_tile_view& t, int se_group, double pos_div, int j, int c) {
+  kvq_tile_view kv;
+  kv.k = t.k;
+  kv.kf = t.kf;
+  kv.k_stride = t.pl.k_stride;
+  kv.pos = t.pos;
+  kv.pos_eff = t.pos_eff;
+  kv.w = t.w;
+  kvq_tile_rope_grouped(kv, j, c, t.pl.hd, t.pl.n_pair, se_group, pos_div);
+}
+
+// Item (r, j) of r < n_rows, j < T: score of row r against slot j (-inf when invisible); with
+// SelfExtend (se_window >= 0) the turned row against the grouped key where the row sees it so.
+XCTX_HOST_DEVICE inline void xq_tile_score(const xq_tile_view& t, int r, int j, int se_window = -1) {
   float s = -INFINITY;
   if (j < t.nt && t.pos[j] <= t.row_pos[r]) {
     s = 0.0f;
-    const float* q = t.q + r * t.pl.hd;
-    const float* k = t.k + j * t.pl.k_stride;
+    const bool grouped = se_window >= 0 && se_grouped(t.row_pos[r], t.pos[j], se_window);
+    const float* q = (grouped ? t.qf : t.q) + r * t.pl.hd;
+    const float* k = (grouped ? t.kf : t.k) + j * t.pl.k_stride;
     for (int d = 0; d < t.pl.hd; ++d) s = xq_fma(q[d], k[d], s);
   }
   t.s[r * xq_tile + j] = s;

@@ -38,6 +38,7 @@
 #include "common/half.h"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/dequant.cuh"
+#include "kernels/cuda/kvq.cuh"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
 
@@ -223,28 +224,73 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, CudaDequantMath, testing::ValuesIn(kAllTypes)
 TEST(CudaAttentionPlan, CoversCacheWithinBudget) {
   // 99 KiB: the smallest opt-in shared memory per block among sm_80+ parts (sm_86/sm_89).
   constexpr size_t kSmemOptinMin = 101376;
+  constexpr size_t kSmemOptinH100 = 232448;  // sm_90: 227 KiB
   for (int n_sm : {1, 108, 132}) {
     for (int64_t n_q : {1, 2, 5, 64, 4096}) {
       for (int64_t n_kv : {0, 1, 31, 32, 33, 257, 5000, 1000000}) {
         for (int head_dim : {1, 63, 64, 70, 80, 128, 200, 256}) {
           for (auto [n_head, n_head_kv] : {std::pair{9, 3}, std::pair{32, 8}, std::pair{8, 1}, std::pair{4, 4}}) {
-            const cuda::attn_plan p = cuda::plan_attention(n_q, n_kv, n_head, n_head_kv, head_dim, n_sm);
-            SCOPED_TRACE(testing::Message() << "n_sm " << n_sm << " n_q " << n_q << " n_kv " << n_kv << " hd "
-                                            << head_dim << " heads " << n_head << "/" << n_head_kv);
-            ASSERT_GE(p.n_split, 1);
-            ASSERT_LE(p.n_split, 65535);
-            ASSERT_EQ(p.chunk % cuda::attn_tile, 0);
-            ASSERT_GE((int64_t)p.n_split * p.chunk, n_kv);                 // every key is covered
-            ASSERT_LT((int64_t)(p.n_split - 1) * p.chunk, std::max<int64_t>(n_kv, 1));  // no empty split
-            ASSERT_EQ(p.rows_total, n_q * (n_head / n_head_kv));
-            ASSERT_GE(p.row_blocks * p.rows_per_block, p.rows_total);
-            ASSERT_GE(p.kd * 32, head_dim);
-            ASSERT_EQ(p.d4 % 4, 0);
-            ASSERT_GE(p.d4, head_dim);
-            ASSERT_GE(p.k_stride, p.d4);
-            ASSERT_EQ(p.k_stride % 8, 4) << "16-byte smem reads of K rows would conflict";
-            ASSERT_LE(p.smem_bytes, p.decode ? (size_t)48 << 10 : kSmemOptinMin);
+            for (bool se : {false, true}) {
+              const cuda::attn_plan p = cuda::plan_attention(n_q, n_kv, n_head, n_head_kv, head_dim, n_sm, se);
+              SCOPED_TRACE(testing::Message() << "n_sm " << n_sm << " n_q " << n_q << " n_kv " << n_kv << " hd "
+                                              << head_dim << " heads " << n_head << "/" << n_head_kv << " se " << se);
+              ASSERT_GE(p.n_split, 1);
+              ASSERT_LE(p.n_split, 65535);
+              ASSERT_EQ(p.chunk % cuda::attn_tile, 0);
+              ASSERT_GE((int64_t)p.n_split * p.chunk, n_kv);                 // every key is covered
+              ASSERT_LT((int64_t)(p.n_split - 1) * p.chunk, std::max<int64_t>(n_kv, 1));  // no empty split
+              ASSERT_EQ(p.rows_total, n_q * (n_head / n_head_kv));
+              ASSERT_GE(p.row_blocks * p.rows_per_block, p.rows_total);
+              ASSERT_GE(p.kd * 32, head_dim);
+              ASSERT_EQ(p.d4 % 4, 0);
+              ASSERT_GE(p.d4, head_dim);
+              ASSERT_GE(p.k_stride, p.d4);
+              ASSERT_EQ(p.k_stride % 8, 4) << "16-byte smem reads of K rows would conflict";
+              if (!se)
+                ASSERT_LE(p.smem_bytes, p.decode ? (size_t)48 << 10 : kSmemOptinMin);
+              else  // turned rows and keys: within sm_86's opt-in to head_dim 128, an H100's beyond
+                ASSERT_LE(p.smem_bytes, head_dim <= 128 ? kSmemOptinMin : kSmemOptinH100);
+            }
           }
+        }
+      }
+    }
+  }
+}
+
+// The f32/f16 attention kernels' SelfExtend arithmetic, run on the host: the row turned by the
+// query's shift and the key by its own, dotted, equal the reference's single turn of the key by
+// their difference, at positions up to 10M (the half-turn reduction keeps the angles exact).
+TEST(CudaSelfExtend, turned_rows_and_keys_score_like_the_reference) {
+  std::mt19937 rng(20261127);
+  for (auto [n_rot, scaling] : {std::pair{64, rope_scaling::rope_scaling_none}, std::pair{48, rope_scaling::rope_scaling_linear},
+                                std::pair{64, rope_scaling::rope_scaling_ntk}}) {
+    rope_config cfg;
+    cfg.head_dim = 64, cfg.n_rot = n_rot, cfg.scaling = scaling, cfg.scaling_factor = 2.0f;
+    double w[cuda::attn_max_head_dim / 2], pos_div = 1.0;
+    cuda::kvq_rope_setup(cfg, w, pos_div);
+    for (auto [G, W] : {std::pair{4, 1024}, std::pair{256, 1024}, std::pair{2048, 4096}, std::pair{3, 50}}) {
+      cfg.se_group = G, cfg.se_window = W;
+      for (int32_t i : {W + 1, 70000, 1 << 20, 10 << 20}) {
+        for (int32_t p : {0, 1, G - 1, i / 2, i - W}) {
+          SCOPED_TRACE(testing::Message() << "n_rot " << n_rot << " G " << G << " W " << W << " i " << i << " p " << p);
+          ASSERT_TRUE(cuda::se_grouped(i, i - W, W));
+          ASSERT_FALSE(cuda::se_grouped(i, i - W + 1, W));
+          if (!cuda::se_grouped(i, p, W)) continue;  // a near key: scored as it is
+          ASSERT_EQ(cuda::se_key_shift(p, G), self_extend_key_pos(cfg, p) - p);
+          ASSERT_EQ(cuda::se_query_shift(i, G, W), self_extend_query_pos(cfg, i) - i);
+          const std::vector<float> q = uniform(64, -1, 1, rng), k = uniform(64, -1, 1, rng);
+          std::vector<float> qf = q, kf = k;
+          const double a = (double)cuda::se_query_shift(i, G, W) / pos_div, b = (double)cuda::se_key_shift(p, G) / pos_div;
+          double got = 0.0, bound = 0.0;
+          for (int d = 0; d < 64; d += 2) {
+            if (d / 2 < n_rot / 2) cuda::kvq_rotate_pair(qf.data() + d, a * w[d / 2]), cuda::kvq_rotate_pair(kf.data() + d, b * w[d / 2]);
+            got += (double)qf[d] * kf[d] + (double)qf[d + 1] * kf[d + 1];
+            bound += std::hypot(q[d], q[d + 1]) * std::hypot(k[d], k[d + 1]);
+          }
+          const std::vector<double> kd(k.begin(), k.end());
+          const double want = ref::rope_score(q.data(), kd.data(), cfg, i, p);
+          EXPECT_NEAR(got, want, 8 * kEps * bound);
         }
       }
     }
@@ -547,11 +593,15 @@ struct attn_case {
   int n_head, n_head_kv, head_dim;
   kv_dtype kv;
   pos_layout layout;
+  int se_group = 1, se_window = 0;  // SelfExtend when se_group > 1
+  int n_rot = 0;                    // rotated dims SelfExtend turns (0: head_dim)
   std::string name() const {
     const char* lay = layout == pos_layout::layout_decode ? "decode" : layout == pos_layout::layout_causal ? "causal" : "gapped";
     return std::string(lay) + "_q" + std::to_string(n_q) + "_kv" + std::to_string(n_kv) + "_h" +
            std::to_string(n_head) + "x" + std::to_string(n_head_kv) + "_d" + std::to_string(head_dim) +
-           (kv == kv_dtype::kv_f16 ? "_f16" : "_f32");
+           (kv == kv_dtype::kv_f16 ? "_f16" : "_f32") +
+           (se_group > 1 ? "_se" + std::to_string(se_group) + "w" + std::to_string(se_window) : "") +
+           (n_rot > 0 ? "_rot" + std::to_string(n_rot) : "");
   }
 };
 
@@ -576,6 +626,15 @@ std::vector<attn_case> attn_cases() {
   cs.push_back({33, 200, 4, 4, 70, f16, L::layout_gapped});
   cs.push_back({1, 2000, 4, 2, 256, f16, L::layout_decode});     // largest head_dim
   cs.push_back({70, 300, 4, 2, 256, f32, L::layout_causal});     // > 48 KiB shared memory
+  // SelfExtend: grouped keys turned on the device; windows small enough that tiles hold both
+  // sides, rows of one block on both sides of a key, and partial rotation (n_rot < head_dim).
+  cs.push_back({1, 20000, 9, 3, 64, f16, L::layout_decode, 8, 1024});
+  cs.push_back({3, 5000, 32, 8, 128, f16, L::layout_decode, 4, 40});
+  cs.push_back({1, 3000, 8, 1, 80, f32, L::layout_decode, 16, 100, 64});
+  cs.push_back({300, 300, 9, 3, 64, f32, L::layout_causal, 4, 64});
+  cs.push_back({64, 1000, 9, 3, 64, f16, L::layout_causal, 16, 100});
+  cs.push_back({40, 900, 9, 3, 64, f16, L::layout_gapped, 3, 50});
+  cs.push_back({70, 300, 4, 2, 128, f32, L::layout_causal, 2, 33, 96});
   return cs;
 }
 
@@ -629,6 +688,9 @@ TEST_P(CudaAttention, MatchesReference) {
     a.k = kd.as<void>(), a.v = vd.as<void>(), a.kv_pos = kp.as<int32_t>(), a.n_kv = c.n_kv, a.kv_type = c.kv;
     a.n_head = c.n_head, a.n_head_kv = c.n_head_kv, a.head_dim = hd, a.scale = scale;
     a.o = od.as<float>(), a.lse = ld.as<float>();
+    a.rope.head_dim = hd;
+    a.rope.n_rot = c.n_rot > 0 ? c.n_rot : hd;
+    a.rope.se_group = c.se_group, a.rope.se_window = c.se_window;
     list[b]->attention_partial(a);
     o[b] = od.read<float>(n_o);
     lse[b] = ld.read<float>(n_lse);
@@ -645,13 +707,23 @@ TEST_P(CudaAttention, MatchesReference) {
         ++n_vis;
         const size_t kr = (size_t)((j * c.n_head_kv + h / group) * hd);
         double s = 0.0;
+        const float* qr = q.data() + (size_t)((i * c.n_head + h) * hd);
         for (int d = 0; d < hd; ++d) {
-          s += std::fabs((double)q[(size_t)((i * c.n_head + h) * hd + d)] * k[kr + d]);
+          s += std::fabs((double)qr[d] * k[kr + d]);
           vmax = std::max(vmax, (double)std::fabs(v[kr + d]));
+        }
+        if (c.se_group > 1) {  // turned pairs: |x·y| <= |x||y| bounds the products at any angle
+          s = 0.0;
+          for (int d = 0; d < hd; d += 2) {
+            const double q1 = d + 1 < hd ? qr[d + 1] : 0.0, k1 = d + 1 < hd ? k[kr + d + 1] : 0.0;
+            s += std::hypot((double)qr[d], q1) * std::hypot((double)k[kr + d], k1);
+          }
         }
         smax = std::max(smax, s * scale);
       }
-      const double ds = (hd + 2) * kEps * smax;
+      // SelfExtend turns the query and the key (each within 2 eps in cos/sin, 1.5 eps in the
+      // rotation) where the reference turns the key once in double.
+      const double ds = (hd + 2 + (c.se_group > 1 ? 8 : 0)) * kEps * smax;
       const size_t r = (size_t)(i * c.n_head + h);
       for (int d = 0; d < hd; ++d)
         tol_o[r * hd + d] = vmax * (4 * ds + (double)(2 * n_vis + 16) * kEps) + kEps * std::fabs(o[0][r * hd + d]);

@@ -205,45 +205,51 @@ TEST(KvqCudaHost, attention_plan_covers_the_layer_within_shared_memory) {
   for (const geo& G : geos)
     for (int64_t n_q : {1, 5, 300, 4096})
       for (int64_t n : {0, 1, 31, 32, 700, 100000, 3000000})
-        for (int n_sm : {1, 108, 132}) {
-          const kvq_attn_plan p = plan_kvq_attention(n_q, n, G.n_head, G.n_head_kv, G.head_dim, G.n_rot, n_sm);
-          SCOPED_TRACE(::testing::Message() << "heads " << G.n_head << "/" << G.n_head_kv << " hd " << G.head_dim
-                                            << " n_q " << n_q << " n " << n << " sms " << n_sm);
-          const int64_t rows = n_q * (G.n_head / G.n_head_kv);
-          ASSERT_EQ(p.rows_total, rows);
-          ASSERT_EQ(p.rows_per_block, p.rows_per_warp * kvq_warps);
-          ASSERT_EQ(p.rows_per_warp, rows <= 8 ? kvq_decode_rows_per_warp : kvq_prefill_rows_per_warp);
-          ASSERT_GE(p.row_blocks * p.rows_per_block, rows);
-          ASSERT_LT((p.row_blocks - 1) * p.rows_per_block, rows);
-          ASSERT_GE(32 * p.kd, G.head_dim);
-          ASSERT_TRUE(p.d4 % 4 == 0 && p.d4 >= G.head_dim && p.d4 < G.head_dim + 4);
-          ASSERT_EQ(p.k_stride % 8, 4) << "16-byte smem reads of K rows would conflict";
-          ASSERT_GE(p.k_stride, p.d4);
-          // Slot splits: chunks of whole tiles, together covering [0, n), none starting past it.
-          ASSERT_EQ(p.chunk % kvq_tile, 0);
-          ASSERT_TRUE(p.n_split >= 1 && p.n_split <= 65535);
-          ASSERT_GE(p.n_split * p.chunk, n);
-          ASSERT_LT((int64_t)(p.n_split - 1) * p.chunk, std::max<int64_t>(n, 1));
-          if (p.n_split > 1) {
-            ASSERT_LE((size_t)p.n_split * n_q * G.n_head * (G.head_dim + 1) * sizeof(float), kvq_scratch_cap);
+        for (int n_sm : {1, 108, 132})
+          for (bool se : {false, true}) {
+            const kvq_attn_plan p = plan_kvq_attention(n_q, n, G.n_head, G.n_head_kv, G.head_dim, G.n_rot, n_sm, se);
+            SCOPED_TRACE(::testing::Message() << "heads " << G.n_head << "/" << G.n_head_kv << " hd " << G.head_dim
+                                              << " n_q " << n_q << " n " << n << " sms " << n_sm << " se " << se);
+            const int64_t rows = n_q * (G.n_head / G.n_head_kv);
+            ASSERT_EQ(p.rows_total, rows);
+            ASSERT_EQ(p.rows_per_block, p.rows_per_warp * kvq_warps);
+            ASSERT_EQ(p.rows_per_warp, rows <= 8 ? kvq_decode_rows_per_warp : kvq_prefill_rows_per_warp);
+            ASSERT_GE(p.row_blocks * p.rows_per_block, rows);
+            ASSERT_LT((p.row_blocks - 1) * p.rows_per_block, rows);
+            ASSERT_GE(32 * p.kd, G.head_dim);
+            ASSERT_TRUE(p.d4 % 4 == 0 && p.d4 >= G.head_dim && p.d4 < G.head_dim + 4);
+            ASSERT_EQ(p.k_stride % 8, 4) << "16-byte smem reads of K rows would conflict";
+            ASSERT_GE(p.k_stride, p.d4);
+            // Slot splits: chunks of whole tiles, together covering [0, n), none starting past it.
+            ASSERT_EQ(p.chunk % kvq_tile, 0);
+            ASSERT_TRUE(p.n_split >= 1 && p.n_split <= 65535);
+            ASSERT_GE(p.n_split * p.chunk, n);
+            ASSERT_LT((int64_t)(p.n_split - 1) * p.chunk, std::max<int64_t>(n, 1));
+            if (p.n_split > 1) {
+              ASSERT_LE((size_t)p.n_split * n_q * G.n_head * (G.head_dim + 1) * sizeof(float), kvq_scratch_cap);
+            }
+            // Shared memory: aligned, disjoint segments inside the budget of an sm_80 block.
+            const size_t T = kvq_tile, hd = G.head_dim;
+            const std::pair<size_t, size_t> seg[] = {
+                {p.off_w, (size_t)p.n_pair * 8}, {p.off_pos_eff, T * 8},  {p.off_qrow, T * 8},
+                {p.off_k_aff, T * 8},            {p.off_v_aff, T * 8},    {p.off_q, (size_t)p.rows_per_block * p.d4 * 4},
+                {p.off_k, T * p.k_stride * 4},   {p.off_v, T * p.d4 * 4}, {p.off_ch_scale, hd * 4},
+                {p.off_ch_zero, hd * 4},         {p.off_v_grp, hd * 4},   {p.off_lut_k, kKvqMaxLut * 4},
+                {p.off_lut_v, kKvqMaxLut * 4},   {p.off_v_scale, T * 4},  {p.off_v_zero, T * 4},
+                {p.off_pos, T * 4}};
+            std::vector<std::pair<size_t, size_t>> s(std::begin(seg), std::end(seg));
+            if (se) {  // SelfExtend's turned rows and grouped K tile
+              s.push_back({p.off_qf, (size_t)p.rows_per_block * p.d4 * 4});
+              s.push_back({p.off_kf, T * p.k_stride * 4});
+            }
+            std::sort(s.begin(), s.end());
+            for (size_t e = 0; e < s.size(); ++e) {
+              ASSERT_EQ(s[e].first % 16, 0u);
+              ASSERT_LE(s[e].first + s[e].second, e + 1 < s.size() ? s[e + 1].first : p.smem_bytes);
+            }
+            // + the kernel's static 32 bytes; an sm_80 block's budget, an H100's for SelfExtend past 128
+            ASSERT_LE(p.smem_bytes + 32, se && G.head_dim > 128 ? (size_t)232448 : (size_t)166912);
           }
-          // Shared memory: aligned, disjoint segments inside the budget of an sm_80 block.
-          const size_t T = kvq_tile, hd = G.head_dim;
-          const std::pair<size_t, size_t> seg[] = {
-              {p.off_w, (size_t)p.n_pair * 8}, {p.off_pos_eff, T * 8},  {p.off_qrow, T * 8},
-              {p.off_k_aff, T * 8},            {p.off_v_aff, T * 8},    {p.off_q, (size_t)p.rows_per_block * p.d4 * 4},
-              {p.off_k, T * p.k_stride * 4},   {p.off_v, T * p.d4 * 4}, {p.off_ch_scale, hd * 4},
-              {p.off_ch_zero, hd * 4},         {p.off_v_grp, hd * 4},   {p.off_lut_k, kKvqMaxLut * 4},
-              {p.off_lut_v, kKvqMaxLut * 4},   {p.off_v_scale, T * 4},  {p.off_v_zero, T * 4},
-              {p.off_pos, T * 4}};
-          std::vector<std::pair<size_t, size_t>> s(std::begin(seg), std::end(seg));
-          std::sort(s.begin(), s.end());
-          for (size_t e = 0; e < s.size(); ++e) {
-            ASSERT_EQ(s[e].first % 16, 0u);
-            ASSERT_LE(s[e].first + s[e].second, e + 1 < s.size() ? s[e + 1].first : p.smem_bytes);
-          }
-          ASSERT_LE(p.smem_bytes + 16, (size_t)166912);  // + the kernel's static 16 bytes
-        }
 }
 
 // ---- layers for the tile and attention tests ------------------------------------------------
@@ -480,6 +486,59 @@ TEST_P(KvqCudaLayer, host_run_of_the_tile_phases_matches_ref_decode_and_rope) {
   }
 }
 
+// SelfExtend's rope phase: kf holds the decoded keys rotated to floor(pos / G) and k the same
+// keys rotated to pos, as the reference rotates them (pairs past n_rot copied).
+TEST_P(KvqCudaLayer, host_run_of_the_grouped_rope_phase_matches_ref) {
+  const layer_case c = GetParam();
+  const host_layer H = make_layer(c, 502);
+  const kvq_layer_view L = H.view();
+  const rope_config rope = H.rope();
+  const int C = L.channels(), hd = L.head_dim, G = 4;
+  std::vector<float> kd((size_t)L.n * C), vd((size_t)L.n * C);  // [n, C]
+  ref::kvq_decode_layer(L, kd.data(), vd.data());
+  std::vector<int32_t> grouped_pos((size_t)L.n);
+  for (int64_t s = 0; s < L.n; ++s) grouped_pos[(size_t)s] = (int32_t)se_floor_div(L.pos[s], G);
+  std::vector<float> kr = kd, kg = kd;
+  ref::rope(kr.data(), L.pos, L.n, L.n_head_kv, rope);
+  ref::rope(kg.data(), grouped_pos.data(), L.n, L.n_head_kv, rope);
+  const auto [pk, pv] = dense_products(L);
+
+  const kvq_attn_plan pl = plan_kvq_attention(1, L.n, c.n_head, L.n_head_kv, hd, rope.n_rot, 108, /*self_extend=*/true);
+  ASSERT_TRUE(pl.self_extend);
+  std::vector<double> smem(pl.smem_bytes / sizeof(double) + 1);
+  double w[kvq_max_pairs], pos_div = 0;
+  kvq_rope_setup(rope, w, pos_div);
+  for (int g = 0; g < L.n_head_kv; ++g) {
+    kvq_tile_view t = kvq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g);
+    ASSERT_NE(t.kf, nullptr);
+    for (int idx = 0; idx < kvq_setup_items(L, pl.n_pair); ++idx) kvq_tile_setup(L, t, w, pl.n_pair, idx);
+    for (int64_t s0 = 0; s0 < L.n; s0 += kvq_tile) {
+      const int nt = (int)std::min<int64_t>(kvq_tile, L.n - s0);
+      t.s0 = s0;
+      for (int j = 0; j < nt; ++j) kvq_tile_meta(L, t, pos_div, j);
+      for (int j = 0; j < nt; ++j)
+        for (int d = 0; d < hd; ++d) kvq_tile_dense(L, t, j, d);
+      for (int j = 0; j < nt; ++j)
+        for (int lane = 0; lane < 32; ++lane) kvq_tile_outliers(L, t, j, lane, 32);
+      for (int j = 0; j < nt; ++j)
+        for (int cc = 0; cc < (hd + 1) / 2; ++cc) kvq_tile_rope_grouped(t, j, cc, hd, pl.n_pair, G, pos_div);
+      for (int j = 0; j < nt; ++j) {
+        const int64_t s = s0 + j;
+        for (int d = 0; d < hd; ++d) {
+          const size_t at = (size_t)s * C + g * hd + d;
+          const size_t a0 = at - (d % 2);
+          const double pair = std::fabs(kd[a0]) + std::fabs(kd[a0 + 1]);
+          const double rot = d < rope.n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0;
+          const double kt = kEps * kDequantUlps * pk + rot;
+          ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], kt) << "key slot " << s << " head " << g << " d " << d;
+          ASSERT_NEAR(t.kf[(size_t)j * t.k_stride + d], kg[at], kt)
+              << "grouped key slot " << s << " (pos " << L.pos[s] << ") head " << g << " d " << d;
+        }
+      }
+    }
+  }
+}
+
 // ---- device: attention ----------------------------------------------------------------------
 
 // Device copies of host arrays, freed with the backend.
@@ -555,14 +614,24 @@ TEST_P(KvqCudaLayer, device_attention_matches_ref) {
       {L.pos[n - 1], L.pos[n / 2], L.pos[n / 2] + 1, L.pos[0] - 1, L.pos[std::min<int64_t>(L.n_sink + 3, n - 1)]}};
   std::mt19937 rng(seed + 1);
   std::normal_distribution<float> nd;
-  for (const std::vector<int32_t>& q_pos : q_pos_sets) {
+  // Plain, and SelfExtend with windows that put the block's rows on both sides of many tiles.
+  struct query_case {
+    std::vector<int32_t> q_pos;
+    int se_group, se_window;
+  };
+  std::vector<query_case> cases;
+  for (auto [G, W] : {std::pair{1, 0}, std::pair{4, 37}, std::pair{64, 100}})
+    for (const std::vector<int32_t>& q_pos : q_pos_sets) cases.push_back({q_pos, G, W});
+  for (const auto& [q_pos, se_group, se_window] : cases) {
     const int64_t n_q = (int64_t)q_pos.size();
-    SCOPED_TRACE(::testing::Message() << "n_q " << n_q);
+    SCOPED_TRACE(::testing::Message() << "n_q " << n_q << " se_group " << se_group << " se_window " << se_window);
     std::vector<float> q(n_q * c.n_head * hd);
     for (float& x : q) x = nd(rng);
     kvq_attn_args a;
     a.kv = L, a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = n_q, a.n_head = c.n_head;
     a.scale = 1.0f / std::sqrt((float)hd), a.rope = rope;
+    a.rope.se_group = se_group, a.rope.se_window = se_window;
+    const bool se = se_group > 1;
     std::vector<float> o_ref(q.size()), l_ref(n_q * c.n_head);
     a.o = o_ref.data(), a.lse = l_ref.data();
     ref::attention_kvq(a);
@@ -587,7 +656,12 @@ TEST_P(KvqCudaLayer, device_attention_matches_ref) {
           if (L.pos[s] > q_pos[i]) continue;
           ++n_vis;
           double sum = 0;
-          for (int d = 0; d < hd; ++d) sum += std::fabs((double)qr[d] * kr[(size_t)s * C + g * hd + d]);
+          const float* kk = kr.data() + (size_t)s * C + g * hd;
+          if (se)  // turned pairs: |x·y| <= |x||y| at any angle
+            for (int d = 0; d < hd; d += 2)
+              sum += std::hypot((double)qr[d], d + 1 < hd ? qr[d + 1] : 0.0) * std::hypot((double)kk[d], d + 1 < hd ? kk[d + 1] : 0.0);
+          else
+            for (int d = 0; d < hd; ++d) sum += std::fabs((double)qr[d] * kk[d]);
           s1 = std::max(s1, sum);
         }
         if (n_vis == 0) {
@@ -595,7 +669,8 @@ TEST_P(KvqCudaLayer, device_attention_matches_ref) {
           for (int d = 0; d < hd; ++d) ASSERT_EQ(o[row * hd + d], 0.0f) << "row " << row;
           continue;
         }
-        const double ds = a.scale * ((hd + 2) * kEps * s1 + q1 * dk);
+        // SelfExtend also turns the query (cos/sin within kvq_rope_cs_err, the rotation 1.5 eps).
+        const double ds = a.scale * ((hd + 2 + (se ? 8 : 0)) * kEps * s1 + q1 * dk);
         const double tol_lse = 2 * ds + (double)(n_vis + 8) * kEps * (1.0 + std::fabs(l_ref[row]));
         ASSERT_NEAR(l[row], l_ref[row], tol_lse) << "lse row " << row << " visible " << n_vis;
         for (int d = 0; d < hd; ++d) {

@@ -128,34 +128,43 @@ TEST(XqCudaHost, attention_plan_layout_fits_and_splits_cover_the_stream) {
   const shape shapes[] = {{1, 5000, 9, 3, 64, 64, 192}, {40, 700, 6, 2, 32, 16, 96}, {1, 100, 32, 32, 128, 128, 128},
                           {2, 9000, 32, 32, 128, 128, 4096}, {64, 20000, 9, 3, 64, 64, 576}};
   for (const shape& s : shapes) {
-    for (size_t cap : {size_t(48) << 10, size_t(227) << 10}) {
-      SCOPED_TRACE(::testing::Message() << "n_q " << s.n_q << " n " << s.n << " wv " << s.wv << " cap " << cap);
-      const xq_attn_plan p = plan_xq_attention(s.n_q, s.n, s.n_head, s.n_head_kv, s.hd, s.n_rot, s.wv, 108, cap);
-      if (p.smem_bytes > cap) {  // hd 128 tiles alone take ~49 KiB: only opt-in devices run them
-        ASSERT_EQ(p.R, 1);
-        ASSERT_LT(cap, size_t(227) << 10);
+    for (size_t cap : {size_t(48) << 10, size_t(227) << 10})
+      for (bool se : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n_q " << s.n_q << " n " << s.n << " wv " << s.wv << " cap " << cap
+                                          << " se " << se);
+        const xq_attn_plan p = plan_xq_attention(s.n_q, s.n, s.n_head, s.n_head_kv, s.hd, s.n_rot, s.wv, 108, cap, se);
+        if (p.smem_bytes > cap) {  // hd 128 tiles alone take ~49 KiB: only opt-in devices run them
+          ASSERT_EQ(p.R, 1);
+          ASSERT_LT(cap, size_t(227) << 10);
+        }
+        ASSERT_GE(p.R, 1);
+        ASSERT_LE(p.R, xq_max_rows);
+        ASSERT_GE(p.row_blocks * p.R, p.rows_total);
+        ASSERT_LT((p.row_blocks - 1) * p.R, p.rows_total);
+        ASSERT_EQ(p.chunk % xq_tile, 0);
+        ASSERT_GE(p.chunk * p.n_split, s.n);
+        ASSERT_LT(p.chunk * (p.n_split - 1), std::max<int64_t>(s.n, 1));
+        ASSERT_EQ(p.k_stride % 2, 1);
+        // Regions in order, 16-byte aligned, none overlapping the next.
+        const size_t offs[] = {p.off_w, p.off_pos_eff, p.off_q,     p.off_k, p.off_zc, p.off_mk,      p.off_bk,
+                               p.off_s, p.off_alpha,   p.off_m,     p.off_l, p.off_u,  p.off_row_pos, p.off_pos};
+        const size_t sizes[] = {p.n_pair * 8u,          xq_tile * 8u,         (size_t)p.R * p.hd * 4,
+                                (size_t)xq_tile * p.k_stride * 4, (size_t)xq_tile * p.zc_stride * 4,
+                                (size_t)xq_kc * p.hd * 4, (size_t)p.hd * 4,   (size_t)p.R * xq_tile * 4,
+                                p.R * 4u,               p.R * 4u,             p.R * 4u,
+                                (size_t)p.R * p.wv * 4, p.R * 4u,             xq_tile * 4u};
+        std::vector<std::pair<size_t, size_t>> regions;
+        for (size_t r = 0; r < std::size(offs); ++r) regions.push_back({offs[r], sizes[r]});
+        if (se) {  // SelfExtend's turned rows and grouped K tile, after the others
+          regions.push_back({p.off_qf, (size_t)p.R * p.hd * 4});
+          regions.push_back({p.off_kf, (size_t)xq_tile * p.k_stride * 4});
+        }
+        for (size_t r = 0; r < regions.size(); ++r) {
+          ASSERT_EQ(regions[r].first % 16, 0u) << r;
+          ASSERT_LE(regions[r].first + regions[r].second, r + 1 < regions.size() ? regions[r + 1].first : p.smem_bytes)
+              << r;
+        }
       }
-      ASSERT_GE(p.R, 1);
-      ASSERT_LE(p.R, xq_max_rows);
-      ASSERT_GE(p.row_blocks * p.R, p.rows_total);
-      ASSERT_LT((p.row_blocks - 1) * p.R, p.rows_total);
-      ASSERT_EQ(p.chunk % xq_tile, 0);
-      ASSERT_GE(p.chunk * p.n_split, s.n);
-      ASSERT_LT(p.chunk * (p.n_split - 1), std::max<int64_t>(s.n, 1));
-      ASSERT_EQ(p.k_stride % 2, 1);
-      // Regions in order, 16-byte aligned, none overlapping the next.
-      const size_t offs[] = {p.off_w, p.off_pos_eff, p.off_q,     p.off_k, p.off_zc, p.off_mk,      p.off_bk,
-                             p.off_s, p.off_alpha,   p.off_m,     p.off_l, p.off_u,  p.off_row_pos, p.off_pos};
-      const size_t sizes[] = {p.n_pair * 8u,          xq_tile * 8u,         (size_t)p.R * p.hd * 4,
-                              (size_t)xq_tile * p.k_stride * 4, (size_t)xq_tile * p.zc_stride * 4,
-                              (size_t)xq_kc * p.hd * 4, (size_t)p.hd * 4,   (size_t)p.R * xq_tile * 4,
-                              p.R * 4u,               p.R * 4u,             p.R * 4u,
-                              (size_t)p.R * p.wv * 4, p.R * 4u,             xq_tile * 4u};
-      for (size_t r = 0; r < std::size(offs); ++r) {
-        ASSERT_EQ(offs[r] % 16, 0u) << r;
-        ASSERT_LE(offs[r] + sizes[r], r + 1 < std::size(offs) ? offs[r + 1] : p.smem_bytes) << r;
-      }
-    }
   }
   // SmolLM2 decode (3 rows per kv head, latents of 192): one block holds the GQA group, and
   // 3 kv heads on 108 SMs split the 5000 rows.
@@ -181,6 +190,7 @@ struct xq_case {
   int64_t nq_k, nq_v;  // quantized rows
   bool ch0, bias;
   float eta;
+  int se_group = 1, se_window = 0;  // SelfExtend when se_group > 1
 };
 void PrintTo(const xq_case& c, std::ostream* os) { *os << c.name; }
 
@@ -191,6 +201,13 @@ const xq_case kCases[] = {
     {"clkv_identity_calibrated", 2, 180, 4, 2, 32, 32, 0, 0, false, false, 1, 2, 32, 32, 160, 176, false, false,
      0.1f},
     {"dense_latent", 5, 90, 8, 2, 64, 48, 64, 72, false, true, 0, 0, 0, 0, 0, 0, false, true, 0.0f},
+    // SelfExtend: windows that put the rows on both sides of tiles; partial rotation; identity
+    {"gqa_latent_decode_se", 1, 300, 9, 3, 64, 64, 96, 96, false, false, 4, 2, 32, 32, 288, 280, true, true, 0.0f, 4, 40},
+    {"gqa_latent_prefill_se", 40, 150, 6, 2, 32, 32, 48, 40, false, false, 3, 4, 16, 8, 144, 150, false, true, 0.0f, 3,
+     25},
+    {"mha_x_same_stream_se", 3, 200, 4, 4, 32, 16, 128, 128, true, false, 3, 3, 64, 64, 192, 192, false, true, 0.0f, 16,
+     50},
+    {"clkv_identity_se", 2, 180, 4, 2, 32, 32, 0, 0, false, false, 1, 2, 32, 32, 160, 176, false, false, 0.1f, 8, 16},
 };
 
 struct host_stream {
@@ -289,6 +306,7 @@ host_problem make_problem(const xq_case& c, uint32_t seed) {
   for (int64_t i = 0; i < c.n_q; ++i)  // first query sees nothing when n_q > 2, the last sees all
     P.q_pos.push_back(c.n_q > 2 && i == 0 ? 1 : P.pos[(size_t)((c.n - 1) * (i + 1) / c.n_q)]);
   P.rope.head_dim = c.hd, P.rope.n_rot = c.n_rot, P.rope.freq_base = 1e5f;
+  P.rope.se_group = c.se_group, P.rope.se_window = c.se_window;
   return P;
 }
 
@@ -343,7 +361,10 @@ void expect_close(const xq_attn_args& a, const std::vector<float>& o, const std:
       const int64_t row = i * a.n_head + h;
       double q1 = 0;
       for (int d = 0; d < hd; ++d) q1 += std::fabs(a.q[row * hd + d]);
-      const double ds = a.scale * q1 * ((hd + 2) * kEps * k_max + dk);
+      // SelfExtend turns q and k pairs (each element of a turned pair within sqrt(2) of the
+      // pair's largest) and the query's turn adds its cos/sin and rotation error.
+      const double ds = self_extend_on(a.rope) ? 2 * a.scale * q1 * ((hd + 10) * kEps * k_max + dk)
+                                               : a.scale * q1 * ((hd + 2) * kEps * k_max + dk);
       if (n_vis == 0) {
         ASSERT_EQ(lse[row], -kInf) << "row " << row;
         for (int d = 0; d < hd; ++d) ASSERT_EQ(o[row * hd + d], 0.0f) << "row " << row;
@@ -367,8 +388,10 @@ void expect_close(const xq_attn_args& a, const std::vector<float>& o, const std:
 // split partials, projects: what xq.cu launches, minus the parallelism.
 void emulate_attention(const xq_attn_args& a, int n_sm, size_t smem_cap, int* n_split_out) {
   const int wv = a.m_v != nullptr ? a.zv.channels : a.head_dim;
+  const bool se = self_extend_on(a.rope);
+  const int se_window = se ? a.rope.se_window : -1;
   const xq_attn_plan pl =
-      plan_xq_attention(a.n_q, a.n, a.n_head, a.n_head_kv, a.head_dim, a.rope.n_rot, wv, n_sm, smem_cap);
+      plan_xq_attention(a.n_q, a.n, a.n_head, a.n_head_kv, a.head_dim, a.rope.n_rot, wv, n_sm, smem_cap, se);
   ASSERT_LE(pl.smem_bytes, smem_cap);
   *n_split_out = pl.n_split;
   double w[kvq_max_pairs], pos_div = 0;
@@ -388,6 +411,7 @@ void emulate_attention(const xq_attn_args& a, int n_sm, size_t smem_cap, int* n_
         xq_tile_view t = xq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g, b);
         t.v_off = a.m_v != nullptr ? 0 : g * hd;
         items(pl.R, hd, [&](int r, int d) { xq_setup_q(a, t, r, d); });
+        if (se) items(pl.R, (hd + 1) / 2, [&](int r, int c) { xq_setup_qf(a, t, w, pos_div, r, c); });
         for (int idx = 0; idx < xq_setup_items(pl); ++idx) xq_setup_misc(a, t, w, idx);
         int max_pos = INT32_MIN;
         for (int r = 0; r < t.n_rows; ++r) max_pos = std::max(max_pos, t.row_pos[r]);
@@ -403,8 +427,11 @@ void emulate_attention(const xq_attn_args& a, int n_sm, size_t smem_cap, int* n_
               items(xq_kc, hd, [&](int c, int d) { xq_tile_mk_chunk(a, t, c0, c, d); });
               items(t.nt, hd, [&](int j, int d) { xq_tile_k_rebuild(t, j, d); });
             }
-          items(t.nt, pl.n_pair, [&](int j, int i) { xq_tile_rope(t, j, i); });
-          items(t.n_rows, xq_tile, [&](int r, int j) { xq_tile_score(t, r, j); });
+          if (se && (int64_t)max_pos - a.pos[j0] >= se_window)
+            items(t.nt, (hd + 1) / 2, [&](int j, int c) { xq_tile_rope_grouped(t, a.rope.se_group, pos_div, j, c); });
+          else
+            items(t.nt, pl.n_pair, [&](int j, int i) { xq_tile_rope(t, j, i); });
+          items(t.n_rows, xq_tile, [&](int r, int j) { xq_tile_score(t, r, j, se_window); });
           for (int r = 0; r < t.n_rows; ++r) xq_tile_softmax(t, r);
           for (int c0 = 0; c0 < wv; c0 += xq_vc) {
             items(xq_tile, xq_vc, [&](int j, int c) { xq_tile_zv_chunk(a, t, c0, j, c); });
