@@ -421,8 +421,49 @@ const layer_case kLayers[] = {
 
 class KvqCudaLayer : public ::testing::TestWithParam<layer_case> {};
 
-// The tile phases of kvq.cuh, run item by item in the kernel's phase order (lanes of the outlier
-// phase emulated), over every tile of every kv head, must reproduce the reference's decoded and
+// Runs kvq.cuh's tile phases item by item in the kernel's order over every tile of every kv
+// head (the outlier phase's lanes emulated); with se_group > 0 the rope phase is SelfExtend's
+// (kvq_tile_rope_grouped). check(t, g, s0, nt) sees each finished tile.
+template <class Check>
+void run_tile_phases(const kvq_layer_view& L, const kvq_attn_plan& pl, const rope_config& rope, int se_group,
+                     Check&& check) {
+  std::vector<double> smem(pl.smem_bytes / sizeof(double) + 1);
+  double w[kvq_max_pairs], pos_div = 0;
+  kvq_rope_setup(rope, w, pos_div);
+  const int hd = L.head_dim;
+  for (int g = 0; g < L.n_head_kv; ++g) {
+    kvq_tile_view t = kvq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g);
+    for (int idx = 0; idx < kvq_setup_items(L, pl.n_pair); ++idx) kvq_tile_setup(L, t, w, pl.n_pair, idx);
+    for (int64_t s0 = 0; s0 < L.n; s0 += kvq_tile) {
+      const int nt = (int)std::min<int64_t>(kvq_tile, L.n - s0);
+      t.s0 = s0;
+      for (int j = 0; j < nt; ++j) kvq_tile_meta(L, t, pos_div, j);
+      for (int j = 0; j < nt; ++j)
+        for (int d = 0; d < hd; ++d) kvq_tile_dense(L, t, j, d);
+      for (int j = 0; j < nt; ++j)
+        for (int lane = 0; lane < 32; ++lane) kvq_tile_outliers(L, t, j, lane, 32);
+      for (int j = 0; j < nt; ++j) {
+        if (se_group > 0)
+          for (int c = 0; c < (hd + 1) / 2; ++c) kvq_tile_rope_grouped(t, j, c, hd, pl.n_pair, se_group, pos_div);
+        else
+          for (int p = 0; p < pl.n_pair; ++p) kvq_tile_rope(t, j, p);
+      }
+      check(t, g, s0, nt);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// Bound on a rotated key element against the reference's: dequantization plus, for rotated
+// dims, the on-the-fly RoPE's cos/sin and rotation error on the pair.
+double key_tolerance(const std::vector<float>& kd, size_t at, int d, int n_rot, double pk) {
+  const size_t a0 = at - (d % 2);
+  const double pair = std::fabs(kd[a0]) + std::fabs(kd[a0 + 1]);
+  const double rot = d < n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0;
+  return kEps * kDequantUlps * pk + rot;
+}
+
+// The tile phases, over every tile of every kv head, must reproduce the reference's decoded and
 // rotated layer.
 TEST_P(KvqCudaLayer, host_run_of_the_tile_phases_matches_ref_decode_and_rope) {
   const layer_case c = GetParam();
@@ -439,38 +480,19 @@ TEST_P(KvqCudaLayer, host_run_of_the_tile_phases_matches_ref_decode_and_rope) {
   const auto [pk, pv] = dense_products(L);
 
   const kvq_attn_plan pl = plan_kvq_attention(1, L.n, c.n_head, L.n_head_kv, hd, rope.n_rot, 108);
-  std::vector<double> smem(pl.smem_bytes / sizeof(double) + 1);
-  double w[kvq_max_pairs], pos_div = 0;
-  kvq_rope_setup(rope, w, pos_div);
-  for (int g = 0; g < L.n_head_kv; ++g) {
-    kvq_tile_view t = kvq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g);
-    for (int idx = 0; idx < kvq_setup_items(L, pl.n_pair); ++idx) kvq_tile_setup(L, t, w, pl.n_pair, idx);
-    for (int64_t s0 = 0; s0 < L.n; s0 += kvq_tile) {
-      const int nt = (int)std::min<int64_t>(kvq_tile, L.n - s0);
-      t.s0 = s0;
-      for (int j = 0; j < nt; ++j) kvq_tile_meta(L, t, pos_div, j);
-      for (int j = 0; j < nt; ++j)
-        for (int d = 0; d < hd; ++d) kvq_tile_dense(L, t, j, d);
-      for (int j = 0; j < nt; ++j)
-        for (int lane = 0; lane < 32; ++lane) kvq_tile_outliers(L, t, j, lane, 32);
-      for (int j = 0; j < nt; ++j)
-        for (int p = 0; p < pl.n_pair; ++p) kvq_tile_rope(t, j, p);
-      for (int j = 0; j < nt; ++j) {
-        const int64_t s = s0 + j;
-        ASSERT_EQ(t.pos[j], L.pos[s]);
-        for (int d = 0; d < hd; ++d) {
-          const size_t at = (size_t)s * C + g * hd + d;
-          const double vt = kEps * kDequantUlps * pv;
-          ASSERT_NEAR(t.v[(size_t)j * t.v_stride + d], vd[at], vt) << "value slot " << s << " head " << g << " d " << d;
-          const size_t a0 = at - (d % 2);
-          const double pair = std::fabs(kd[a0]) + std::fabs(kd[a0 + 1]);
-          const double rot = d < rope.n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0;
-          const double kt = kEps * kDequantUlps * pk + rot;
-          ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], kt) << "key slot " << s << " head " << g << " d " << d;
-        }
+  run_tile_phases(L, pl, rope, 0, [&](const kvq_tile_view& t, int g, int64_t s0, int nt) {
+    for (int j = 0; j < nt; ++j) {
+      const int64_t s = s0 + j;
+      ASSERT_EQ(t.pos[j], L.pos[s]);
+      for (int d = 0; d < hd; ++d) {
+        const size_t at = (size_t)s * C + g * hd + d;
+        ASSERT_NEAR(t.v[(size_t)j * t.v_stride + d], vd[at], kEps * kDequantUlps * pv)
+            << "value slot " << s << " head " << g << " d " << d;
+        ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], key_tolerance(kd, at, d, rope.n_rot, pk))
+            << "key slot " << s << " head " << g << " d " << d;
       }
     }
-  }
+  });
   if (c.outliers) {  // the layer must exercise both patch paths
     int64_t n_out_seen = 0;
     uint32_t most = 0;
@@ -505,38 +527,19 @@ TEST_P(KvqCudaLayer, host_run_of_the_grouped_rope_phase_matches_ref) {
 
   const kvq_attn_plan pl = plan_kvq_attention(1, L.n, c.n_head, L.n_head_kv, hd, rope.n_rot, 108, /*self_extend=*/true);
   ASSERT_TRUE(pl.self_extend);
-  std::vector<double> smem(pl.smem_bytes / sizeof(double) + 1);
-  double w[kvq_max_pairs], pos_div = 0;
-  kvq_rope_setup(rope, w, pos_div);
-  for (int g = 0; g < L.n_head_kv; ++g) {
-    kvq_tile_view t = kvq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g);
+  run_tile_phases(L, pl, rope, G, [&](const kvq_tile_view& t, int g, int64_t s0, int nt) {
     ASSERT_NE(t.kf, nullptr);
-    for (int idx = 0; idx < kvq_setup_items(L, pl.n_pair); ++idx) kvq_tile_setup(L, t, w, pl.n_pair, idx);
-    for (int64_t s0 = 0; s0 < L.n; s0 += kvq_tile) {
-      const int nt = (int)std::min<int64_t>(kvq_tile, L.n - s0);
-      t.s0 = s0;
-      for (int j = 0; j < nt; ++j) kvq_tile_meta(L, t, pos_div, j);
-      for (int j = 0; j < nt; ++j)
-        for (int d = 0; d < hd; ++d) kvq_tile_dense(L, t, j, d);
-      for (int j = 0; j < nt; ++j)
-        for (int lane = 0; lane < 32; ++lane) kvq_tile_outliers(L, t, j, lane, 32);
-      for (int j = 0; j < nt; ++j)
-        for (int cc = 0; cc < (hd + 1) / 2; ++cc) kvq_tile_rope_grouped(t, j, cc, hd, pl.n_pair, G, pos_div);
-      for (int j = 0; j < nt; ++j) {
-        const int64_t s = s0 + j;
-        for (int d = 0; d < hd; ++d) {
-          const size_t at = (size_t)s * C + g * hd + d;
-          const size_t a0 = at - (d % 2);
-          const double pair = std::fabs(kd[a0]) + std::fabs(kd[a0 + 1]);
-          const double rot = d < rope.n_rot ? (kvq_rope_cs_err + kRopeRotEps * kEps) * pair : 0.0;
-          const double kt = kEps * kDequantUlps * pk + rot;
-          ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], kt) << "key slot " << s << " head " << g << " d " << d;
-          ASSERT_NEAR(t.kf[(size_t)j * t.k_stride + d], kg[at], kt)
-              << "grouped key slot " << s << " (pos " << L.pos[s] << ") head " << g << " d " << d;
-        }
+    for (int j = 0; j < nt; ++j) {
+      const int64_t s = s0 + j;
+      for (int d = 0; d < hd; ++d) {
+        const size_t at = (size_t)s * C + g * hd + d;
+        const double kt = key_tolerance(kd, at, d, rope.n_rot, pk);
+        ASSERT_NEAR(t.k[(size_t)j * t.k_stride + d], kr[at], kt) << "key slot " << s << " head " << g << " d " << d;
+        ASSERT_NEAR(t.kf[(size_t)j * t.k_stride + d], kg[at], kt)
+            << "grouped key slot " << s << " (pos " << L.pos[s] << ") head " << g << " d " << d;
       }
     }
-  }
+  });
 }
 
 // ---- device: attention ----------------------------------------------------------------------
