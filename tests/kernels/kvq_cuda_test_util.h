@@ -1,0 +1,60 @@
+// Shared by the CUDA quantized-KV tests (test_kvq_cuda.cpp: attention, test_kvq_cuda_encode.cpp:
+// encode): the device-test guard, device copies of host arrays, the test datatypes.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "kernels/ops.h"
+
+// Device suites skip (reported as skipped) where no usable CUDA device is present.
+#define XCTX_REQUIRE_CUDA()                            \
+  if (!backend_available(backend_kind::backend_cuda)) \
+  GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)"
+
+namespace xctx::kvq_cuda_test {
+
+// Device copies of host arrays, freed with the backend.
+class device_arena {
+ public:
+  explicit device_arena(backend& be) : be_(be) {}
+  ~device_arena() {
+    for (void* p : ptrs_) be_.free(p);
+  }
+  device_arena(const device_arena&) = delete;
+  device_arena& operator=(const device_arena&) = delete;
+  template <class T>
+  T* put(const std::vector<T>& v) {
+    if (v.empty()) return nullptr;
+    T* p = alloc<T>(v.size());
+    be_.upload(p, v.data(), v.size() * sizeof(T));
+    return p;
+  }
+  template <class T>
+  T* alloc(size_t n) {
+    void* p = be_.alloc(std::max<size_t>(1, n) * sizeof(T));
+    ptrs_.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+ private:
+  backend& be_;
+  std::vector<void*> ptrs_;
+};
+
+// A monotone nuq datatype of 2^bits levels in [-1, 1], |u|^power-shaped.
+inline std::vector<float> ascending_lut(int bits, float power) {
+  const int n = 1 << bits;
+  std::vector<float> l(n);
+  for (int i = 0; i < n; ++i) {
+    const float u = -1.0f + 2.0f * (float)i / (float)(n - 1);
+    l[i] = std::copysign(std::pow(std::fabs(u), power), u);
+  }
+  return l;
+}
+
+}  // namespace xctx::kvq_cuda_test
