@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "cache/format.h"
 #include "kernels/kv_quant.h"
@@ -13,6 +14,9 @@
 #include "kernels/softmax_acc.h"
 
 namespace xctx {
+
+// Pointer spaces: activations (x, k, v, q, o, lse) are in the cache's backend memory, positions
+// and ring / snapshot blocks on the host. On host-memory backends the two are the same.
 
 // What one layer offers the cache for n new tokens.
 struct layer_input {
@@ -44,6 +48,16 @@ class kv_cache {
                       const float* q,        // [n_q, n_head, head_dim]
                       const int32_t* q_pos,  // [n_q]
                       int64_t n_q, attend_path path, softmax_acc& out) = 0;
+  // The same attention as one (o, lse) partial in the backend's memory, for backends without the
+  // exact accumulator (backend::exact_accumulator; CUDA): o [n_q, n_head, head_dim] normalised,
+  // lse [n_q, n_head] natural log, as attn_args. Partials of several calls merge with
+  // backend::merge_partials (worker/attention_sum.h). Formats that have not been made to run on
+  // such a backend throw (make_cache refuses them there up front).
+  virtual void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
+                              float* lse);
+  // The same over a block of export_layer (host memory).
+  virtual void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q,
+                                       const int32_t* q_pos, int64_t n_q, attend_path path, float* o, float* lse);
   // The ring prefill passes a layer's tokens between ranks in the representation the format
   // stores (compressed formats send compressed bytes). export_layer writes exactly
   // exported_bytes(layer) bytes; attend_exported attends over such a block produced by a cache
@@ -78,7 +92,11 @@ class kv_cache {
   virtual size_t bytes_used() const = 0;  // for the tokens held now
 };
 
+// Throws, naming the format and backend, for a format that does not run on `be` (formats other
+// than fp16/fp32 need the exact accumulator so far: they run on the cpu and ref backends).
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
+// Whether make_cache(spec, ., be) accepts the format; the reason when it does not.
+bool cache_runs_on(cache_format f, const backend& be, std::string* why = nullptr);
 
 // Rank boundaries of a shard plan must fall on multiples of this many positions for the format
 // to compress the same tokens the same way on any number of ranks (kivi: its group size).

@@ -17,12 +17,14 @@ namespace {
 
 class fp_cache final : public kv_cache {
  public:
-  fp_cache(cache_format f, const cache_geometry& g, backend& be) : format_(f), geo_(g), be_(be) {
+  fp_cache(cache_format f, const cache_geometry& g, backend& be)
+      : format_(f), geo_(g), be_(be), host_mem_(be.host_memory()), kscratch_(be), qpos_(be), lse_(be), block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim);
     XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
     elem_bytes_ = f == cache_format::cache_fp32 ? 4 : 2;
+    type_ = f == cache_format::cache_fp32 ? kv_dtype::kv_f32 : kv_dtype::kv_f16;
     row_elems_ = (size_t)g.n_head_kv * g.head_dim;
     const size_t layer_bytes = (size_t)g.capacity * row_elems_ * elem_bytes_;
     bytes_ = 2 * layer_bytes * g.n_layer + (size_t)g.capacity * sizeof(int32_t);
@@ -34,6 +36,9 @@ class fp_cache final : public kv_cache {
       v_.push_back(base_ + (2 * (size_t)l + 1) * layer_bytes);
     }
     pos_ = reinterpret_cast<int32_t*>(base_ + 2 * layer_bytes * g.n_layer);
+    // The slot positions are checked and kept on the host; a device backend's kernels read the
+    // copy in pos_ (4 bytes per slot of host memory beyond bytes_allocated, device backends only).
+    if (!host_mem_) pos_host_.resize(g.capacity);
     n_.assign(g.n_layer, 0);
   }
   ~fp_cache() override { be_.free(base_); }
@@ -57,18 +62,28 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(at + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", at, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
-    store_slot_positions(pos_, n_max_written_, layer, at, in);
-
+    store_positions(layer, at, in.pos, in.n);
+    // Keys are stored after RoPE at their positions (pos_ + at: the same values as in.pos, where
+    // the backend reads them); fp32 rotates in place, fp16 through an f32 scratch.
     const size_t n_elems = (size_t)in.n * row_elems_;
-    scratch_.assign(in.k, in.k + n_elems);
-    be_.rope(scratch_.data(), in.pos, in.n, geo_.n_head_kv, geo_.rope);
-    store(k_[layer] + (size_t)at * row_elems_ * elem_bytes_, scratch_.data(), n_elems);
-    store(v_[layer] + (size_t)at * row_elems_ * elem_bytes_, in.v, n_elems);
+    uint8_t* k_dst = k_[layer] + (size_t)at * row_elems_ * elem_bytes_;
+    float* k_rot = type_ == kv_dtype::kv_f32 ? reinterpret_cast<float*>(k_dst) : kscratch_.reserve_as<float>(n_elems);
+    be_.convert_rows(k_rot, kv_dtype::kv_f32, in.k, (int64_t)n_elems);
+    be_.rope(k_rot, pos_ + at, in.n, geo_.n_head_kv, geo_.rope);
+    if (type_ != kv_dtype::kv_f32) be_.convert_rows(k_dst, type_, k_rot, (int64_t)n_elems);
+    be_.convert_rows(v_[layer] + (size_t)at * row_elems_ * elem_bytes_, type_, in.v, (int64_t)n_elems);
     n_[layer] = at + in.n;
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
-    run_attention(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q, path, out);
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, softmax_acc& out) override {
+    attn_args a = args(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q);
+    a.acc = &out;
+    be_.attention_partial(a);
+  }
+  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, float* o,
+                      float* lse) override {
+    attn_args a = args(k_[layer], v_[layer], pos_, n_[layer], q, q_pos_on_backend(q_pos, n_q), n_q);
+    run_partial(a, o, lse);
   }
 
   // Block layout: int64 n | int32 pos[n] | K [n, n_head_kv, head_dim] | V [same], K/V in the
@@ -78,18 +93,34 @@ class fp_cache final : public kv_cache {
     const int64_t n = n_.at(layer);
     auto* out = static_cast<uint8_t*>(dst);
     std::memcpy(out, &n, sizeof n);
-    std::memcpy(out + 8, pos_, n * sizeof(int32_t));
+    std::memcpy(out + 8, pos_host(), n * sizeof(int32_t));
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
-    std::memcpy(out + 8 + padded_pos_bytes(n), k_[layer], kv);
-    std::memcpy(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
+    be_.download(out + 8 + padded_pos_bytes(n), k_[layer], kv);
+    be_.download(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
   }
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
+                       attend_path, softmax_acc& out) override {
     const int64_t n = block_tokens(layer, block, bytes);
     const auto* in = static_cast<const uint8_t*>(block);
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     const uint8_t* k = in + 8 + padded_pos_bytes(n);
-    run_attention(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q, path, out);
+    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q);
+    a.acc = &out;
+    be_.attention_partial(a);
+  }
+  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, attend_path, float* o, float* lse) override {
+    const int64_t n = block_tokens(layer, block, bytes);
+    const uint8_t* in = static_cast<const uint8_t*>(block);
+    if (!host_mem_) {  // the whole block in one upload: header, positions and K/V keep their offsets
+      auto* dev = static_cast<uint8_t*>(block_.reserve(bytes));
+      be_.upload(dev, block, bytes);
+      in = dev;
+    }
+    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
+    const uint8_t* k = in + 8 + padded_pos_bytes(n);
+    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos_on_backend(q_pos, n_q), n_q);
+    run_partial(a, o, lse);
   }
 
   void restore_layer(int layer, const void* block, size_t bytes) override {
@@ -99,14 +130,41 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", n, " tokens; the cache has room for ",
                geo_.capacity);
     const auto* in = static_cast<const uint8_t*>(block);
-    restore_slot_positions(pos_, n_max_written_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
+    restore_slot_positions(pos_host(), n_max_written_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
+    if (!host_mem_) be_.upload(pos_, pos_host(), (size_t)n * sizeof(int32_t));
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
-    std::memcpy(k_[layer], in + 8 + padded_pos_bytes(n), kv);
-    std::memcpy(v_[layer], in + 8 + padded_pos_bytes(n) + kv, kv);
+    be_.upload(k_[layer], in + 8 + padded_pos_bytes(n), kv);
+    be_.upload(v_[layer], in + 8 + padded_pos_bytes(n) + kv, kv);
     n_[layer] = n;
   }
 
  private:
+  int32_t* pos_host() { return host_mem_ ? pos_ : pos_host_.data(); }
+  const int32_t* pos_host() const { return host_mem_ ? pos_ : pos_host_.data(); }
+
+  // Checks and records the positions of slots [at, at + n) of `layer`, on the host and where the
+  // backend reads them. Slots are shared by the layers: only the first layer to reach a slot
+  // uploads it (one upload per step, not per layer).
+  void store_positions(int layer, int64_t at, const int32_t* pos, int64_t n) {
+    layer_input in;
+    in.pos = pos, in.n = n;
+    const int64_t written = n_max_written_;
+    store_slot_positions(pos_host(), n_max_written_, layer, at, in);
+    if (!host_mem_ && n_max_written_ > written)
+      be_.upload(pos_ + written, pos_host() + written, (size_t)(n_max_written_ - written) * sizeof(int32_t));
+  }
+
+  // The query positions where the backend reads them. Every layer of a step asks with the same
+  // positions: the last upload is reused while they match (one upload per step).
+  const int32_t* q_pos_on_backend(const int32_t* q_pos, int64_t n_q) {
+    if (host_mem_) return q_pos;
+    if ((int64_t)qpos_host_.size() != n_q || !std::equal(q_pos, q_pos + n_q, qpos_host_.begin())) {
+      qpos_host_.assign(q_pos, q_pos + n_q);
+      be_.upload(qpos_.reserve_as<int32_t>(std::max<int64_t>(n_q, 1)), q_pos, (size_t)n_q * sizeof(int32_t));
+    }
+    return qpos_.as<int32_t>();
+  }
+
   // The token count of a block, checked against its size.
   int64_t block_tokens(int layer, const void* block, size_t bytes) const {
     XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
@@ -121,8 +179,8 @@ class fp_cache final : public kv_cache {
   static size_t padded_pos_bytes(int64_t n) { return (size_t)((n + 1) / 2 * 2) * sizeof(int32_t); }
   size_t block_bytes(int64_t n) const { return 8 + padded_pos_bytes(n) + 2 * (size_t)n * row_elems_ * elem_bytes_; }
 
-  void run_attention(const void* k, const void* v, const int32_t* kv_pos, int64_t n_kv, const float* q,
-                     const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) {
+  attn_args args(const void* k, const void* v, const int32_t* kv_pos, int64_t n_kv, const float* q,
+                 const int32_t* q_pos, int64_t n_q) const {
     attn_args a;
     a.q = q;
     a.q_pos = q_pos;
@@ -131,43 +189,52 @@ class fp_cache final : public kv_cache {
     a.v = v;
     a.kv_pos = kv_pos;
     a.n_kv = n_kv;
-    a.kv_type = format_ == cache_format::cache_fp32 ? kv_dtype::kv_f32 : kv_dtype::kv_f16;
+    a.kv_type = type_;
     a.n_head = geo_.n_head;
     a.n_head_kv = geo_.n_head_kv;
     a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
-    a.acc = &out;
     a.rope = geo_.rope;  // SelfExtend turns the post-RoPE keys of its grouped side
-    be_.attention_partial(a);
+    return a;
   }
-
-  void store(uint8_t* dst, const float* src, size_t n) {
-    if (elem_bytes_ == 4) {
-      std::memcpy(dst, src, n * 4);
-      return;
-    }
-    auto* h = reinterpret_cast<uint16_t*>(dst);
-#pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < (int64_t)n; ++i) h[i] = fp32_to_fp16(src[i]);
+  void run_partial(attn_args& a, float* o, float* lse) {
+    a.o = o;
+    a.lse = lse != nullptr ? lse : lse_.reserve_as<float>(a.n_q * geo_.n_head);
+    be_.attention_partial(a);
   }
 
   cache_format format_;
   cache_geometry geo_;
   backend& be_;
+  bool host_mem_;
+  kv_dtype type_ = kv_dtype::kv_f16;
   size_t elem_bytes_ = 0;
   size_t row_elems_ = 0;
   size_t bytes_ = 0;
   uint8_t* base_ = nullptr;
-  std::vector<uint8_t*> k_, v_;  // per layer: [capacity, n_head_kv, head_dim]
-  int32_t* pos_ = nullptr;       // [capacity]
+  std::vector<uint8_t*> k_, v_;  // per layer: [capacity, n_head_kv, head_dim], backend memory
+  int32_t* pos_ = nullptr;       // [capacity] backend memory
+  std::vector<int32_t> pos_host_;  // [capacity] the host's copy (non-host backends)
+  std::vector<int32_t> qpos_host_;  // what qpos_ holds
   std::vector<int64_t> n_;       // tokens held per layer
   int64_t n_max_written_ = 0;
-  std::vector<float> scratch_;   // [n, n_head_kv, head_dim] keys being rotated
+  // Backend scratch: rotated f32 keys of an fp16 append, uploaded query positions, an lse
+  // nobody asked for, an uploaded ring block.
+  backend_buffer kscratch_, qpos_, lse_, block_;
 };
 
 }  // namespace
 
+bool cache_runs_on(cache_format f, const backend& be, std::string* why) {
+  if (be.exact_accumulator() || format_traits(f).family == cache_family::family_fp) return true;
+  if (why != nullptr)
+    *why = std::string("cache format ") + format_traits(f).name + " does not run on the " + be.name() +
+           " backend yet: only fp16 and fp32 do; every format runs on --backend cpu";
+  return false;
+}
+
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  if (std::string why; !cache_runs_on(spec.format, be, &why)) fail(why);
   switch (spec.format) {
     case cache_format::cache_fp32:
     case cache_format::cache_fp16: return std::make_unique<fp_cache>(spec.format, g, be);
@@ -204,6 +271,17 @@ int64_t cache_alignment(const cache_spec& spec) {
     case cache_family::family_clkv: group = spec.options.group_size; break;
   }
   return std::lcm<int64_t>(kAttnUnit, group);
+}
+
+void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*) {
+  fail("cache format ", format_traits(format()).name, " has no (o, lse) attention: it runs on backends with the "
+       "exact accumulator only (--backend cpu)");
+}
+
+void kv_cache::attend_exported_partial(int, const void*, size_t, const float*, const int32_t*, int64_t, attend_path,
+                                       float*, float*) {
+  fail("cache format ", format_traits(format()).name, " has no (o, lse) attention: it runs on backends with the "
+       "exact accumulator only (--backend cpu)");
 }
 
 void kv_cache::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse,

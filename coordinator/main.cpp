@@ -46,6 +46,7 @@ struct cache_flags {
   int se_group = 0;        // 0: not given
   std::string se_window;   // empty: not given
   std::string decode_act;  // empty: XCTX_DECODE_ACT, else q16
+  std::string backend;     // empty: XCTX_BACKEND, else cpu
 };
 
 std::string cache_format_list() {
@@ -69,6 +70,10 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
                   "while those accumulators stay within 1 GiB per rank)")
       ->default_val("auto");
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
+  cmd->add_option("--backend", cf.backend,
+                  "cpu | cuda: where the forward, the cache and attention run (default: XCTX_BACKEND, else cpu); "
+                  "cuda binds each rank to node-local rank mod the GPUs (XCTX_CUDA_DEVICE overrides) and runs "
+                  "the fp16/fp32 caches so far");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
   cmd->add_option("--decode-act", cf.decode_act,
@@ -90,6 +95,7 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
 void apply_run_options(xctx::run_params& rp, const std::string& cache, const std::string& ctx, const std::string& rope,
                        const cache_flags& cf) {
   rp.cache = xctx::parse_cache_format(cache);
+  rp.backend = xctx::choose_backend(cf.backend);
   if (!cf.decode_act.empty()) {  // process-wide: every rank parses the same command line
     xctx::cpu::set_decode_activations(xctx::cpu::parse_decode_activations(cf.decode_act, "--decode-act"));
   }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/half.h"
 
 namespace xctx {
 namespace {
@@ -47,6 +48,21 @@ class host_backend final : public backend {
   }
   void swiglu(const float* gate, const float* up, int64_t n, float* out) override { k_.swiglu(gate, up, n, out); }
   void add(float* y, const float* x, int64_t n) override { k_.add(y, x, n); }
+  void add_rows(float* y, const float* b, int64_t n_tok, int64_t dim) override {
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t i = 0; i < dim; ++i) y[t * dim + i] += b[i];
+  }
+  void convert_rows(void* dst, kv_dtype type, const float* src, int64_t n) override {
+    if (type == kv_dtype::kv_f32) {
+      if (n > 0 && dst != src) std::memcpy(dst, src, (size_t)n * sizeof(float));
+      return;
+    }
+    auto* h = static_cast<uint16_t*>(dst);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_fp16(src[i]);
+  }
+  bool host_memory() const override { return true; }
+  bool exact_accumulator() const override { return true; }
   void attention_partial(const attn_args& a) override { k_.attention_partial(a); }
   void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                       float* o, float* lse) override {

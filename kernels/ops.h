@@ -115,6 +115,13 @@ class backend {
   virtual void upload(void* dst, const void* src_host, size_t bytes) = 0;
   virtual void download(void* dst_host, const void* src, size_t bytes) = 0;
   virtual void synchronize() {}
+  // Host-memory backends (ref, cpu): their pointers are host pointers, so weights are used where
+  // they lie, host code may read what the kernels wrote, and upload/download are plain copies.
+  virtual bool host_memory() const { return false; }
+  // Whether attention_partial / attention_kvq take attn_args::acc (exact per-unit deposits into
+  // a host softmax_acc). Without it, attention runs as (o, lse) partials in this backend's memory
+  // merged with merge_partials (worker/attention_sum.h).
+  virtual bool exact_accumulator() const { return false; }
 
   // y = x · Wᵀ : y[t, r] = Σ_c W[r, c] x[t, c]
   virtual void matmul(const weight_view& w,
@@ -146,6 +153,13 @@ class backend {
   virtual void swiglu(const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/) = 0;
   // y += x
   virtual void add(float* y /*[n]*/, const float* x /*[n]*/, int64_t n) = 0;
+  // y[t, :] += b for n_tok rows (biases); one add per row unless a backend fuses it.
+  virtual void add_rows(float* y /*[n_tok, dim]*/, const float* b /*[dim]*/, int64_t n_tok, int64_t dim) {
+    for (int64_t t = 0; t < n_tok; ++t) add(y + t * dim, b, dim);
+  }
+  // dst[i] = src[i] stored as `type` (f32: a copy; f16: fp32_to_fp16, round to nearest even, the
+  // same bits on every backend), both in this backend's memory: how caches store rows.
+  virtual void convert_rows(void* dst /*[n] of type*/, kv_dtype type, const float* src /*[n]*/, int64_t n) = 0;
   virtual void attention_partial(const attn_args& a) = 0;
   // Merges n_part partials of the same queries (see attn_args); o/lse may alias part 0.
   virtual void merge_partials(const float* o_parts /*[n_part, n_row, head_dim]*/,
@@ -157,12 +171,64 @@ class backend {
   virtual void attention_kvq(const kvq_attn_args& a) = 0;
 };
 
+// One allocation in a backend's memory, freed with the object. reserve() grows it (what it held
+// is not kept: scratch), so a buffer sized for the largest call is allocated once.
+class backend_buffer {
+ public:
+  explicit backend_buffer(backend& be) : be_(&be) {}
+  ~backend_buffer() { release(); }
+  backend_buffer(const backend_buffer&) = delete;
+  backend_buffer& operator=(const backend_buffer&) = delete;
+  backend_buffer(backend_buffer&& o) noexcept : be_(o.be_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
+
+  void* reserve(size_t bytes) {
+    if (bytes > bytes_ || p_ == nullptr) {
+      release();
+      p_ = be_->alloc(bytes);
+      bytes_ = bytes;
+    }
+    return p_;
+  }
+  template <typename T>
+  T* reserve_as(int64_t n) { return static_cast<T*>(reserve((size_t)n * sizeof(T))); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+  void release() {
+    if (p_ != nullptr) be_->free(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  backend* be_;
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// n host values where `be` reads them: the host array itself on host-memory backends, else a
+// copy uploaded into buf (positions, token ids: small next to the activations).
+template <typename T>
+const T* host_array_on(backend& be, const T* host, int64_t n, backend_buffer& buf) {
+  if (be.host_memory() || n == 0) return host;
+  T* dst = buf.reserve_as<T>(n);
+  be.upload(dst, host, (size_t)n * sizeof(T));
+  return dst;
+}
+
 enum class backend_kind : uint8_t { backend_ref, backend_cpu, backend_cuda };
 
 // Defined in kernels/registry.cpp, the only file that knows whether CUDA was compiled in.
 std::unique_ptr<backend> make_backend(backend_kind kind);
 bool backend_available(backend_kind kind);  // cuda: compiled in AND a device is present
 const char* backend_name(backend_kind kind);
+// "cpu" / "cuda" (and "ref", the scalar oracle) as `--backend` and XCTX_BACKEND spell them; an
+// error naming `what` and the choices otherwise.
+backend_kind parse_backend_kind(const std::string& name, const char* what);
+// The backend a job runs on: `flag` (the --backend value) when given, else XCTX_BACKEND, else
+// cpu. Checked here, before any model is loaded: cuda on a build without it, or on a machine
+// where no device can be used, is an error saying which and why.
+backend_kind choose_backend(const std::string& flag);
 
 // The CUDA device this process binds to among `count` > 0 visible ones (the CUDA backend and
 // the NCCL communicator both ask this): XCTX_CUDA_DEVICE when set (an error unless it is below

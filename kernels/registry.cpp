@@ -56,6 +56,35 @@ std::unique_ptr<backend> make_backend(backend_kind kind) {
   fail("unknown backend kind ", (int)kind);
 }
 
+backend_kind parse_backend_kind(const std::string& name, const char* what) {
+  if (name == "cpu") return backend_kind::backend_cpu;
+  if (name == "cuda") return backend_kind::backend_cuda;
+  if (name == "ref") return backend_kind::backend_ref;
+  fail(what, ": unknown backend '", name, "' (cpu, cuda; ref is the scalar oracle)");
+}
+
+backend_kind choose_backend(const std::string& flag) {
+  const char* env = std::getenv("XCTX_BACKEND");
+  const bool from_flag = !flag.empty();
+  if (!from_flag && (env == nullptr || *env == '\0')) return backend_kind::backend_cpu;
+  const char* what = from_flag ? "--backend" : "XCTX_BACKEND";
+  const backend_kind kind = parse_backend_kind(from_flag ? flag : std::string(env), what);
+  if (kind == backend_kind::backend_cuda) {
+#if XCTX_USE_CUDA
+    if (!cuda::device_present()) {
+      const cuda_probe p = probe_cuda();
+      fail(what, " cuda: no usable CUDA device on ", where_am_i(), ": ",
+           p.error.empty() ? std::string("the device this rank binds to cannot run this build's kernels") : p.error,
+           " (`xctx doctor` shows what each rank sees; --backend cpu runs on the CPU)");
+    }
+#else
+    fail(what, " cuda: this xctx was built without CUDA; rebuild with launch/build --cuda (XCTX_CUDA=ON), "
+               "or run with --backend cpu");
+#endif
+  }
+  return kind;
+}
+
 int cuda_device_for_process(int count, std::string* why) {
   XCTX_CHECK(count > 0, "cuda_device_for_process: no device to choose from (count ", count, ")");
   if (const char* env = std::getenv("XCTX_CUDA_DEVICE"); env != nullptr && *env != '\0') {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 
@@ -31,6 +32,17 @@ inline rope_config with_self_extend(rope_config r, self_extend_case c) {
 template <class T>
 T worse(T worst, T err) {
   return std::isnan(err) || err > worst ? err : worst;
+}
+
+// f() must throw xctx::Error whose message contains `part`.
+template <class F>
+void expect_error_contains(F&& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one containing: " << part;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
 }
 
 inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cache/cache.h"
+#include "worker/attention_sum.h"
 
 namespace xctx {
 
@@ -22,7 +23,8 @@ class attention_exchange {
   virtual void layer_stored(int /*layer*/) {}
   // Attention output for queries (RoPE applied) after their layer's layer_stored: o is the
   // softmax-normalized result over every token the queries may see, merged across blocks. A
-  // layer's queries may come in several calls (chunks of n_batch).
+  // layer's queries may come in several calls (chunks of n_batch). q and o are in the backend's
+  // memory, q_pos on the host (as layer_input: cache/cache.h).
   virtual void attend(int layer,
                       const float* q,        // [n_q, n_head, head_dim]
                       const int32_t* q_pos,  // [n_q]
@@ -34,19 +36,19 @@ class attention_exchange {
 // One process, one cache: store = append, attend = the cache's own attention.
 class local_attention final : public attention_exchange {
  public:
-  explicit local_attention(kv_cache& cache, attend_path path = attend_path::attend_prefill)
-      : cache_(cache), path_(path) {}
+  local_attention(kv_cache& cache, backend& be, attend_path path = attend_path::attend_prefill)
+      : cache_(cache), path_(path), sum_(be) {}
   void store(int layer, const layer_input& in) override { cache_.append(layer, in); }
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override {
-    acc_.reset(n_q * cache_.geometry().n_head, cache_.geometry().head_dim);
-    cache_.attend(layer, q, q_pos, n_q, path_, acc_);
-    acc_.finish(o);
+    sum_.begin(n_q, cache_.geometry().n_head, cache_.geometry().head_dim);
+    sum_.add(cache_, layer, q, q_pos, n_q, path_);
+    sum_.finish(o);
   }
 
  private:
   kv_cache& cache_;
   attend_path path_;
-  softmax_acc acc_;  // rows n_q * n_head
+  attention_sum sum_;  // rows n_q * n_head
 };
 
 }  // namespace xctx

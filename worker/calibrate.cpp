@@ -200,6 +200,8 @@ std::vector<int64_t> calibration_windows(int64_t n_tokens, int n_samples, int se
 
 calibration calibrate_model(llama_engine& engine, backend& be, const std::vector<int32_t>& tokens,
                             uint64_t fingerprint, const calibrate_options& opt, const calibrate_progress& progress) {
+  // The recorder reads the layers' keys and values as host memory.
+  XCTX_CHECK(be.host_memory(), "calibrate runs on a host-memory backend (--backend cpu), not ", be.name());
   const model_hparams& hp = engine.hparams();
   const std::vector<int64_t> starts = calibration_windows((int64_t)tokens.size(), opt.n_samples, opt.seq_len, opt.seed);
   const cache_geometry g = engine.cache_geometry_for(opt.seq_len);

@@ -57,10 +57,51 @@ int64_t rope_reach(const rope_config& r, int64_t n_ctx_train) {
 }
 
 llama_engine::llama_engine(const model_weights& w, backend& be, const run_params& rp)
-    : w_(w), be_(be), rp_(rp), rope_(make_rope_config(w.hp, rp)) {
+    : w_(w), be_(be), rp_(rp), rope_(make_rope_config(w.hp, rp)), weights_(be), x_(be), pos_(be), ids_(be),
+      q_(be), o_(be), h_(be), k_(be), v_(be), gate_(be), up_(be), tmp_(be), normed_(be), logits_(be) {
   XCTX_CHECK(rp_.n_batch > 0, "n_batch must be positive, got ", rp_.n_batch);
   if (rp_.n_threads <= 0) rp_.n_threads = default_threads();
   omp_set_num_threads(rp_.n_threads);
+  make_resident_weights();
+}
+
+void llama_engine::make_resident_weights() {
+  const auto vec = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
+  tok_embd_ = w_.tok_embd, output_ = w_.output, out_norm_ = vec(w_.out_norm);
+  layers_.clear();
+  for (const layer_weights& L : w_.layers)
+    layers_.push_back({L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, vec(L.attn_norm), vec(L.ffn_norm),
+                       vec(L.bq), vec(L.bk), vec(L.bv)});
+  if (be_.host_memory()) return;
+  // One allocation for every matrix and vector, each piece 256-byte aligned; a tied output
+  // shares the embedding's upload.
+  const auto pad = [](size_t b) { return (b + 255) / 256 * 256; };
+  std::vector<std::pair<const void**, size_t>> pieces;  // where the host pointer lives, its bytes
+  const auto matrix = [&](weight_view& v) { pieces.push_back({&v.data, v.bytes()}); };
+  const auto vector = [&](const float*& p, const std::vector<float>& v) {
+    if (!v.empty()) pieces.push_back({reinterpret_cast<const void**>(&p), v.size() * sizeof(float)});
+  };
+  const bool tied = w_.output.data == w_.tok_embd.data;
+  matrix(tok_embd_);
+  if (!tied) matrix(output_);
+  vector(out_norm_, w_.out_norm);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    resident_layer& R = layers_[l];
+    const layer_weights& L = w_.layers[l];
+    for (weight_view* v : {&R.wq, &R.wk, &R.wv, &R.wo, &R.w_gate, &R.w_up, &R.w_down}) matrix(*v);
+    vector(R.attn_norm, L.attn_norm), vector(R.ffn_norm, L.ffn_norm);
+    vector(R.bq, L.bq), vector(R.bk, L.bk), vector(R.bv, L.bv);
+  }
+  size_t total = 0;
+  for (const auto& [where, bytes] : pieces) total += pad(bytes);
+  auto* base = static_cast<uint8_t*>(weights_.reserve(total));
+  size_t at = 0;
+  for (const auto& [where, bytes] : pieces) {
+    be_.upload(base + at, *where, bytes);
+    *where = base + at;
+    at += pad(bytes);
+  }
+  if (tied) output_.data = tok_embd_.data;
 }
 
 cache_geometry make_cache_geometry(const model_hparams& hp, const rope_config& rope, int64_t capacity) {
@@ -81,28 +122,16 @@ cache_geometry llama_engine::cache_geometry_for(int64_t capacity) const {
 
 void llama_engine::ensure_scratch(int64_t n_tokens, int64_t n_sub) {
   const model_hparams& hp = w_.hp;
-  const auto grow = [](std::vector<float>& v, int64_t n) {
-    if ((int64_t)v.size() < n) v.resize(n);
-  };
-  grow(x_, n_tokens * hp.n_embd);
-  grow(q_, n_sub * hp.n_head * hp.head_dim);
-  grow(o_, n_sub * hp.n_head * hp.head_dim);
-  grow(h_, n_sub * hp.n_embd);
-  grow(tmp_, n_sub * hp.n_embd);
-  grow(k_, n_sub * hp.kv_dim());
-  grow(v_, n_sub * hp.kv_dim());
-  grow(gate_, n_sub * hp.n_ff);
-  grow(up_, n_sub * hp.n_ff);
+  x_.reserve_as<float>(n_tokens * hp.n_embd);
+  q_.reserve_as<float>(n_sub * hp.n_head * hp.head_dim);
+  o_.reserve_as<float>(n_sub * hp.n_head * hp.head_dim);
+  h_.reserve_as<float>(n_sub * hp.n_embd);
+  tmp_.reserve_as<float>(n_sub * hp.n_embd);
+  k_.reserve_as<float>(n_sub * hp.kv_dim());
+  v_.reserve_as<float>(n_sub * hp.kv_dim());
+  gate_.reserve_as<float>(n_sub * hp.n_ff);
+  up_.reserve_as<float>(n_sub * hp.n_ff);
 }
-
-namespace {
-void add_bias(float* y, const std::vector<float>& b, int64_t n) {
-  if (b.empty()) return;
-  const int64_t d = (int64_t)b.size();
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < d; ++i) y[t * d + i] += b[i];
-}
-}  // namespace
 
 std::vector<int64_t> batch_bounds(int64_t n, int64_t batch, int64_t align) {
   XCTX_CHECK(batch > 0 && align > 0, "batch_bounds: batch ", batch, " / align ", align);
@@ -132,31 +161,39 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
   const model_hparams& hp = w_.hp;
   const int64_t d = hp.n_embd;
   const std::vector<int64_t> sb = batch_bounds(n, rp_.n_batch, 1);
+  const int32_t* pos_be = host_array_on(be_, pos, n, pos_);  // rope reads positions in backend memory
+  float* const xs = x_.as<float>();
+  float *const q = q_.as<float>(), *const o = o_.as<float>(), *const h = h_.as<float>(), *const k = k_.as<float>(),
+               *const v = v_.as<float>(), *const gate = gate_.as<float>(), *const up = up_.as<float>(),
+               *const tmp = tmp_.as<float>();
+  const auto bias = [&](float* y, const float* b, int64_t m, int64_t dim) {
+    if (b != nullptr) be_.add_rows(y, b, m, dim);
+  };
   // One sub-chunk (every decode step, short prompts): q is computed with k and v in pass 1 from
   // the same normed input (one matmul_n over the three: one parallel region and one activation
   // quantization instead of two, and no second rms_norm). The same bits as computing it in pass 2.
   const bool q_with_kv = sb.size() == 2;
   for (int l = 0; l < hp.n_layer; ++l) {
-    const layer_weights& L = w_.layers[l];
+    const resident_layer& L = layers_[l];
     // Pass 1: every token's k, v stored before any query of the layer attends (the ring needs
     // the layer's complete shard).
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
-      be_.rms_norm(x_.data() + s * d, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
+      be_.rms_norm(xs + s * d, L.attn_norm, m, d, hp.rms_eps, h);
       if (q_with_kv) {
         const weight_view w[3] = {L.wq, L.wk, L.wv};
-        float* const y[3] = {q_.data(), k_.data(), v_.data()};
-        be_.matmul_n(w, 3, h_.data(), m, y);
-        add_bias(q_.data(), L.bq, m);
+        float* const y[3] = {q, k, v};
+        be_.matmul_n(w, 3, h, m, y);
+        bias(q, L.bq, m, L.wq.n_rows);
       } else {
-        be_.matmul2(L.wk, L.wv, h_.data(), m, k_.data(), v_.data());
+        be_.matmul2(L.wk, L.wv, h, m, k, v);
       }
-      add_bias(k_.data(), L.bk, m);
-      add_bias(v_.data(), L.bv, m);
+      bias(k, L.bk, m, L.wk.n_rows);
+      bias(v, L.bv, m, L.wv.n_rows);
       layer_input in;
-      in.x = h_.data();
-      in.k = k_.data();
-      in.v = v_.data();
+      in.x = h;
+      in.k = k;
+      in.v = v;
       in.pos = pos + s;
       in.n = m;
       attn.store(l, in);
@@ -167,21 +204,21 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
     // O(n): what bounds a long shard's prefill memory (docs/sequence_parallel.md).
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
-      float* x = x_.data() + s * d;
+      float* x = xs + s * d;
       if (!q_with_kv) {
-        be_.rms_norm(x, L.attn_norm.data(), m, d, hp.rms_eps, h_.data());
-        be_.matmul(L.wq, h_.data(), m, q_.data());
-        add_bias(q_.data(), L.bq, m);
+        be_.rms_norm(x, L.attn_norm, m, d, hp.rms_eps, h);
+        be_.matmul(L.wq, h, m, q);
+        bias(q, L.bq, m, L.wq.n_rows);
       }
-      be_.rope(q_.data(), pos + s, m, hp.n_head, rope_);
-      attn.attend(l, q_.data(), pos + s, m, o_.data());
-      be_.matmul(L.wo, o_.data(), m, tmp_.data());
-      be_.add(x, tmp_.data(), m * d);
-      be_.rms_norm(x, L.ffn_norm.data(), m, d, hp.rms_eps, h_.data());
-      be_.matmul2(L.w_gate, L.w_up, h_.data(), m, gate_.data(), up_.data());
-      be_.swiglu(gate_.data(), up_.data(), m * hp.n_ff, gate_.data());
-      be_.matmul(L.w_down, gate_.data(), m, tmp_.data());
-      be_.add(x, tmp_.data(), m * d);
+      be_.rope(q, pos_be + s, m, hp.n_head, rope_);
+      attn.attend(l, q, pos + s, m, o);
+      be_.matmul(L.wo, o, m, tmp);
+      be_.add(x, tmp, m * d);
+      be_.rms_norm(x, L.ffn_norm, m, d, hp.rms_eps, h);
+      be_.matmul2(L.w_gate, L.w_up, h, m, gate, up);
+      be_.swiglu(gate, up, m * hp.n_ff, gate);
+      be_.matmul(L.w_down, gate, m, tmp);
+      be_.add(x, tmp, m * d);
     }
     if (layer_progress) layer_progress(l + 1, hp.n_layer);
   }
@@ -189,9 +226,15 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
 
 void llama_engine::compute_logits(const float* x, int64_t rows, float* logits) {
   const model_hparams& hp = w_.hp;
-  if ((int64_t)normed_.size() < rows * hp.n_embd) normed_.resize(rows * hp.n_embd);
-  be_.rms_norm(x, w_.out_norm.data(), rows, hp.n_embd, hp.rms_eps, normed_.data());
-  be_.matmul(w_.output, normed_.data(), rows, logits);
+  float* normed = normed_.reserve_as<float>(rows * hp.n_embd);
+  be_.rms_norm(x, out_norm_, rows, hp.n_embd, hp.rms_eps, normed);
+  if (be_.host_memory()) {
+    be_.matmul(output_, normed, rows, logits);
+    return;
+  }
+  float* dev = logits_.reserve_as<float>(rows * (int64_t)hp.n_vocab);
+  be_.matmul(output_, normed, rows, dev);
+  be_.download(logits, dev, (size_t)rows * hp.n_vocab * sizeof(float));
 }
 
 namespace {
@@ -212,12 +255,12 @@ void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n,
   ensure_scratch(chunk, max_batch(chunk, rp_.n_batch, 1));
   for (size_t ci = 0; ci + 1 < cb.size(); ++ci) {
     const int64_t s = cb[ci], m = cb[ci + 1] - s;
-    be_.get_rows(w_.tok_embd, tokens + s, m, x_.data());
+    be_.get_rows(tok_embd_, host_array_on(be_, tokens + s, m, ids_), m, x_.as<float>());
     run_layers(pos + s, m, attn, {});
     if (which == logits_for::logits_all) {
-      compute_logits(x_.data(), m, logits + s * (int64_t)hp.n_vocab);
+      compute_logits(x_.as<float>(), m, logits + s * (int64_t)hp.n_vocab);
     } else if (which == logits_for::logits_last && s + m == n) {
-      compute_logits(x_.data() + (m - 1) * hp.n_embd, 1, logits);
+      compute_logits(x_.as<float>() + (m - 1) * hp.n_embd, 1, logits);
     }
     if (progress) progress(s + m, n);
   }
@@ -225,7 +268,7 @@ void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n,
 
 void llama_engine::forward(const int32_t* tokens, const int32_t* pos, int64_t n, kv_cache& cache, logits_for which,
                            float* logits, const progress_fn& progress) {
-  local_attention attn(cache);
+  local_attention attn(cache, be_);
   forward(tokens, pos, n, attn, which, logits, progress);
 }
 
@@ -233,7 +276,7 @@ void llama_engine::forward_layer_major(const int32_t* tokens, const int32_t* pos
                                        attention_exchange& attn, const progress_fn& progress) {
   check_tokens(tokens, n, w_.hp.n_vocab);
   ensure_scratch(n, max_batch(n, rp_.n_batch, 1));
-  be_.get_rows(w_.tok_embd, tokens, n, x_.data());
+  be_.get_rows(tok_embd_, host_array_on(be_, tokens, n, ids_), n, x_.as<float>());
   run_layers(pos, n, attn, progress);
 }
 
@@ -246,7 +289,7 @@ void llama_engine::forward_layer_major_scored(const int32_t* tokens, const int32
   std::vector<float> logits((size_t)(max_batch(n, rp_.n_batch, 1) * V));  // [batch, n_vocab]
   for (size_t bi = 0; bi + 1 < lb.size(); ++bi) {
     const int64_t s = lb[bi], m = lb[bi + 1] - s;
-    compute_logits(x_.data() + s * w_.hp.n_embd, m, logits.data());
+    compute_logits(x_.as<float>() + s * w_.hp.n_embd, m, logits.data());
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
       const int32_t t = targets[s + i];

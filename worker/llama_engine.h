@@ -15,9 +15,24 @@
 
 namespace xctx {
 
+// A layer's weights where the backend reads them (see llama_engine::resident_).
+struct resident_layer {
+  weight_view wq, wk, wv, wo, w_gate, w_up, w_down;
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  const float* bq = nullptr;  // biases: null unless hparams.qkv_bias
+  const float* bk = nullptr;
+  const float* bv = nullptr;
+};
+
+// Pointer spaces: the engine's activations, scratch and weights live in the backend's memory
+// (device memory on CUDA); what callers pass in and get back (token ids, positions, logits,
+// NLLs) is host memory. Exchanges and caches see activations (q, k, v, x, o) in backend memory
+// and positions on the host (worker/attention_exchange.h).
 class llama_engine {
  public:
-  // `w` and `be` must outlive the engine.
+  // `w` and `be` must outlive the engine. On a backend whose memory is not the host's, every
+  // weight is uploaded here, once.
   llama_engine(const model_weights& w, backend& be, const run_params& rp);
 
   const model_hparams& hparams() const { return w_.hp; }
@@ -62,25 +77,36 @@ class llama_engine {
  private:
   // x [n, n_embd] holds the residual stream of the n tokens; runs every layer over them.
   void run_layers(const int32_t* pos, int64_t n, attention_exchange& attn, const progress_fn& layer_progress);
+  // logits (host) of the rows of x (backend memory).
   void compute_logits(const float* x, int64_t rows, float* logits);
   void ensure_scratch(int64_t n_tokens, int64_t n_sub);
+  void make_resident_weights();
 
   const model_weights& w_;
   backend& be_;
   run_params rp_;
   rope_config rope_;
-  // Over all tokens of a run_layers call.
-  std::vector<float> x_;    // [n, n_embd] residual stream
-  // Over one sub-chunk of at most n_batch tokens.
-  std::vector<float> q_;     // [n_sub, n_head, head_dim]
-  std::vector<float> o_;     // [n_sub, n_head, head_dim]
-  std::vector<float> h_;     // [n_sub, n_embd] normed input of the current block
-  std::vector<float> k_;     // [n_sub, n_head_kv, head_dim]
-  std::vector<float> v_;     // [n_sub, n_head_kv, head_dim]
-  std::vector<float> gate_;  // [n_sub, n_ff]
-  std::vector<float> up_;    // [n_sub, n_ff]
-  std::vector<float> tmp_;   // [n_sub, n_embd]
-  std::vector<float> normed_;  // [rows, n_embd] final norm before the output projection
+  // The weights as the backend reads them: the model's own views on host-memory backends, views
+  // into one upload (weights_) otherwise.
+  backend_buffer weights_;
+  std::vector<resident_layer> layers_;
+  weight_view tok_embd_, output_;
+  const float* out_norm_ = nullptr;
+  // Backend memory. Over all tokens of a run_layers call:
+  backend_buffer x_;    // [n, n_embd] residual stream
+  backend_buffer pos_;  // [n] positions (non-host backends: rope reads them there)
+  backend_buffer ids_;  // [n] token ids (non-host backends)
+  // Over one sub-chunk of at most n_batch tokens:
+  backend_buffer q_;     // [n_sub, n_head, head_dim]
+  backend_buffer o_;     // [n_sub, n_head, head_dim]
+  backend_buffer h_;     // [n_sub, n_embd] normed input of the current block
+  backend_buffer k_;     // [n_sub, n_head_kv, head_dim]
+  backend_buffer v_;     // [n_sub, n_head_kv, head_dim]
+  backend_buffer gate_;  // [n_sub, n_ff]
+  backend_buffer up_;    // [n_sub, n_ff]
+  backend_buffer tmp_;   // [n_sub, n_embd]
+  backend_buffer normed_;  // [rows, n_embd] final norm before the output projection
+  backend_buffer logits_;  // [rows, n_vocab] non-host backends: logits before their download
 };
 
 // The rope the engine uses: the file's base and dims, with run_params scaling applied.

@@ -63,7 +63,7 @@ size_t partial_bytes_per_token_layer(const model_hparams& hp) {
 // ---- ring (exact prefill) ----------------------------------------------------------------
 
 ring_attention::ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats)
-    : own_(own), comm_(comm), be_(be), stats_(stats) {}
+    : own_(own), comm_(comm), be_(be), stats_(stats), sum_(be) {}
 
 void ring_attention::store(int layer, const layer_input& in) { own_.append(layer, in); }
 
@@ -98,12 +98,12 @@ void ring_attention::layer_stored(int layer) {
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   if (n_q == 0) return;
   const cache_geometry& g = own_.geometry();
-  acc_.reset(n_q * g.n_head, g.head_dim);
-  own_.attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
+  sum_.begin(n_q, g.n_head, g.head_dim);
+  sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_prefill);
   // The exact accumulator makes the arrival order (and so the rank count) invisible in o.
   for (const std::vector<uint8_t>& block : held_)
-    own_.attend_exported(layer, block.data(), block.size(), q, q_pos, n_q, attend_path::attend_prefill, acc_);
-  acc_.finish(o);
+    sum_.add_exported(own_, layer, block.data(), block.size(), q, q_pos, n_q, attend_path::attend_prefill);
+  sum_.finish(o);
 }
 
 void ring_attention::release() {
@@ -115,7 +115,7 @@ void ring_attention::release() {
 
 merged_attention::merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be,
                                    sequence_comm_stats& stats)
-    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats) {}
+    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats), sum_(be) {}
 
 void merged_attention::store(int layer, const layer_input& in) {
   if (is_tail_) own_.append(layer, in);
@@ -123,31 +123,22 @@ void merged_attention::store(int layer, const layer_input& in) {
 
 void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
-  const int p = comm_.size();
-  acc_.reset(n_q * g.n_head, g.head_dim);
-  own_.attend(layer, q, q_pos, n_q, attend_path::attend_decode, acc_);
-  if (p > 1) {
-    // Every rank gathers every rank's exact partial and adds them: identical o on all ranks,
-    // and the same o one rank holding the whole cache would get.
-    const size_t bytes = acc_.serialized_bytes();
-    packed_.resize(bytes);
-    acc_.serialize(packed_.data());
-    gathered_.resize(bytes * p);
+  sum_.begin(n_q, g.n_head, g.head_dim);
+  sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_decode);
+  if (comm_.size() > 1) {
     const stopwatch clock;
-    comm_.all_gather(packed_.data(), gathered_.data(), bytes);
+    const size_t bytes = sum_.all_reduce(comm_);
     stats_.gather_seconds += clock.seconds();
     stats_.gather_bytes_sent += bytes;
-    stats_.gather_bytes_recv += bytes * p;
-    acc_.reset(n_q * g.n_head, g.head_dim);
-    for (int r = 0; r < p; ++r) acc_.merge_serialized(gathered_.data() + bytes * r, bytes);
+    stats_.gather_bytes_recv += bytes * comm_.size();
   }
-  acc_.finish(o);
+  sum_.finish(o);
 }
 
 // ---- star (anchor + one block) --------------------------------------------------------------
 
-star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block)
-    : own_(own), anchor_(anchor), block_(block) {}
+star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be)
+    : own_(own), anchor_(anchor), block_(block), sum_(be) {}
 
 void star_attention::store(int layer, const layer_input& in) {
   own_.append(layer, in);
@@ -156,10 +147,10 @@ void star_attention::store(int layer, const layer_input& in) {
 
 void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
-  acc_.reset(n_q * g.n_head, g.head_dim);
-  (block_ != nullptr ? *block_ : own_).attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
-  if (anchor_ != nullptr) anchor_->attend(layer, q, q_pos, n_q, attend_path::attend_prefill, acc_);
-  acc_.finish(o);
+  sum_.begin(n_q, g.n_head, g.head_dim);
+  sum_.add(block_ != nullptr ? *block_ : own_, layer, q, q_pos, n_q, attend_path::attend_prefill);
+  if (anchor_ != nullptr) sum_.add(*anchor_, layer, q, q_pos, n_q, attend_path::attend_prefill);
+  sum_.finish(o);
 }
 
 // ---- the runner ------------------------------------------------------------------------------
@@ -371,7 +362,7 @@ void sequence_parallel_runner::prefill_star(const std::vector<int32_t>& context,
       ids.assign(context.begin(), context.begin() + a);
       at.resize(a);
       for (int64_t i = 0; i < a; ++i) at[i] = (int32_t)i;
-      local_attention own_anchor(*anchor);
+      local_attention own_anchor(*anchor, be_);
       engine_.forward(ids.data(), at.data(), a, own_anchor, llama_engine::logits_for::logits_none, nullptr, {}, align);
       anchor_built = a;
     }
@@ -379,7 +370,7 @@ void sequence_parallel_runner::prefill_star(const std::vector<int32_t>& context,
     const bool first = b == blocks.front().first;
     if (!first && !block_view) block_view = make_cache(spec_, engine_.cache_geometry_for(longest), be_);
     if (block_view) block_view->clear();
-    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get());
+    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get(), be_);
     ids.assign(context.begin() + b, context.begin() + e);
     at.resize(e - b);
     for (int64_t i = 0; i < e - b; ++i) at[i] = (int32_t)(b + i);

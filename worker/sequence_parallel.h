@@ -177,7 +177,7 @@ class ring_attention final : public attention_exchange {
   sequence_comm_stats& stats_;
   std::vector<std::vector<uint8_t>> held_;  // this layer's foreign blocks, in arrival order
   uint64_t held_bytes_ = 0;
-  softmax_acc acc_;  // rows n_q·n_head of one query chunk: the own shard and every held block
+  attention_sum sum_;  // rows n_q·n_head of one query chunk: the own shard and every held block
 };
 
 class merged_attention final : public attention_exchange {
@@ -192,8 +192,7 @@ class merged_attention final : public attention_exchange {
   communicator& comm_;
   backend& be_;
   sequence_comm_stats& stats_;
-  softmax_acc acc_;  // rows n_q·n_head
-  std::vector<uint8_t> packed_, gathered_;  // serialized accumulators: this rank's, all ranks'
+  attention_sum sum_;  // rows n_q·n_head: this rank's, then every rank's
 };
 
 // One star block: its tokens are stored in the own cache, and its queries see [anchor ‖ the
@@ -203,7 +202,7 @@ class merged_attention final : public attention_exchange {
 // queries to see without the rank's earlier blocks.
 class star_attention final : public attention_exchange {
  public:
-  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block);
+  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
@@ -211,7 +210,7 @@ class star_attention final : public attention_exchange {
   kv_cache& own_;
   kv_cache* anchor_;
   kv_cache* block_;
-  softmax_acc acc_;  // rows n_q·n_head
+  attention_sum sum_;  // rows n_q·n_head
 };
 
 }  // namespace xctx

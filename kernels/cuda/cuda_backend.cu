@@ -148,6 +148,14 @@ class cuda_backend final : public backend {
     use_device();
     cuda::add(ctx_, y, x, n);
   }
+  void add_rows(float* y, const float* b, int64_t n_tok, int64_t dim) override {
+    use_device();
+    cuda::add_rows(ctx_, y, b, n_tok, dim);
+  }
+  void convert_rows(void* dst, kv_dtype type, const float* src, int64_t n) override {
+    use_device();
+    cuda::convert_rows(ctx_, dst, type, src, n);
+  }
   void attention_partial(const attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
     use_device();

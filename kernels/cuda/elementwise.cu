@@ -1,10 +1,11 @@
-// Elementwise and per-row kernels: rms_norm, rope, swiglu, add. Same contracts (and the same
+// Elementwise and per-row kernels: rms_norm, rope, swiglu, add, add_rows, convert_rows. Same contracts (and the same
 // argument checks) as kernels/ref/elementwise_ref.cpp.
 #include <climits>
 #include <cmath>
 #include <cstdint>
 
 #include "common/error.h"
+#include "common/half.h"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
 
@@ -77,6 +78,19 @@ __global__ void __launch_bounds__(kBlock) add_kernel(float* y /*[n]*/, const flo
     y[i] += x[i];
 }
 
+__global__ void __launch_bounds__(kBlock)
+    add_rows_kernel(float* y /*[n_tok, dim]*/, const float* b /*[dim]*/, int64_t n_tok, int64_t dim) {
+  const int64_t n = n_tok * dim;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    y[i] += b[i % dim];
+}
+
+// fp32_to_fp16 is the host's own function (common/half.h, host and device): the same bits.
+__global__ void __launch_bounds__(kBlock) to_f16_kernel(uint16_t* dst /*[n]*/, const float* src /*[n]*/, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = fp32_to_fp16(src[i]);
+}
+
 void check_rope_config(const rope_config& cfg) {
   XCTX_CHECK(cfg.head_dim > 0, "cuda::rope: head_dim must be positive, got ", cfg.head_dim);
   XCTX_CHECK(cfg.n_rot >= 0 && cfg.n_rot <= cfg.head_dim && cfg.n_rot % 2 == 0,
@@ -138,6 +152,25 @@ void add(context& ctx, float* y, const float* x, int64_t n) {
   XCTX_CHECK(n >= 0, "cuda::add: negative n ", n);
   if (n == 0) return;
   add_kernel<<<grid_for(n, kBlock, ctx.n_sm), kBlock, 0, ctx.stream>>>(y, x, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void add_rows(context& ctx, float* y, const float* b, int64_t n_tok, int64_t dim) {
+  XCTX_CHECK(n_tok >= 0 && dim >= 0, "cuda::add_rows: bad shape ", n_tok, "x", dim);
+  if (n_tok == 0 || dim == 0) return;
+  add_rows_kernel<<<grid_for(n_tok * dim, kBlock, ctx.n_sm), kBlock, 0, ctx.stream>>>(y, b, n_tok, dim);
+  CUDA_CHECK_LAUNCH();
+}
+
+void convert_rows(context& ctx, void* dst, kv_dtype type, const float* src, int64_t n) {
+  XCTX_CHECK(n >= 0, "cuda::convert_rows: negative n ", n);
+  if (n == 0) return;
+  if (type == kv_dtype::kv_f32) {
+    if (dst != src)
+      CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice, ctx.stream));
+    return;
+  }
+  to_f16_kernel<<<grid_for(n, kBlock, ctx.n_sm), kBlock, 0, ctx.stream>>>(static_cast<uint16_t*>(dst), src, n);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,167 @@
+// A backend with a memory space of its own, for checking on a machine without a GPU that code
+// written for device backends keeps to the pointer-space rules (kernels/ops.h, cache/cache.h,
+// worker/llama_engine.h). It runs the CPU kernels, but
+//  - its allocations are mapped PROT_NONE and opened only while one of its own ops (or an
+//    upload/download) runs: host code that reads or writes "device" memory directly faults, as
+//    it would on a GPU's memory;
+//  - every op checks that each pointer it is given, with its whole extent, lies in one of its
+//    allocations: a host pointer passed to a kernel is an error naming the op and argument;
+//  - it has no exact accumulator (attn_args::acc is refused), so callers take the (o, lse)
+//    partials path the CUDA backend needs.
+// It counts uploads and downloads, so tests can bound host round trips per step.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "common/error.h"
+#include "kernels/ops.h"
+
+namespace xctx::test {
+
+class device_space_backend final : public backend {
+ public:
+  device_space_backend() : cpu_(make_backend(backend_kind::backend_cpu)), page_((size_t)sysconf(_SC_PAGESIZE)) {}
+  ~device_space_backend() override {
+    for (const auto& [start, bytes] : blocks_) munmap(reinterpret_cast<void*>(start), bytes);
+  }
+
+  std::string name() const override { return "device-space"; }
+  bool host_memory() const override { return false; }
+  bool exact_accumulator() const override { return false; }
+
+  void* alloc(size_t bytes) override {
+    const size_t mapped = std::max<size_t>(page_, (bytes + page_ - 1) / page_ * page_);
+    void* p = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    XCTX_CHECK(p != MAP_FAILED, "device_space: cannot map ", bytes, " bytes");
+    blocks_[reinterpret_cast<uintptr_t>(p)] = mapped;
+    return p;
+  }
+  void free(void* p) override {
+    if (p == nullptr) return;
+    const auto it = blocks_.find(reinterpret_cast<uintptr_t>(p));
+    XCTX_CHECK(it != blocks_.end(), "device_space: free of ", p, ", which this backend did not allocate");
+    munmap(p, it->second);
+    blocks_.erase(it);
+  }
+  void upload(void* dst, const void* src_host, size_t bytes) override {
+    check(dst, bytes, "upload", "dst");
+    ++uploads, upload_bytes += bytes;
+    with_memory_open([&] { std::memcpy(dst, src_host, bytes); });
+  }
+  void download(void* dst_host, const void* src, size_t bytes) override {
+    check(src, bytes, "download", "src");
+    XCTX_CHECK(!in_space(dst_host, 1), "device_space: download into device memory");
+    ++downloads, download_bytes += bytes;
+    with_memory_open([&] { std::memcpy(dst_host, src, bytes); });
+  }
+
+  void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override {
+    check_matmul(w, x, n_tok, y, "matmul");
+    with_memory_open([&] { cpu_->matmul(w, x, n_tok, y); });
+  }
+  void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y) override {
+    for (int i = 0; i < n_w; ++i) check_matmul(w[i], x, n_tok, y[i], "matmul_n");
+    with_memory_open([&] { cpu_->matmul_n(w, n_w, x, n_tok, y); });
+  }
+  void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
+    check(w.data, w.bytes(), "get_rows", "w"), check(ids, n * 4, "get_rows", "ids");
+    check(out, n * w.n_cols * 4, "get_rows", "out");
+    with_memory_open([&] { cpu_->get_rows(w, ids, n, out); });
+  }
+  void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
+    check(x, n_tok * dim * 4, "rms_norm", "x"), check(weight, dim * 4, "rms_norm", "weight");
+    check(y, n_tok * dim * 4, "rms_norm", "y");
+    with_memory_open([&] { cpu_->rms_norm(x, weight, n_tok, dim, eps, y); });
+  }
+  void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
+    check(x, n_tok * n_head * cfg.head_dim * 4, "rope", "x"), check(pos, n_tok * 4, "rope", "pos");
+    with_memory_open([&] { cpu_->rope(x, pos, n_tok, n_head, cfg); });
+  }
+  void swiglu(const float* gate, const float* up, int64_t n, float* out) override {
+    check(gate, n * 4, "swiglu", "gate"), check(up, n * 4, "swiglu", "up"), check(out, n * 4, "swiglu", "out");
+    with_memory_open([&] { cpu_->swiglu(gate, up, n, out); });
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    check(y, n * 4, "add", "y"), check(x, n * 4, "add", "x");
+    with_memory_open([&] { cpu_->add(y, x, n); });
+  }
+  void add_rows(float* y, const float* b, int64_t n_tok, int64_t dim) override {
+    check(y, n_tok * dim * 4, "add_rows", "y"), check(b, dim * 4, "add_rows", "b");
+    with_memory_open([&] { cpu_->add_rows(y, b, n_tok, dim); });
+  }
+  void convert_rows(void* dst, kv_dtype type, const float* src, int64_t n) override {
+    check(dst, n * (type == kv_dtype::kv_f32 ? 4 : 2), "convert_rows", "dst"), check(src, n * 4, "convert_rows", "src");
+    with_memory_open([&] { cpu_->convert_rows(dst, type, src, n); });
+  }
+  void attention_partial(const attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
+    const int64_t q_elems = a.n_q * a.n_head * a.head_dim, kv_elems = a.n_kv * a.n_head_kv * a.head_dim;
+    const int64_t kv_bytes = kv_elems * (a.kv_type == kv_dtype::kv_f32 ? 4 : 2);
+    check(a.q, q_elems * 4, "attention", "q"), check(a.q_pos, a.n_q * 4, "attention", "q_pos");
+    if (a.n_kv > 0) {
+      check(a.k, kv_bytes, "attention", "k"), check(a.v, kv_bytes, "attention", "v");
+      check(a.kv_pos, a.n_kv * 4, "attention", "kv_pos");
+    }
+    check(a.o, q_elems * 4, "attention", "o"), check(a.lse, a.n_q * a.n_head * 4, "attention", "lse");
+    ++attention_calls;
+    with_memory_open([&] { cpu_->attention_partial(a); });
+  }
+  void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim, float* o,
+                      float* lse) override {
+    check(o_parts, n_part * n_row * head_dim * 4, "merge_partials", "o_parts");
+    check(lse_parts, n_part * n_row * 4, "merge_partials", "lse_parts");
+    check(o, n_row * head_dim * 4, "merge_partials", "o"), check(lse, n_row * 4, "merge_partials", "lse");
+    with_memory_open([&] { cpu_->merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse); });
+  }
+  void kvq_encode(const kvq_encode_job&) override { fail("device_space: kvq_encode is not emulated"); }
+  void attention_kvq(const kvq_attn_args&) override { fail("device_space: attention_kvq is not emulated"); }
+
+  // Whether [p, p + bytes) lies in one allocation.
+  bool in_space(const void* p, size_t bytes) const {
+    const auto u = reinterpret_cast<uintptr_t>(p);
+    auto it = blocks_.upper_bound(u);
+    if (it == blocks_.begin()) return false;
+    --it;
+    return u >= it->first && u + bytes <= it->first + it->second;
+  }
+
+  int64_t uploads = 0, downloads = 0, attention_calls = 0;
+  uint64_t upload_bytes = 0, download_bytes = 0;
+
+ private:
+  void check(const void* p, int64_t bytes, const char* op, const char* arg) const {
+    XCTX_CHECK(p != nullptr && in_space(p, (size_t)std::max<int64_t>(bytes, 1)), "device_space: ", op, " got ", arg,
+               " = ", p, " (", bytes, " bytes), which is not in this backend's memory");
+  }
+  void check_matmul(const weight_view& w, const float* x, int64_t n_tok, float* y, const char* op) const {
+    check(w.data, w.bytes(), op, "w"), check(x, n_tok * w.n_cols * 4, op, "x"), check(y, n_tok * w.n_rows * 4, op, "y");
+  }
+  void protect(int prot) {
+    for (const auto& [start, bytes] : blocks_)
+      XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), bytes, prot) == 0, "device_space: mprotect failed");
+  }
+  template <typename F>
+  void with_memory_open(F&& f) {
+    protect(PROT_READ | PROT_WRITE);
+    try {
+      f();
+    } catch (...) {
+      protect(PROT_NONE);
+      throw;
+    }
+    protect(PROT_NONE);
+  }
+
+  std::unique_ptr<backend> cpu_;
+  size_t page_;
+  std::map<uintptr_t, size_t> blocks_;  // start -> mapped bytes
+};
+
+}  // namespace xctx::test

@@ -1,0 +1,293 @@
+// The engine, the fp caches and the exchanges on a backend whose memory is not the host's
+// (tests/device_space_backend.h): what the CUDA backend needs of them, checked without a GPU.
+// Host code touching backend memory faults there, host pointers handed to a kernel are errors,
+// and attention runs as (o, lse) partials. Generation must match the CPU backend's exact path
+// to the tolerance the partials' float merge and the 8-bit decode activations allow.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cache/cache.h"
+#include "comm/communicator.h"
+#include "common/error.h"
+#include "device_space_backend.h"
+#include "model/gguf.h"
+#include "model/gguf_writer.h"
+#include "test_util.h"
+#include "worker/llama_engine.h"
+#include "worker/sequence_parallel.h"
+
+namespace xctx {
+namespace {
+
+model_hparams tiny_hparams(bool tied, bool bias) {
+  model_hparams hp;
+  hp.arch = bias ? "qwen2" : "llama";
+  hp.name = "tiny";
+  hp.n_layer = 3;
+  hp.n_embd = 128;
+  hp.n_ff = 256;
+  hp.n_head = 4;
+  hp.n_head_kv = 2;
+  hp.head_dim = 32;
+  hp.n_rot = 32;
+  hp.n_vocab = 160;
+  hp.n_ctx_train = 512;
+  hp.rms_eps = 1e-5f;
+  hp.rope_freq_base = 10000.0f;
+  hp.tied_output = tied;
+  hp.qkv_bias = bias;
+  return hp;
+}
+
+model_weights write_and_load(const model_hparams& hp, ggml_type type, uint64_t seed) {
+  const auto path = test::scratch_dir() / "tiny_device_space.gguf";
+  make_tiny_model_writer(hp, type, seed).write(path.string());
+  return load_model(path.string());
+}
+
+std::vector<int32_t> some_tokens(int64_t n, int32_t vocab) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = (int32_t)((i * 37 + 11) % vocab);
+  return t;
+}
+
+int32_t argmax(const std::vector<float>& v) { return (int32_t)(std::max_element(v.begin(), v.end()) - v.begin()); }
+
+// The logits of a prefill of `prompt` (chunks of n_batch) and of n_steps greedy decode steps fed
+// with `forced` (the reference run's tokens, so both runs see the same inputs): one vector per
+// step, the prefill's first.
+std::vector<std::vector<float>> run(const model_weights& w, backend& be, cache_format fmt, int n_batch,
+                                    const std::vector<int32_t>& prompt, const std::vector<int32_t>& forced) {
+  run_params rp;
+  rp.cache = fmt;
+  rp.n_batch = n_batch;
+  llama_engine engine(w, be, rp);
+  const int64_t n = (int64_t)prompt.size();
+  auto cache = make_cache(fmt, engine.cache_geometry_for(n + (int64_t)forced.size()), be);
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  std::vector<std::vector<float>> out(1, std::vector<float>(w.hp.n_vocab));
+  engine.forward(prompt.data(), pos.data(), n, *cache, llama_engine::logits_for::logits_last, out[0].data());
+  for (size_t s = 0; s < forced.size(); ++s) {
+    const int32_t p = (int32_t)(n + s);
+    out.emplace_back(w.hp.n_vocab);
+    engine.forward(&forced[s], &p, 1, *cache, llama_engine::logits_for::logits_last, out.back().data());
+  }
+  return out;
+}
+
+struct space_case {
+  const char* name;
+  ggml_type type;
+  bool tied, bias;
+  cache_format format;
+};
+
+class device_space_engine : public ::testing::TestWithParam<space_case> {};
+
+// The same tokens as the CPU backend, step by step. Bound: the CPU backend's own bound against
+// the scalar oracle (tests/worker/test_engine.cpp): a few-token step rounds activations to 8-bit
+// blocks, so a last-bit difference in attention can move an activation by 1/254 of its block's
+// max; float weights never round (measured here: ~1e-4 and ~1e-5 of logits of size ~2). The
+// greedy token must agree wherever the reference's top two are further apart than twice the
+// largest logit difference seen (closer, either may legitimately win).
+TEST_P(device_space_engine, generation_matches_the_cpu_backend) {
+  const space_case c = GetParam();
+  const model_weights w = write_and_load(tiny_hparams(c.tied, c.bias), c.type, 11);
+  const auto prompt = some_tokens(45, w.hp.n_vocab);
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  // The reference's own greedy continuation, fed to both runs.
+  std::vector<int32_t> forced;
+  {
+    const auto probe = run(w, *cpu, c.format, 16, prompt, {});
+    forced.push_back(argmax(probe[0]));
+    for (int s = 0; s < 11; ++s) {
+      const auto more = run(w, *cpu, c.format, 16, prompt, forced);
+      forced.push_back(argmax(more.back()));
+    }
+  }
+  const auto ref = run(w, *cpu, c.format, 16, prompt, forced);
+  test::device_space_backend dev;
+  const auto got = run(w, dev, c.format, 16, prompt, forced);
+  ASSERT_EQ(got.size(), ref.size());
+  const bool quantized = c.type != ggml_type::ggml_f32 && c.type != ggml_type::ggml_f16;
+  int compared = 0;
+  for (size_t s = 0; s < ref.size(); ++s) {
+    double max_abs = 0, max_ref = 0;
+    for (size_t i = 0; i < ref[s].size(); ++i) {
+      max_abs = test::worse(max_abs, (double)std::fabs(ref[s][i] - got[s][i]));
+      max_ref = std::max(max_ref, (double)std::fabs(ref[s][i]));
+    }
+    const double tol = (quantized ? 0.05 : 1e-3) * std::max(1.0, max_ref);
+    EXPECT_LE(max_abs, tol) << "step " << s;
+    std::vector<float> sorted = ref[s];
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    if (sorted[0] - sorted[1] > 2 * max_abs) {  // no logit moved further: the order of the top two holds
+      EXPECT_EQ(argmax(got[s]), argmax(ref[s])) << "step " << s;
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, 6) << "too few clear greedy choices to compare";
+  EXPECT_GT(dev.attention_calls, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    models, device_space_engine,
+    ::testing::Values(space_case{"q4_1_tied_fp16", ggml_type::ggml_q4_1, true, false, cache_format::cache_fp16},
+                      space_case{"q8_0_untied_fp32", ggml_type::ggml_q8_0, false, false, cache_format::cache_fp32},
+                      space_case{"f32_bias_fp16", ggml_type::ggml_f32, true, true, cache_format::cache_fp16}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Weights go up once, when the engine is made; a decode step then moves a handful of small
+// arrays up (token id, positions for rope, the cache's slots and the queries' positions: the
+// same for every layer, so uploaded once) and only the logits down -- nothing per layer.
+TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
+  const model_weights w = write_and_load(tiny_hparams(false, false), ggml_type::ggml_q8_0, 5);
+  test::device_space_backend dev;
+  run_params rp;
+  llama_engine engine(w, dev, rp);
+  const int64_t uploads_of_weights = dev.uploads;
+  // Every matrix and vector (3 layers x 9 pieces, embedding, output, output norm): one upload each.
+  EXPECT_EQ(uploads_of_weights, 3 * 9 + 3);
+  auto cache = make_cache(cache_format::cache_fp16, engine.cache_geometry_for(64), dev);
+  const auto prompt = some_tokens(20, w.hp.n_vocab);
+  std::vector<int32_t> pos(prompt.size());
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = (int32_t)i;
+  std::vector<float> logits(w.hp.n_vocab);
+  engine.forward(prompt.data(), pos.data(), (int64_t)prompt.size(), *cache, llama_engine::logits_for::logits_last,
+                 logits.data());
+  for (int s = 0; s < 4; ++s) {
+    const int64_t up = dev.uploads, down = dev.downloads;
+    const uint64_t up_bytes = dev.upload_bytes;
+    const int32_t tok = argmax(logits), p = (int32_t)(prompt.size() + s);
+    engine.forward(&tok, &p, 1, *cache, llama_engine::logits_for::logits_last, logits.data());
+    EXPECT_EQ(dev.uploads - up, 4) << "step " << s;  // id, rope positions, cache slot, query positions
+    EXPECT_EQ(dev.upload_bytes - up_bytes, 4u * sizeof(int32_t)) << "step " << s;
+    EXPECT_EQ(dev.downloads - down, 1) << "step " << s;  // the logits
+  }
+}
+
+// Formats that still need the exact accumulator are refused when the cache is made, naming the
+// format and the backend; the fp formats are accepted.
+TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
+  test::device_space_backend dev;
+  cache_geometry g;
+  g.n_layer = 2, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 64;
+  for (cache_format f : {cache_format::cache_kivi2, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
+                         cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
+    std::string why;
+    EXPECT_FALSE(cache_runs_on(f, dev, &why));
+    test::expect_error_contains(
+        [&] { make_cache(cache_spec(f, cache_options{}), g, dev); },
+        std::string("cache format ") + format_traits(f).name + " does not run on the device-space backend yet");
+  }
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) EXPECT_TRUE(cache_runs_on(f, dev));
+}
+
+// A layer exported from a device cache (ring block, snapshot) restores into another and attends
+// there as it did in the first; a ring block attends through attend_exported_partial as the own
+// tokens do.
+TEST(device_space, fp_cache_blocks_round_trip_through_the_host) {
+  test::device_space_backend dev;
+  cache_geometry g;
+  g.n_layer = 1, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 40;
+  g.rope.head_dim = g.rope.n_rot = 32;
+  const int64_t n = 37, kv = n * g.n_head_kv * g.head_dim, nq = 3, qe = nq * g.n_head * g.head_dim;
+  std::vector<float> k(kv), v(kv), q(qe);
+  for (int64_t i = 0; i < kv; ++i) k[i] = std::sin(0.37f * i), v[i] = std::cos(0.11f * i);
+  for (int64_t i = 0; i < qe; ++i) q[i] = std::sin(0.05f * i + 1.0f);
+  std::vector<int32_t> pos(n), q_pos = {5, 20, 36};
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  backend_buffer dk(dev), dv(dev), dq(dev), dout(dev);
+  dev.upload(dk.reserve(kv * 4), k.data(), kv * 4);
+  dev.upload(dv.reserve(kv * 4), v.data(), kv * 4);
+  dev.upload(dq.reserve(qe * 4), q.data(), qe * 4);
+  float* o = dout.reserve_as<float>(3 * qe);  // own, restored, exported
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) {
+    auto a = make_cache(cache_spec(f, cache_options{}), g, dev);
+    layer_input in;
+    in.k = dk.as<float>(), in.v = dv.as<float>(), in.pos = pos.data(), in.n = n;
+    a->append(0, in);
+    std::vector<uint8_t> block(a->exported_bytes(0));
+    a->export_layer(0, block.data());
+    auto b = make_cache(cache_spec(f, cache_options{}), g, dev);
+    b->restore_layer(0, block.data(), block.size());
+    auto empty = make_cache(cache_spec(f, cache_options{}), g, dev);
+    a->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o, nullptr);
+    b->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o + qe, nullptr);
+    empty->attend_exported_partial(0, block.data(), block.size(), dq.as<float>(), q_pos.data(), nq,
+                                   attend_path::attend_prefill, o + 2 * qe, nullptr);
+    std::vector<float> host(3 * qe);
+    dev.download(host.data(), o, host.size() * 4);
+    for (int64_t i = 0; i < qe; ++i) {
+      ASSERT_EQ(host[qe + i], host[i]) << format_traits(f).name << " restored, element " << i;
+      ASSERT_EQ(host[2 * qe + i], host[i]) << format_traits(f).name << " exported, element " << i;
+    }
+    // And the exact CPU path over the same keys agrees to float rounding.
+    auto cpu = make_backend(backend_kind::backend_cpu);
+    auto c = make_cache(cache_spec(f, cache_options{}), g, *cpu);
+    layer_input hin;
+    hin.k = k.data(), hin.v = v.data(), hin.pos = pos.data(), hin.n = n;
+    c->append(0, hin);
+    std::vector<float> ref(qe), lse(nq * g.n_head);
+    c->attend(0, q.data(), q_pos.data(), nq, ref.data(), lse.data());
+    for (int64_t i = 0; i < qe; ++i) ASSERT_NEAR(host[i], ref[i], 1e-5f) << format_traits(f).name << " " << i;
+  }
+}
+
+// The runner as jobs use it (one rank): exact and star prefill, then merged decode steps, on the
+// device space against the CPU backend.
+TEST(device_space, sequence_runner_prefill_modes_match_the_cpu_backend) {
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_f16, 3);
+  const auto prompt = some_tokens(150, w.hp.n_vocab);
+  for (prefill_mode mode : {prefill_mode::prefill_exact, prefill_mode::prefill_star}) {
+    std::vector<std::vector<float>> out[2];
+    for (int which = 0; which < 2; ++which) {
+      std::unique_ptr<backend> cpu = make_backend(backend_kind::backend_cpu);
+      test::device_space_backend dev;
+      backend& be = which == 0 ? *cpu : static_cast<backend&>(dev);
+      run_params rp;
+      rp.n_batch = 32;
+      llama_engine engine(w, be, rp);
+      auto comm = make_local_communicator();
+      sequence_options opt;
+      opt.mode = mode;
+      opt.block_tokens = 64;  // star: the 149-token context is three blocks, anchor = the first
+      opt.max_new_tokens = 4;
+      sequence_parallel_runner runner(engine, *comm, be, cache_spec(cache_format::cache_fp16, cache_options{}), opt);
+      out[which].emplace_back(w.hp.n_vocab);
+      runner.prefill(prompt, {}, out[which].back().data());
+      for (int s = 0; s < 3; ++s) {
+        const int32_t tok = (int32_t)(s * 13 + 2);
+        out[which].emplace_back(w.hp.n_vocab);
+        runner.step(&tok, 1, out[which].back().data());
+      }
+    }
+    for (size_t s = 0; s < out[0].size(); ++s) {
+      double max_abs = 0, max_ref = 0;
+      for (size_t i = 0; i < out[0][s].size(); ++i) {
+        max_abs = test::worse(max_abs, (double)std::fabs(out[0][s][i] - out[1][s][i]));
+        max_ref = std::max(max_ref, (double)std::fabs(out[0][s][i]));
+      }
+      EXPECT_LE(max_abs, 1e-3 * std::max(1.0, max_ref)) << prefill_mode_name(mode) << " step " << s;
+    }
+  }
+}
+
+// What the emulation itself must catch, or the tests above prove nothing: a host pointer handed
+// to a kernel, and host code reading backend memory.
+TEST(device_space, the_emulation_catches_host_pointers_and_host_access) {
+  test::device_space_backend dev;
+  std::vector<float> host(16, 1.0f);
+  backend_buffer b(dev);
+  float* d = b.reserve_as<float>(16);
+  test::expect_error_contains([&] { dev.add(d, host.data(), 16); }, "add got x");
+  test::expect_error_contains([&] { dev.add(host.data(), d, 16); }, "add got y");
+  dev.upload(d, host.data(), 16 * 4);
+  EXPECT_DEATH({ volatile float x = d[3]; (void)x; }, "");
+}
+
+}  // namespace
+}  // namespace xctx
