@@ -122,6 +122,9 @@ class backend {
   // a host softmax_acc). Without it, attention runs as (o, lse) partials in this backend's memory
   // merged with merge_partials (worker/attention_sum.h).
   virtual bool exact_accumulator() const { return false; }
+  // Whether collectives can move this backend's memory directly (CUDA: NCCL). Without them,
+  // partials travel through host memory and the host communicator.
+  virtual bool has_device_collectives() const { return false; }
 
   // y = x · Wᵀ : y[t, r] = Σ_c W[r, c] x[t, c]
   virtual void matmul(const weight_view& w,

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/communicator.h"
 #include "common/error.h"
 #include "kernels/ops.h"
 
@@ -135,7 +136,6 @@ class device_space_backend final : public backend {
   int64_t uploads = 0, downloads = 0, attention_calls = 0;
   uint64_t upload_bytes = 0, download_bytes = 0;
 
- private:
   void check(const void* p, int64_t bytes, const char* op, const char* arg) const {
     XCTX_CHECK(p != nullptr && in_space(p, (size_t)std::max<int64_t>(bytes, 1)), "device_space: ", op, " got ", arg,
                " = ", p, " (", bytes, " bytes), which is not in this backend's memory");
@@ -147,6 +147,9 @@ class device_space_backend final : public backend {
     for (const auto& [start, bytes] : blocks_)
       XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), bytes, prot) == 0, "device_space: mprotect failed");
   }
+
+ public:
+  // Runs f with this backend's memory readable and writable (what a device-side library does).
   template <typename F>
   void with_memory_open(F&& f) {
     protect(PROT_READ | PROT_WRITE);
@@ -159,9 +162,42 @@ class device_space_backend final : public backend {
     protect(PROT_NONE);
   }
 
+ private:
   std::unique_ptr<backend> cpu_;
   size_t page_;
   std::map<uintptr_t, size_t> blocks_;  // start -> mapped bytes
+};
+
+// Collectives on a device_space_backend's memory, as NCCL's are on the CUDA backend's: buffers
+// must lie in its space (checked), and the transfer itself goes through a host communicator.
+class device_space_communicator final : public communicator {
+ public:
+  device_space_communicator(device_space_backend& dev, communicator& host) : dev_(dev), host_(host) {}
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  std::string name() const override { return "device-space(" + host_.name() + ")"; }
+  void all_gather(const void* send, void* recv, size_t bytes) override {
+    dev_.check(send, (int64_t)bytes, "all_gather", "send");
+    dev_.check(recv, (int64_t)bytes * size(), "all_gather", "recv");
+    ++all_gathers;
+    dev_.with_memory_open([&] { host_.all_gather(send, recv, bytes); });
+  }
+  void all_reduce_sum(float*, size_t) override { fail("device_space_communicator: all_reduce_sum not emulated"); }
+  void all_reduce_max(float*, size_t) override { fail("device_space_communicator: all_reduce_max not emulated"); }
+  void broadcast(void*, size_t, int) override { fail("device_space_communicator: broadcast not emulated"); }
+  void send(const void*, size_t, int, int) override { fail("device_space_communicator: send not emulated"); }
+  void recv(void*, size_t, int, int) override { fail("device_space_communicator: recv not emulated"); }
+  void sendrecv(const void*, size_t, int, void*, size_t, int, int) override {
+    fail("device_space_communicator: sendrecv not emulated");
+  }
+  void barrier() override { host_.barrier(); }
+  [[noreturn]] void abort(const std::string& why) override { host_.abort(why); }
+
+  int64_t all_gathers = 0;
+
+ private:
+  device_space_backend& dev_;
+  communicator& host_;
 };
 
 }  // namespace xctx::test

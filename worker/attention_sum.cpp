@@ -53,7 +53,7 @@ void attention_sum::add_exported(kv_cache& c, int layer, const void* block, size
                             lse_parts_.as<float>() + s * rows_);
 }
 
-size_t attention_sum::all_reduce(communicator& comm) {
+size_t attention_sum::all_reduce(communicator& comm, communicator* device_comm) {
   const int p = comm.size();
   if (p == 1) return 0;
   if (exact_) {
@@ -69,26 +69,34 @@ size_t attention_sum::all_reduce(communicator& comm) {
     return bytes;
   }
   XCTX_CHECK(n_parts_ > 0, "attention_sum: all_reduce before any partial");
-  // This rank's partials as one, through the host (the communicator moves host memory), then
-  // every rank's merged in rank order.
+  // This rank's partials as one, then every rank's gathered and merged in rank order (finish).
   float* o = o_parts_.as<float>();
   float* lse = lse_parts_.as<float>();
   if (n_parts_ == 2) be_.merge_partials(o, lse, 2, rows_, width_, o, lse);
   n_parts_ = 1;
   const size_t o_bytes = (size_t)rows_ * width_ * sizeof(float), lse_bytes = (size_t)rows_ * sizeof(float);
   const size_t bytes = o_bytes + lse_bytes;
+  float* o_all = o_all_.reserve_as<float>((int64_t)p * rows_ * width_);
+  float* lse_all = lse_all_.reserve_as<float>((int64_t)p * rows_);
+  n_all_ = p;
+  if (device_comm != nullptr) {
+    XCTX_CHECK(device_comm->size() == p, "attention_sum: device communicator of ", device_comm->size(),
+               " ranks beside a host one of ", p);
+    be_.synchronize();  // the collective runs on its own stream: the partial must be complete
+    device_comm->all_gather(o, o_all, o_bytes);
+    device_comm->all_gather(lse, lse_all, lse_bytes);
+    return bytes;
+  }
+  // Through the host: the communicator moves host memory.
   packed_.resize(bytes);
   be_.download(packed_.data(), o, o_bytes);
   be_.download(packed_.data() + o_bytes, lse, lse_bytes);
   gathered_.resize(bytes * p);
   comm.all_gather(packed_.data(), gathered_.data(), bytes);
-  float* o_all = o_all_.reserve_as<float>((int64_t)p * rows_ * width_);
-  float* lse_all = lse_all_.reserve_as<float>((int64_t)p * rows_);
   for (int r = 0; r < p; ++r) {
     be_.upload(reinterpret_cast<uint8_t*>(o_all) + o_bytes * r, gathered_.data() + bytes * r, o_bytes);
     be_.upload(reinterpret_cast<uint8_t*>(lse_all) + lse_bytes * r, gathered_.data() + bytes * r + o_bytes, lse_bytes);
   }
-  n_all_ = p;
   return bytes;
 }
 

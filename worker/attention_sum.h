@@ -30,7 +30,9 @@ class attention_sum {
   void add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
                     int64_t n_q, attend_path path);
   // Collective: adds every rank's sum to every rank's. Returns the bytes this rank contributed.
-  size_t all_reduce(communicator& comm);
+  // partials mode: with device_comm (collectives on backend memory: NCCL) the partials are
+  // gathered where they lie; without, through the host and comm.
+  size_t all_reduce(communicator& comm, communicator* device_comm = nullptr);
   // The softmax-normalised result into o (backend memory, [rows, head_dim]).
   void finish(float* o);
 

@@ -114,8 +114,8 @@ void ring_attention::release() {
 // ---- merged partials (decode / suffix) -----------------------------------------------------
 
 merged_attention::merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be,
-                                   sequence_comm_stats& stats)
-    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats), sum_(be) {}
+                                   sequence_comm_stats& stats, communicator* device_comm)
+    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats), device_comm_(device_comm), sum_(be) {}
 
 void merged_attention::store(int layer, const layer_input& in) {
   if (is_tail_) own_.append(layer, in);
@@ -127,7 +127,7 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
   sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_decode);
   if (comm_.size() > 1) {
     const stopwatch clock;
-    const size_t bytes = sum_.all_reduce(comm_);
+    const size_t bytes = sum_.all_reduce(comm_, device_comm_);
     stats_.gather_seconds += clock.seconds();
     stats_.gather_bytes_sent += bytes;
     stats_.gather_bytes_recv += bytes * comm_.size();
@@ -182,6 +182,10 @@ sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communi
   XCTX_CHECK(opt.max_new_tokens >= 0, "max_new_tokens must be >= 0");
   XCTX_CHECK(opt.anchor_tokens >= 0, "anchor tokens must be >= 0");
   if (spec_.options.factors && comm_.size() > 1) spec_.options.factors = rank0_factors(comm_, spec_.options.factors);
+  if (be_.has_device_collectives() && comm_.size() > 1) {
+    own_device_comm_ = make_nccl_communicator_or_fail(comm_);  // bootstrapped through comm_ (MPI)
+    device_comm_ = own_device_comm_.get();
+  }
 }
 
 sequence_parallel_runner::~sequence_parallel_runner() = default;
@@ -509,7 +513,7 @@ void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* log
   XCTX_CHECK(n > 0, "step: no tokens");
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(next_pos_ + i);
-  merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_);
+  merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_, device_comm_);
   engine_.forward(tokens, pos.data(), n, merged, llama_engine::logits_for::logits_last, logits);
   next_pos_ += n;
   stats_.decode_tokens += n;

@@ -126,6 +126,11 @@ class sequence_parallel_runner {
   // sequence_tokens_needed_per_rank for this runner's ranks, format and options.
   int64_t tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const;
   const sequence_options& options() const { return opt_; }
+  // Collectives on backend memory for the decode merge (the runner makes an NCCL one itself on
+  // a backend with device collectives and more than one rank); null: through the host. Ring
+  // blocks always travel through the host communicator. `c` must outlive the runner.
+  void set_device_communicator(communicator* c) { device_comm_ = c; }
+  const communicator* device_communicator() const { return device_comm_; }
 
   int64_t next_position() const { return next_pos_; }
   const shard_plan& plan() const { return plan_; }
@@ -153,6 +158,8 @@ class sequence_parallel_runner {
                      int64_t extra_on_tail);
 
   std::unique_ptr<kv_cache> cache_;
+  std::unique_ptr<communicator> own_device_comm_;  // the NCCL communicator made for be_
+  communicator* device_comm_ = nullptr;
   size_t planned_bytes_ = 0;
   bool active_ = false;  // a sequence was prefilled and not reset
   prefill_mode mode_ = prefill_mode::prefill_exact;  // of the current sequence (auto resolved)
@@ -182,7 +189,9 @@ class ring_attention final : public attention_exchange {
 
 class merged_attention final : public attention_exchange {
  public:
-  merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be, sequence_comm_stats& stats);
+  // device_comm: collectives on backend memory (NCCL) for the partials, when the runner has one.
+  merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be, sequence_comm_stats& stats,
+                   communicator* device_comm = nullptr);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
@@ -192,6 +201,7 @@ class merged_attention final : public attention_exchange {
   communicator& comm_;
   backend& be_;
   sequence_comm_stats& stats_;
+  communicator* device_comm_;
   attention_sum sum_;  // rows n_q·n_head: this rank's, then every rank's
 };
 

@@ -80,6 +80,7 @@ class cuda_backend final : public backend {
   cuda_backend& operator=(const cuda_backend&) = delete;
 
   std::string name() const override { return "cuda"; }
+  bool has_device_collectives() const override { return true; }  // NCCL (comm/nccl.h)
 
   void* alloc(size_t bytes) override {
     use_device();

@@ -300,22 +300,28 @@ TEST(star_blocks, match_the_papers_masks) {
 // The exact ring and merged decode on a backend with its own memory space and no exact
 // accumulator (tests/device_space_backend.h, what --backend cuda runs): ring blocks go through
 // the host and attend as (o, lse) partials, decode partials are gathered from every rank and
-// merged in rank order. Every rank gets the same bits; against the exact single process, float
-// merge order (~1e-6 relative) that an fp16 cache can turn into one half step of a stored
-// element: logit_tolerance, as star with a full anchor.
-TEST(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single_process) {
+// merged in rank order -- through the host, or (device_collectives) gathered where they lie by
+// a communicator on the backend's memory, as NCCL on the CUDA backend. Every rank gets the same
+// bits; against the exact single process, float merge order (~1e-6 relative) that an fp16 cache
+// can turn into one half step of a stored element: logit_tolerance, as star with a full anchor.
+class device_space_sequence_parallel : public ::testing::TestWithParam<bool> {};
+
+TEST_P(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single_process) {
   XCTX_REQUIRE_MODEL(path);
   communicator& comm = mpi_test::world();
+  const bool device_collectives = GetParam();
   const model_weights w = load_model(path);
   const auto ids = golden_ids(600);
   ASSERT_EQ(ids.size(), 600u);
   const reference_run& ref = shared_reference(w, ids, cache_format::cache_fp16);
   test::device_space_backend dev;
+  test::device_space_communicator dev_comm(dev, comm);
   run_params rp;
   llama_engine engine(w, dev, rp);
   sequence_options opt;
   opt.max_new_tokens = kGreedy + 1;
   sequence_parallel_runner runner(engine, comm, dev, cache_format::cache_fp16, opt);
+  if (device_collectives) runner.set_device_communicator(&dev_comm);
   std::vector<float> logits(w.hp.n_vocab);
   runner.prefill(ids, {}, logits.data());
   float worst = 0;
@@ -329,8 +335,15 @@ TEST(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single_p
     ASSERT_EQ(rank0, logits) << "step " << t << " rank " << comm.rank();
   }
   EXPECT_GT(dev.attention_calls, 0);
-  std::printf("[device-space] rank %d/%d: max |dlogit| vs single process %.2e\n", comm.rank(), comm.size(), worst);
+  // Two gathers (o, lse) per layer and merged token: the prefill's suffix token and each step.
+  if (device_collectives && comm.size() > 1)
+    EXPECT_EQ(dev_comm.all_gathers, 2 * w.hp.n_layer * (kGreedy + 1));
+  std::printf("[device-space] rank %d/%d%s: max |dlogit| vs single process %.2e\n", comm.rank(), comm.size(),
+              device_collectives ? " (device collectives)" : "", worst);
 }
+
+INSTANTIATE_TEST_SUITE_P(collectives, device_space_sequence_parallel, ::testing::Values(false, true),
+                         [](const auto& info) { return std::string(info.param ? "device" : "host"); });
 
 INSTANTIATE_TEST_SUITE_P(
     modes, sequence_parallel,

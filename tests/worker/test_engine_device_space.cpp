@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "cache/cache.h"
 #include "comm/communicator.h"
@@ -139,6 +140,43 @@ INSTANTIATE_TEST_SUITE_P(
                       space_case{"q8_0_untied_fp32", ggml_type::ggml_q8_0, false, false, cache_format::cache_fp32},
                       space_case{"f32_bias_fp16", ggml_type::ggml_f32, true, true, cache_format::cache_fp16}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
+// generation, fp16 and fp32 caches, against the CPU backend's. GEMMs in exact fp32
+// (XCTX_CUDA_TF32=0), so the bound is the CPU backend's own against the scalar oracle: the CPU's
+// 8-bit decode activations on one side, f32 on the other.
+TEST(cuda_engine, greedy_generation_matches_the_cpu_backend) {
+  setenv("XCTX_CUDA_TF32", "0", 1);
+  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
+  const auto prompt = some_tokens(45, w.hp.n_vocab);
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  auto gpu = make_backend(backend_kind::backend_cuda);
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) {
+    std::vector<int32_t> cpu_tokens, gpu_tokens;
+    for (int which = 0; which < 2; ++which) {
+      backend& be = which == 0 ? *cpu : *gpu;
+      std::vector<int32_t>& toks = which == 0 ? cpu_tokens : gpu_tokens;
+      std::vector<std::vector<float>> logits = run(w, be, f, 16, prompt, {});
+      for (int s = 0; s < 12; ++s) {
+        toks.push_back(argmax(logits.back()));
+        logits = run(w, be, f, 16, prompt, toks);
+      }
+    }
+    // Teacher-forced on the CPU's tokens, the logits agree within the bound at every step.
+    const auto ref = run(w, *cpu, f, 16, prompt, cpu_tokens);
+    const auto got = run(w, *gpu, f, 16, prompt, cpu_tokens);
+    for (size_t s = 0; s < ref.size(); ++s) {
+      double max_abs = 0, max_ref = 0;
+      for (size_t i = 0; i < ref[s].size(); ++i) {
+        max_abs = test::worse(max_abs, (double)std::fabs(ref[s][i] - got[s][i]));
+        max_ref = std::max(max_ref, (double)std::fabs(ref[s][i]));
+      }
+      EXPECT_LE(max_abs, 0.05 * std::max(1.0, max_ref)) << format_traits(f).name << " step " << s;
+    }
+    EXPECT_EQ(gpu_tokens, cpu_tokens) << format_traits(f).name;
+  }
+}
 
 // Weights go up once, when the engine is made; a decode step then moves a handful of small
 // arrays up (token id, positions for rope, the cache's slots and the queries' positions: the
