@@ -125,6 +125,10 @@ class backend {
   // Whether collectives can move this backend's memory directly (CUDA: NCCL). Without them,
   // partials travel through host memory and the host communicator.
   virtual bool has_device_collectives() const { return false; }
+  // The bytes this process may still allocate in this backend's memory: a device's free memory
+  // divided among the node's ranks bound to it. 0 when the memory is the host's (the host's
+  // figure, available_memory_bytes in worker/memory_plan.h, applies).
+  virtual size_t memory_share_bytes() const { return 0; }
 
   // y = x · Wᵀ : y[t, r] = Σ_c W[r, c] x[t, c]
   virtual void matmul(const weight_view& w,

@@ -36,6 +36,7 @@ class device_space_backend final : public backend {
   std::string name() const override { return "device-space"; }
   bool host_memory() const override { return false; }
   bool exact_accumulator() const override { return false; }
+  size_t memory_share_bytes() const override { return memory_share; }
 
   void* alloc(size_t bytes) override {
     const size_t mapped = std::max<size_t>(page_, (bytes + page_ - 1) / page_ * page_);
@@ -133,6 +134,7 @@ class device_space_backend final : public backend {
     return u >= it->first && u + bytes <= it->first + it->second;
   }
 
+  size_t memory_share = 0;  // what memory_share_bytes reports (0: the host's figure applies)
   int64_t uploads = 0, downloads = 0, attention_calls = 0;
   uint64_t upload_bytes = 0, download_bytes = 0;
 

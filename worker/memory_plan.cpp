@@ -202,15 +202,16 @@ cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, co
 
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
                          const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
-                         int64_t extra_on_tail) {
+                         int64_t extra_on_tail, const backend* be) {
   const int P = comm.size();
   const rank_memory need = estimate_rank_memory(hp, spec, opt, n_batch, n_threads, n_context, extra_on_tail, P);
-  const uint64_t available = available_memory_bytes();
-  const int local_ranks = node_local_ranks();
+  const uint64_t device_share = be != nullptr ? be->memory_share_bytes() : 0;
+  const uint64_t available = device_share > 0 ? device_share : available_memory_bytes();
+  const int local_ranks = device_share > 0 ? 1 : node_local_ranks();  // a device's share is per rank already
   struct verdict {
     uint64_t need, share, available;
-    int32_t local_ranks, pad;
-  } mine{need.total(), available / (uint64_t)local_ranks, available, local_ranks, 0};
+    int32_t local_ranks, on_device;
+  } mine{need.total(), available / (uint64_t)local_ranks, available, local_ranks, device_share > 0 ? 1 : 0};
   std::vector<verdict> all(P);
   comm.all_gather(&mine, all.data(), sizeof mine);
   int worst = 0;
@@ -224,8 +225,13 @@ void check_sequence_fits(communicator& comm, const model_hparams& hp, const cach
   msg << "the sequence does not fit in memory: " << n_context << " context tokens over " << P << " rank(s) with cache "
       << format_traits(spec.format).name << " and " << prefill_mode_name(effective_prefill_mode(opt, n_context))
       << " prefill need up to " << need.describe() << " per rank, but rank " << worst << " may use "
-      << format_bytes((double)share) << " (" << format_bytes((double)all[worst].available) << " available on its node / "
-      << all[worst].local_ranks << " rank(s) there).";
+      << format_bytes((double)share);
+  if (all[worst].on_device != 0)
+    msg << " (its share of its GPU's free memory, the " << (be != nullptr ? be->name() : std::string("device"))
+        << " backend).";
+  else
+    msg << " (" << format_bytes((double)all[worst].available) << " available on its node / " << all[worst].local_ranks
+        << " rank(s) there).";
   std::string fitting;
   for (cache_format f : all_cache_formats()) {
     cache_spec other(f, spec.options);

@@ -52,11 +52,13 @@ inline constexpr size_t kClDeltasBudget = size_t{1} << 30;
 cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, const sequence_options& opt,
                              int64_t n_context, int n_rank);
 
-// Collective: every rank passes its estimate and its share of the node's memory; when any rank
-// lacks room, every rank throws the same message, naming the rank, what it needs by part, and
-// the formats and rank counts that would fit.
+// Collective: every rank passes its estimate and its share of the memory it allocates in -- the
+// node's, or on a device backend (be.memory_share_bytes() > 0) its device's free memory shared
+// among the ranks bound to it, against which the whole estimate is counted (conservative: ring
+// blocks are held on the host) -- and when any rank lacks room, every rank throws the same
+// message, naming the rank, what it needs by part, and the formats and rank counts that would fit.
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
                          const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
-                         int64_t extra_on_tail);
+                         int64_t extra_on_tail, const backend* be = nullptr);
 
 }  // namespace xctx

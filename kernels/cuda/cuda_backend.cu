@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "common/sys.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
@@ -81,6 +82,16 @@ class cuda_backend final : public backend {
 
   std::string name() const override { return "cuda"; }
   bool has_device_collectives() const override { return true; }  // NCCL (comm/nccl.h)
+  size_t memory_share_bytes() const override {
+    size_t free_b = 0, total_b = 0;
+    int n_dev = 0;
+    CUDA_CHECK(cudaSetDevice(ctx_.device));
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+    // Ranks bind to node-local rank mod the device count: this many share a device at most.
+    const int sharing = std::max(1, (node_local_ranks() + std::max(n_dev, 1) - 1) / std::max(n_dev, 1));
+    return free_b / (size_t)sharing;
+  }
 
   void* alloc(size_t bytes) override {
     use_device();

@@ -314,6 +314,26 @@ TEST(device_space, sequence_runner_prefill_modes_match_the_cpu_backend) {
   }
 }
 
+// On a device backend the fit check weighs the sequence against the device's share, not the
+// host's memory, and says so.
+TEST(device_space, the_fit_check_uses_the_devices_memory) {
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_f16, 3);
+  test::device_space_backend dev;
+  dev.memory_share = 64 << 10;  // 64 KiB: less than the cache of 150 tokens alone
+  run_params rp;
+  llama_engine engine(w, dev, rp);
+  auto comm = make_local_communicator();
+  sequence_options opt;
+  opt.max_new_tokens = 4;
+  sequence_parallel_runner runner(engine, *comm, dev, cache_spec(cache_format::cache_fp16, cache_options{}), opt);
+  std::vector<float> logits(w.hp.n_vocab);
+  test::expect_error_contains([&] { runner.prefill(some_tokens(150, w.hp.n_vocab), {}, logits.data()); },
+                              "may use 64.0 KiB (its share of its GPU's free memory, the device-space backend)");
+  dev.memory_share = 64 << 20;
+  runner.reset();
+  EXPECT_NO_THROW(runner.prefill(some_tokens(150, w.hp.n_vocab), {}, logits.data()));
+}
+
 // What the emulation itself must catch, or the tests above prove nothing: a host pointer handed
 // to a kernel, and host code reading backend memory.
 TEST(device_space, the_emulation_catches_host_pointers_and_host_access) {
