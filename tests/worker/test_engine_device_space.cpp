@@ -16,43 +16,16 @@
 #include "model/gguf.h"
 #include "model/gguf_writer.h"
 #include "test_util.h"
+#include "tiny_model.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
 
 namespace xctx {
 namespace {
 
-model_hparams tiny_hparams(bool tied, bool bias) {
-  model_hparams hp;
-  hp.arch = bias ? "qwen2" : "llama";
-  hp.name = "tiny";
-  hp.n_layer = 3;
-  hp.n_embd = 128;
-  hp.n_ff = 256;
-  hp.n_head = 4;
-  hp.n_head_kv = 2;
-  hp.head_dim = 32;
-  hp.n_rot = 32;
-  hp.n_vocab = 160;
-  hp.n_ctx_train = 512;
-  hp.rms_eps = 1e-5f;
-  hp.rope_freq_base = 10000.0f;
-  hp.tied_output = tied;
-  hp.qkv_bias = bias;
-  return hp;
-}
-
-model_weights write_and_load(const model_hparams& hp, ggml_type type, uint64_t seed) {
-  const auto path = test::scratch_dir() / "tiny_device_space.gguf";
-  make_tiny_model_writer(hp, type, seed).write(path.string());
-  return load_model(path.string());
-}
-
-std::vector<int32_t> some_tokens(int64_t n, int32_t vocab) {
-  std::vector<int32_t> t(n);
-  for (int64_t i = 0; i < n; ++i) t[i] = (int32_t)((i * 37 + 11) % vocab);
-  return t;
-}
+using test::some_tokens;
+using test::tiny_hparams;
+using test::write_and_load;
 
 int32_t argmax(const std::vector<float>& v) { return (int32_t)(std::max_element(v.begin(), v.end()) - v.begin()); }
 
