@@ -55,9 +55,12 @@ class kv_cache {
   // such a backend throw (make_cache refuses them there up front).
   virtual void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
                               float* lse);
-  // The same over a block of export_layer (host memory).
+  // The same over a block of export_layer (host memory). block_on_backend, when not null, holds
+  // the same bytes in the backend's memory (the ring uploads each received block once per layer,
+  // not once per query chunk); without it the cache uploads what it needs itself.
   virtual void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q,
-                                       const int32_t* q_pos, int64_t n_q, attend_path path, float* o, float* lse);
+                                       const int32_t* q_pos, int64_t n_q, attend_path path, float* o, float* lse,
+                                       const void* block_on_backend = nullptr);
   // The ring prefill passes a layer's tokens between ranks in the representation the format
   // stores (compressed formats send compressed bytes). export_layer writes exactly
   // exported_bytes(layer) bytes; attend_exported attends over such a block produced by a cache

@@ -109,10 +109,12 @@ class fp_cache final : public kv_cache {
     be_.attention_partial(a);
   }
   void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path, float* o, float* lse) override {
+                               int64_t n_q, attend_path, float* o, float* lse, const void* block_on_backend) override {
     const int64_t n = block_tokens(layer, block, bytes);
     const uint8_t* in = static_cast<const uint8_t*>(block);
-    if (!host_mem_) {  // the whole block in one upload: header, positions and K/V keep their offsets
+    if (block_on_backend != nullptr) {
+      in = static_cast<const uint8_t*>(block_on_backend);
+    } else if (!host_mem_) {  // the whole block in one upload: header, positions and K/V keep their offsets
       auto* dev = static_cast<uint8_t*>(block_.reserve(bytes));
       be_.upload(dev, block, bytes);
       in = dev;
@@ -279,7 +281,7 @@ void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend
 }
 
 void kv_cache::attend_exported_partial(int, const void*, size_t, const float*, const int32_t*, int64_t, attend_path,
-                                       float*, float*) {
+                                       float*, float*, const void*) {
   fail("cache format ", format_traits(format()).name, " has no (o, lse) attention: it runs on backends with the "
        "exact accumulator only (--backend cpu)");
 }

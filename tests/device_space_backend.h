@@ -14,11 +14,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "common/error.h"
@@ -42,6 +44,7 @@ class device_space_backend final : public backend {
     const size_t mapped = std::max<size_t>(page_, (bytes + page_ - 1) / page_ * page_);
     void* p = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     XCTX_CHECK(p != MAP_FAILED, "device_space: cannot map ", bytes, " bytes");
+    madvise(p, mapped, MADV_HUGEPAGE);  // fewer page-table entries for mprotect to rewrite (a hint)
     blocks_[reinterpret_cast<uintptr_t>(p)] = mapped;
     return p;
   }
@@ -126,48 +129,62 @@ class device_space_backend final : public backend {
   void attention_kvq(const kvq_attn_args&) override { fail("device_space: attention_kvq is not emulated"); }
 
   // Whether [p, p + bytes) lies in one allocation.
-  bool in_space(const void* p, size_t bytes) const {
-    const auto u = reinterpret_cast<uintptr_t>(p);
-    auto it = blocks_.upper_bound(u);
-    if (it == blocks_.begin()) return false;
-    --it;
-    return u >= it->first && u + bytes <= it->first + it->second;
-  }
+  bool in_space(const void* p, size_t bytes) const { return block_of(p, bytes) != 0; }
 
   size_t memory_share = 0;  // what memory_share_bytes reports (0: the host's figure applies)
   int64_t uploads = 0, downloads = 0, attention_calls = 0;
   uint64_t upload_bytes = 0, download_bytes = 0;
 
-  void check(const void* p, int64_t bytes, const char* op, const char* arg) const {
-    XCTX_CHECK(p != nullptr && in_space(p, (size_t)std::max<int64_t>(bytes, 1)), "device_space: ", op, " got ", arg,
-               " = ", p, " (", bytes, " bytes), which is not in this backend's memory");
+  // Checks an op's argument and marks its allocation to be opened for the op.
+  void check(const void* p, int64_t bytes, const char* op, const char* arg) {
+    const uintptr_t start = block_of(p, (size_t)std::max<int64_t>(bytes, 1));
+    if (start == 0) used_.clear();  // the op will not run
+    XCTX_CHECK(start != 0, "device_space: ", op, " got ", arg, " = ", p, " (", bytes,
+               " bytes), which is not in this backend's memory");
+    used_.push_back(start);
   }
-  void check_matmul(const weight_view& w, const float* x, int64_t n_tok, float* y, const char* op) const {
+  void check_matmul(const weight_view& w, const float* x, int64_t n_tok, float* y, const char* op) {
     check(w.data, w.bytes(), op, "w"), check(x, n_tok * w.n_cols * 4, op, "x"), check(y, n_tok * w.n_rows * 4, op, "y");
   }
+  // The allocation holding [p, p + bytes), 0 if none does.
+  uintptr_t block_of(const void* p, size_t bytes) const {
+    const auto u = reinterpret_cast<uintptr_t>(p);
+    auto it = blocks_.upper_bound(u);
+    if (p == nullptr || it == blocks_.begin()) return 0;
+    --it;
+    return u >= it->first && u + bytes <= it->first + it->second ? it->first : 0;
+  }
+  // Opens or closes the allocations the pending op was checked against (only those: opening
+  // every allocation for every op costs whole-model page-table updates per kernel).
   void protect(int prot) {
-    for (const auto& [start, bytes] : blocks_)
-      XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), bytes, prot) == 0, "device_space: mprotect failed");
+    for (uintptr_t start : used_)
+      XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), blocks_.at(start), prot) == 0, "device_space: mprotect failed");
   }
 
  public:
-  // Runs f with this backend's memory readable and writable (what a device-side library does).
+  // Runs f with the allocations of the arguments checked since the last op readable and
+  // writable (what a device-side kernel or library sees), then closes them again.
   template <typename F>
   void with_memory_open(F&& f) {
+    std::sort(used_.begin(), used_.end());
+    used_.erase(std::unique(used_.begin(), used_.end()), used_.end());
     protect(PROT_READ | PROT_WRITE);
     try {
       f();
     } catch (...) {
       protect(PROT_NONE);
+      used_.clear();
       throw;
     }
     protect(PROT_NONE);
+    used_.clear();
   }
 
  private:
   std::unique_ptr<backend> cpu_;
   size_t page_;
   std::map<uintptr_t, size_t> blocks_;  // start -> mapped bytes
+  std::vector<uintptr_t> used_;         // allocations the pending op was checked against
 };
 
 // Collectives on a device_space_backend's memory, as NCCL's are on the CUDA backend's: buffers

@@ -43,14 +43,14 @@ void attention_sum::add(kv_cache& c, int layer, const float* q, const int32_t* q
 }
 
 void attention_sum::add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q,
-                                 const int32_t* q_pos, int64_t n_q, attend_path path) {
+                                 const int32_t* q_pos, int64_t n_q, attend_path path, const void* block_on_backend) {
   if (exact_) {
     c.attend_exported(layer, block, bytes, q, q_pos, n_q, path, acc_);
     return;
   }
   const int s = next_slot();
   c.attend_exported_partial(layer, block, bytes, q, q_pos, n_q, path, o_parts_.as<float>() + s * rows_ * width_,
-                            lse_parts_.as<float>() + s * rows_);
+                            lse_parts_.as<float>() + s * rows_, block_on_backend);
 }
 
 size_t attention_sum::all_reduce(communicator& comm, communicator* device_comm) {

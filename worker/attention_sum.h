@@ -27,8 +27,9 @@ class attention_sum {
   // Adds the attention of the queries (backend memory; positions on the host) over a cache's
   // own tokens, or over a block export_layer produced (host memory).
   void add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path);
+  // block_on_backend: the same bytes in backend memory, when the caller holds them there.
   void add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                    int64_t n_q, attend_path path);
+                    int64_t n_q, attend_path path, const void* block_on_backend = nullptr);
   // Collective: adds every rank's sum to every rank's. Returns the bytes this rank contributed.
   // partials mode: with device_comm (collectives on backend memory: NCCL) the partials are
   // gathered where they lie; without, through the host and comm.

@@ -93,6 +93,11 @@ void ring_attention::layer_stored(int layer) {
     out = &in;
   }
   stats_.ring_held_bytes_peak = std::max<uint64_t>(stats_.ring_held_bytes_peak, own.size() + held_bytes_);
+  if (!sum_.exact()) {  // each block goes up once, however many query chunks attend to it
+    while (held_on_backend_.size() < held_.size()) held_on_backend_.emplace_back(be_);
+    for (size_t i = 0; i < held_.size(); ++i)
+      be_.upload(held_on_backend_[i].reserve(std::max<size_t>(held_[i].size(), 1)), held_[i].data(), held_[i].size());
+  }
 }
 
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
@@ -101,13 +106,15 @@ void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int
   sum_.begin(n_q, g.n_head, g.head_dim);
   sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_prefill);
   // The exact accumulator makes the arrival order (and so the rank count) invisible in o.
-  for (const std::vector<uint8_t>& block : held_)
-    sum_.add_exported(own_, layer, block.data(), block.size(), q, q_pos, n_q, attend_path::attend_prefill);
+  for (size_t i = 0; i < held_.size(); ++i)
+    sum_.add_exported(own_, layer, held_[i].data(), held_[i].size(), q, q_pos, n_q, attend_path::attend_prefill,
+                      sum_.exact() ? nullptr : held_on_backend_[i].as<void>());
   sum_.finish(o);
 }
 
 void ring_attention::release() {
   std::vector<std::vector<uint8_t>>().swap(held_);
+  held_on_backend_.clear();
   held_bytes_ = 0;
 }
 

@@ -183,6 +183,9 @@ class ring_attention final : public attention_exchange {
   backend& be_;
   sequence_comm_stats& stats_;
   std::vector<std::vector<uint8_t>> held_;  // this layer's foreign blocks, in arrival order
+  // partials mode (a backend without the exact accumulator): the held blocks in backend memory,
+  // uploaded once per layer for all of its query chunks.
+  std::vector<backend_buffer> held_on_backend_;
   uint64_t held_bytes_ = 0;
   attention_sum sum_;  // rows n_q·n_head of one query chunk: the own shard and every held block
 };

@@ -317,13 +317,19 @@ TEST_P(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single
   test::device_space_backend dev;
   test::device_space_communicator dev_comm(dev, comm);
   run_params rp;
+  rp.n_batch = 64;  // several query chunks per layer: received ring blocks must still go up once
   llama_engine engine(w, dev, rp);
   sequence_options opt;
   opt.max_new_tokens = kGreedy + 1;
   sequence_parallel_runner runner(engine, comm, dev, cache_format::cache_fp16, opt);
   if (device_collectives) runner.set_device_communicator(&dev_comm);
   std::vector<float> logits(w.hp.n_vocab);
+  const uint64_t uploaded_before = dev.upload_bytes;
   runner.prefill(ids, {}, logits.data());
+  // Each layer's foreign blocks (fp16 K and V plus positions: at most the whole context) go up
+  // once, not once per query chunk; ids, positions and the suffix step add a few KiB.
+  const uint64_t block_bytes_per_layer = ids.size() * (2 * (uint64_t)w.hp.kv_dim() * 2 + 4) + 64 * comm.size();
+  EXPECT_LE(dev.upload_bytes - uploaded_before, w.hp.n_layer * block_bytes_per_layer + (64u << 10));
   float worst = 0;
   for (int i = 0; i < w.hp.n_vocab; ++i) worst = test::worse(worst, std::fabs(logits[i] - ref.logits[i]));
   EXPECT_LE(worst, logit_tolerance(cache_format::cache_fp16)) << "rank " << comm.rank() << " of " << comm.size();
