@@ -330,7 +330,9 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
   p.decode_memory_s = (p.weight_bytes + p.cache_bytes_per_rank) / bw;
   p.decode_rebuild_s = (rebuild * n_s + attention_flops(hp, n_s) + block_flops_per_token(hp)) / flops;
   const int P = in.ranks;
-  p.decode_merge_s = P > 1 ? hp.n_layer * (P - 1) * (in.network.latency_s + merge_bytes_exact(hp) / in.network.bandwidth)
+  // GPU ranks gather (o, lse) partials (worker/attention_sum.h: the CUDA backend has no exact
+  // accumulator), not the CPU backend's exact accumulator images.
+  p.decode_merge_s = P > 1 ? hp.n_layer * (P - 1) * (in.network.latency_s + merge_bytes_o_lse(hp) / in.network.bandwidth)
                            : 0.0;
   p.decode_s = std::max(p.decode_memory_s, p.decode_rebuild_s) + p.decode_merge_s;
 

@@ -137,9 +137,9 @@ int run_plan(const plan_options& opt) {
                 seconds_text(p.decode_memory_s).c_str(), seconds_text(p.decode_rebuild_s).c_str(),
                 seconds_text(p.decode_merge_s).c_str(), 1.0 / p.decode_s, seconds_text(p.prefill_ring_s).c_str(),
                 seconds_text(p.prefill_star_s).c_str());
-  std::printf("\nmerge per token and layer: %.0f B per rank (exact accumulator), %.0f B for a plain (o, lse) merge; "
-              "each rank receives %d times that\n",
-              merge_bytes_exact(hp), merge_bytes_o_lse(hp), in.ranks);
+  std::printf("\nmerge per token and layer: %.0f B per rank as (o, lse) partials (the CUDA backend's, projected "
+              "above), %.0f B as the CPU backend's exact accumulator; each rank receives %d times that\n",
+              merge_bytes_o_lse(hp), merge_bytes_exact(hp), in.ranks);
   if (in.cpu != nullptr) return 0;
   std::printf("XQuant 3.4 on %s (ridge %.0f FLOP/B): K/V rebuild stays under the weights' stream up to %s tokens "
               "per rank at 2-bit X (%s formula)\n",

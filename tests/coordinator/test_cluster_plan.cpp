@@ -132,7 +132,8 @@ TEST(cluster_plan, decode_projection_is_the_stated_roofline) {
   const format_plan p = plan_format(in, cache_format::cache_nuq3_1pct);
   const double bw = in.device.bandwidth * in.bandwidth_efficiency;
   EXPECT_DOUBLE_EQ(p.decode_memory_s, (p.weight_bytes + p.cache_bytes_per_rank) / bw);
-  const double merge = in.hp.n_layer * 7 * (in.network.latency_s + merge_bytes_exact(in.hp) / in.network.bandwidth);
+  // GPU ranks merge (o, lse) partials (the CUDA backend has no exact accumulator).
+  const double merge = in.hp.n_layer * 7 * (in.network.latency_s + merge_bytes_o_lse(in.hp) / in.network.bandwidth);
   EXPECT_DOUBLE_EQ(p.decode_merge_s, merge);
   EXPECT_DOUBLE_EQ(p.decode_s, std::max(p.decode_memory_s, p.decode_rebuild_s) + merge);
   // Fewer bytes per token, shorter memory term; 1 rank has no merge.
