@@ -138,7 +138,10 @@ void print_report(const json& rep) {
               rep["communicator"].get<std::string>().c_str());
   std::printf("build         %s, %s; backends: ref, cpu%s\n", b["type"].get<std::string>().c_str(),
               b["compiler"].get<std::string>().c_str(), b["cuda"].get<bool>() ? ", cuda" : " (CUDA not compiled in)");
-  std::printf("jobs run on   the cpu backend (no job runs on the cuda backend yet; README)\n");
+  const char* env_backend = std::getenv("XCTX_BACKEND");
+  std::printf("jobs run on   --backend cpu (every cache format) or cuda (fp16/fp32 caches; never run on a GPU so far: "
+              "README); default %s\n",
+              env_backend != nullptr && *env_backend != '\0' ? (std::string("XCTX_BACKEND=") + env_backend).c_str() : "cpu");
   std::printf("cpu           %s; kernels: %s\n", rep["cpu"]["model"].get<std::string>().c_str(),
               rep["cpu"]["kernels"].get<std::string>().c_str());
   std::printf("blas          %s\n", rep["blas"].get<std::string>().c_str());
