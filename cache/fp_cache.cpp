@@ -18,7 +18,7 @@ namespace {
 class fp_cache final : public kv_cache {
  public:
   fp_cache(cache_format f, const cache_geometry& g, backend& be)
-      : format_(f), geo_(g), be_(be), host_mem_(be.host_memory()), kscratch_(be), qpos_(be), lse_(be), block_(be) {
+      : format_(f), geo_(g), be_(be), host_mem_(be.host_memory()), kscratch_(be), qpos_(be), block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim);
@@ -201,7 +201,7 @@ class fp_cache final : public kv_cache {
   }
   void run_partial(attn_args& a, float* o, float* lse) {
     a.o = o;
-    a.lse = lse != nullptr ? lse : lse_.reserve_as<float>(a.n_q * geo_.n_head);
+    a.lse = lse;
     be_.attention_partial(a);
   }
 
@@ -220,9 +220,9 @@ class fp_cache final : public kv_cache {
   std::vector<int32_t> qpos_host_;  // what qpos_ holds
   std::vector<int64_t> n_;       // tokens held per layer
   int64_t n_max_written_ = 0;
-  // Backend scratch: rotated f32 keys of an fp16 append, uploaded query positions, an lse
-  // nobody asked for, an uploaded ring block.
-  backend_buffer kscratch_, qpos_, lse_, block_;
+  // Backend scratch: rotated f32 keys of an fp16 append, uploaded query positions, an uploaded
+  // ring block.
+  backend_buffer kscratch_, qpos_, block_;
 };
 
 }  // namespace
@@ -275,15 +275,20 @@ int64_t cache_alignment(const cache_spec& spec) {
   return std::lcm<int64_t>(kAttnUnit, group);
 }
 
-void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*) {
-  fail("cache format ", format_traits(format()).name, " has no (o, lse) attention: it runs on backends with the "
+namespace {
+[[noreturn]] void no_partial_attention(cache_format f) {
+  fail("cache format ", format_traits(f).name, " has no (o, lse) attention: it runs on backends with the "
        "exact accumulator only (--backend cpu)");
+}
+}  // namespace
+
+void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*) {
+  no_partial_attention(format());
 }
 
 void kv_cache::attend_exported_partial(int, const void*, size_t, const float*, const int32_t*, int64_t, attend_path,
                                        float*, float*, const void*) {
-  fail("cache format ", format_traits(format()).name, " has no (o, lse) attention: it runs on backends with the "
-       "exact accumulator only (--backend cpu)");
+  no_partial_attention(format());
 }
 
 void kv_cache::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse,

@@ -211,11 +211,12 @@ TEST(device_space, fp_cache_blocks_round_trip_through_the_host) {
   for (int64_t i = 0; i < qe; ++i) q[i] = std::sin(0.05f * i + 1.0f);
   std::vector<int32_t> pos(n), q_pos = {5, 20, 36};
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
-  backend_buffer dk(dev), dv(dev), dq(dev), dout(dev);
+  backend_buffer dk(dev), dv(dev), dq(dev), dout(dev), dlse(dev);
   dev.upload(dk.reserve(kv * 4), k.data(), kv * 4);
   dev.upload(dv.reserve(kv * 4), v.data(), kv * 4);
   dev.upload(dq.reserve(qe * 4), q.data(), qe * 4);
   float* o = dout.reserve_as<float>(3 * qe);  // own, restored, exported
+  float* lse_dev = dlse.reserve_as<float>(nq * g.n_head);
   for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) {
     auto a = make_cache(cache_spec(f, cache_options{}), g, dev);
     layer_input in;
@@ -226,10 +227,10 @@ TEST(device_space, fp_cache_blocks_round_trip_through_the_host) {
     auto b = make_cache(cache_spec(f, cache_options{}), g, dev);
     b->restore_layer(0, block.data(), block.size());
     auto empty = make_cache(cache_spec(f, cache_options{}), g, dev);
-    a->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o, nullptr);
-    b->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o + qe, nullptr);
+    a->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o, lse_dev);
+    b->attend_partial(0, dq.as<float>(), q_pos.data(), nq, attend_path::attend_prefill, o + qe, lse_dev);
     empty->attend_exported_partial(0, block.data(), block.size(), dq.as<float>(), q_pos.data(), nq,
-                                   attend_path::attend_prefill, o + 2 * qe, nullptr);
+                                   attend_path::attend_prefill, o + 2 * qe, lse_dev);
     std::vector<float> host(3 * qe);
     dev.download(host.data(), o, host.size() * 4);
     for (int64_t i = 0; i < qe; ++i) {
