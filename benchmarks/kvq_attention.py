@@ -96,6 +96,24 @@ def fmt(x, spec):
     return "–" if x is None else format(x, spec)
 
 
+def build_flags(binary):
+    """The build type and flags of the binary's CMake tree (build/benchmarks/X -> build/CMakeCache.txt)."""
+    cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(binary))), "CMakeCache.txt")
+    vals = {}
+    try:
+        with open(cache) as f:
+            for line in f:
+                key, _, val = line.strip().partition("=")
+                vals[key.split(":")[0]] = val
+    except OSError:
+        return "unknown (no CMakeCache.txt beside the binary)"
+    btype = vals.get("CMAKE_BUILD_TYPE", "?")
+    flags = " ".join(x for x in (vals.get("CMAKE_CXX_FLAGS", ""), vals.get(f"CMAKE_CXX_FLAGS_{btype.upper()}", "")) if x)
+    native = "-march=native" if vals.get("XCTX_NATIVE", "OFF").upper() in ("ON", "1", "TRUE") else \
+        "portable x86-64 with run-time AVX2/AVX-512 dispatch"
+    return f"{btype} ({flags or 'no extra flags'}), {native}"
+
+
 def write_markdown(path, rows, meta, info):
     out = []
     w = out.append
@@ -103,6 +121,7 @@ def write_markdown(path, rows, meta, info):
     w(f"Command: `{info['command']}`  ")
     w(f"Date: {info['date']}; commit {info['commit']}; {info['cpu']}, {info['cores']} cores; "
       f"isa {info['isa']}, fused decode kernel {info['fused_isa']}; CPU flags: {info['cpu_flags']}.  ")
+    w(f"Build: {info['build']}.  ")
     w(f"Load before: `{info['uptime_before']}`  ")
     w(f"Load after: `{info['uptime_after']}`  ")
     w(f"Run time: {info['seconds']:.0f} s. Involuntary context switches per (length, threads) block "
@@ -244,7 +263,7 @@ def main():
         "command": "python3 benchmarks/kvq_attention.py" + "".join(f" {a}" for a in sys.argv[1:]),
         "date": t0.strftime("%Y-%m-%d %H:%M"), "commit": commit or "?", "cpu": cpu_model(),
         "cores": os.cpu_count(), "isa": head.get("isa", "?"), "fused_isa": head.get("fused_isa", "?"),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": cpu_flags(), "build": build_flags(args.binary),
         "uptime_before": before, "uptime_after": after,
         "seconds": seconds, "switches": switches, "selfextend": args.selfextend,
     }
