@@ -23,7 +23,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "common/error.h"
 #include "common/half.h"
 #include "kernels/ops.h"
 
@@ -201,7 +203,8 @@ struct kvq_encode_job {
   int channels = 0;  // C
   int group = 0;     // uniform
   int64_t n = 0;
-  const float* x = nullptr;  // [n, C]
+  const float* x = nullptr;       // [n, C]
+  const uint16_t* x16 = nullptr;  // uniform tensors: [n, C] fp16 rows read instead of x (kivi's window)
   // lut parameters
   const float* lut = nullptr;       // [2^bits] ascending
   const float* ch_scale = nullptr;  // [C] keys
@@ -216,6 +219,22 @@ struct kvq_encode_job {
   uint16_t* out_val = nullptr;     // same shape, fp16 δ (kvq_outlier_delta)
   uint32_t* out_count = nullptr;   // keys: [n] outliers found per row
 };
+
+// Element i of a job's input rows: x[i], or x16[i] widened when the job reads fp16 rows.
+XCTX_HOST_DEVICE inline float kvq_input(const kvq_encode_job& j, int64_t i) {
+  return j.x16 != nullptr ? fp16_to_fp32(j.x16[i]) : j.x[i];
+}
+
+// The job's input rows in f32 on the host: x itself, or x16 widened into buf (the encoders'
+// scans then read one array whichever the job was given). x16 is for uniform tensors only.
+inline const float* kvq_input_rows(const kvq_encode_job& j, std::vector<float>& buf) {
+  XCTX_CHECK(j.x16 == nullptr || j.tensor == kvq_tensor::kvq_uniform_keys || j.tensor == kvq_tensor::kvq_uniform_values,
+             "kvq_encode: fp16 input rows (x16) are for the uniform tensors only");
+  if (j.x16 == nullptr) return j.x;
+  buf.resize((size_t)j.n * j.channels);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = fp16_to_fp32(j.x16[i]);
+  return buf.data();
+}
 
 // Attention of queries over one quantized layer (same contract as attn_args: o normalized by
 // its own softmax sum, lse natural log; key j visible to query i iff pos[j] <= q_pos[i]).

@@ -66,7 +66,10 @@ constexpr int64_t kPrefillTile = 1024;     // slots per attention call on the pr
 
 // ---- encoder ---------------------------------------------------------------------------------
 
-void kvq_encode(const kvq_encode_job& j) {
+void kvq_encode(const kvq_encode_job& job) {
+  std::vector<float> widened;
+  kvq_encode_job j = job;
+  j.x = kvq_input_rows(job, widened);
   XCTX_CHECK(j.bits >= 2 && j.bits <= kKvqMaxBits, "kvq_encode: bits must be 2..", kKvqMaxBits, ", got ", j.bits);
   XCTX_CHECK(j.channels > 0 && j.channels % 8 == 0 && j.channels <= 65536,
              "kvq_encode: channels must be a positive multiple of 8 up to 65536, got ", j.channels);

@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(kvq_threads) uniform_keys_kernel(const kvq_enc
   __shared__ kvq_affine s_aff[kvq_threads];
   const int C = j.channels, c_base = (int)blockIdx.x * kvq_threads, c = c_base + (int)threadIdx.x;
   if (c < C) {
-    float lo = j.x[c], hi = lo;
+    float lo = kvq_input(j, c), hi = lo;
     for (int64_t t = 1; t < j.n; ++t) {
-      const float v = j.x[t * C + c];
+      const float v = kvq_input(j, t * C + c);
       lo = v < lo ? v : lo;  // std::min(lo, v)
       hi = hi < v ? v : hi;  // std::max(hi, v)
     }
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kvq_threads) uniform_keys_kernel(const kvq_enc
     const int u = (int)(it % units), c0 = c_base + 8 * u;
     uint8_t codes[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(j.x[t * C + c0 + e], s_aff[8 * u + e], j.bits);
+    for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(kvq_input(j, t * C + c0 + e), s_aff[8 * u + e], j.bits);
     kvq_pack8(codes, j.bits, j.codes + t * rb + (size_t)(c0 / 8) * j.bits);
   }
 }
@@ -149,13 +149,13 @@ __global__ void __launch_bounds__(kvq_threads) uniform_values_kernel(const kvq_e
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const size_t rb = kvq_row_bytes(C, j.bits);
   for (int64_t t = blockIdx.x; t < j.n; t += gridDim.x) {
-    const float* x = j.x + t * C;
+    const int64_t x = t * C;  // the row's first element (kvq_input: f32 or fp16 rows)
     kvq_affine* aff = j.affine + t * n_g;
     for (int g = warp; g < n_g; g += kvq_warps) {
       const int c0 = g * G, c1 = min(C, c0 + G);
       extreme lo{0.0f, INT_MAX}, hi{0.0f, INT_MAX};
       for (int c = c0 + lane; c < c1; c += 32) {
-        const extreme e{x[c], c};
+        const extreme e{kvq_input(j, x + c), c};
         lo = pick_min(lo, e);
         hi = pick_max(hi, e);
       }
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kvq_threads) uniform_values_kernel(const kvq_e
     for (int c0 = (int)threadIdx.x * 8; c0 < C; c0 += kvq_threads * 8) {
       uint8_t codes[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(x[c0 + e], aff[(c0 + e) / G], j.bits);
+      for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(kvq_input(j, x + c0 + e), aff[(c0 + e) / G], j.bits);
       kvq_pack8(codes, j.bits, j.codes + t * rb + (size_t)(c0 / 8) * j.bits);
     }
   }
@@ -266,7 +266,9 @@ void check_encode_job(const kvq_encode_job& j) {
                  "cuda kvq_encode: value outliers need out_idx and out_val");
       break;
   }
-  XCTX_CHECK(j.n == 0 || (j.x != nullptr && j.codes != nullptr && j.affine != nullptr),
+  const bool uniform = j.tensor == kvq_tensor::kvq_uniform_keys || j.tensor == kvq_tensor::kvq_uniform_values;
+  XCTX_CHECK(j.x16 == nullptr || uniform, "cuda kvq_encode: fp16 input rows (x16) are for the uniform tensors only");
+  XCTX_CHECK(j.n == 0 || ((j.x != nullptr || j.x16 != nullptr) && j.codes != nullptr && j.affine != nullptr),
              "cuda kvq_encode: null x, codes or affine");
 }
 

@@ -22,8 +22,11 @@ void check_job(const kvq_encode_job& j) {
 
 }  // namespace
 
-void kvq_encode(const kvq_encode_job& j) {
-  check_job(j);
+void kvq_encode(const kvq_encode_job& job) {
+  check_job(job);
+  std::vector<float> widened;
+  kvq_encode_job j = job;
+  j.x = kvq_input_rows(job, widened);
   const int C = j.channels, bits = j.bits;
   const size_t row_bytes = kvq_row_bytes(C, bits);
   std::vector<uint8_t> codes((size_t)C);

@@ -17,6 +17,7 @@
 #include "kernels/cpu/kvq_impl.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ref/ref_ops.h"
+#include "test_util.h"
 
 namespace xctx {
 namespace {
@@ -197,6 +198,44 @@ INSTANTIATE_TEST_SUITE_P(
                       encode_case{kvq_tensor::kvq_lut_values, 3, 1, "lut_values_3_outliers"},
                       encode_case{kvq_tensor::kvq_lut_values, 4, 3, "lut_values_4_outliers3"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// kivi's window lives in fp16; its groups are encoded from those fp16 rows (x16) with no f32
+// copy. The codes and affines must be exactly those of the same rows widened to f32, on both
+// encoders; the lut tensors take f32 only and refuse x16.
+TEST(kvq_encode_fp16_rows, encode_exactly_like_their_widened_f32_rows) {
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd;
+  const int C = 48, group = 16;
+  const int64_t n = group;
+  std::vector<uint16_t> x16(n * C);
+  for (uint16_t& h : x16) h = fp32_to_fp16(nd(rng) * 3.0f);
+  x16[5] = fp32_to_fp16(-0.0f), x16[C + 7] = fp32_to_fp16(40.0f);
+  std::vector<float> wide(x16.size());
+  for (size_t i = 0; i < x16.size(); ++i) wide[i] = fp16_to_fp32(x16[i]);
+  for (kvq_tensor t : {kvq_tensor::kvq_uniform_keys, kvq_tensor::kvq_uniform_values})
+    for (int bits : {2, 3, 4})
+      for (void (*enc)(const kvq_encode_job&) : {ref::kvq_encode, cpu::kvq_encode}) {
+        const size_t n_aff = t == kvq_tensor::kvq_uniform_keys ? C : n * ((C + group - 1) / group);
+        std::vector<uint8_t> codes_h(n * kvq_row_bytes(C, bits)), codes_f(codes_h.size());
+        std::vector<kvq_affine> aff_h(n_aff), aff_f(n_aff);
+        kvq_encode_job j;
+        j.tensor = t, j.bits = bits, j.channels = C, j.group = group, j.n = n;
+        j.x16 = x16.data(), j.codes = codes_h.data(), j.affine = aff_h.data();
+        enc(j);
+        j.x16 = nullptr, j.x = wide.data(), j.codes = codes_f.data(), j.affine = aff_f.data();
+        enc(j);
+        ASSERT_EQ(codes_h, codes_f) << (int)t << " bits " << bits;
+        for (size_t i = 0; i < n_aff; ++i) {
+          ASSERT_EQ(aff_h[i].scale, aff_f[i].scale) << i;
+          ASSERT_EQ(aff_h[i].zero, aff_f[i].zero) << i;
+        }
+      }
+  for (void (*enc)(const kvq_encode_job&) : {ref::kvq_encode, cpu::kvq_encode}) {
+    kvq_encode_job j;
+    j.tensor = kvq_tensor::kvq_lut_values, j.bits = 3, j.channels = C, j.n = n, j.x16 = x16.data();
+    test::expect_error_contains([&] { enc(j); }, "fp16 input rows (x16) are for the uniform tensors only");
+  }
+}
 
 }  // namespace
 }  // namespace xctx

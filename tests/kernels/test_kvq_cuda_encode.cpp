@@ -114,6 +114,7 @@ struct encode_case {
   int group;       // uniform
   int side;        // lut values: outliers per side
   bool thresholds;  // lut keys: outlier thresholds on
+  bool half_rows = false;  // uniform: the rows given as fp16 (x16), as kivi's window encodes them
 };
 
 class KvqCudaEncode : public ::testing::TestWithParam<encode_case> {};
@@ -159,8 +160,12 @@ TEST_P(KvqCudaEncode, device_is_bit_identical_to_ref) {
     o->idx.assign(std::max<size_t>(1, n * out_w), 0xBEEF), o->val.assign(o->idx.size(), 0xBEEF);
     o->cnt.assign(n, 0xDEADBEEF);
   }
+  std::vector<uint16_t> x16;
+  if (p.half_rows)
+    for (float v : x) x16.push_back(fp32_to_fp16(v));
   kvq_encode_job j;
   j.tensor = p.tensor, j.bits = p.bits, j.channels = C, j.group = p.group, j.n = n, j.x = x.data();
+  if (p.half_rows) j.x = nullptr, j.x16 = x16.data();
   j.lut = lut.data(), j.ch_scale = sc.data(), j.ch_zero = zc.data();
   if (p.thresholds) j.ch_lo = lo.data(), j.ch_hi = hi.data();
   j.v_out_side = p.side;
@@ -171,7 +176,9 @@ TEST_P(KvqCudaEncode, device_is_bit_identical_to_ref) {
   auto be = make_backend(backend_kind::backend_cuda);
   device_arena dev(*be);
   kvq_encode_job jd = j;
-  jd.x = dev.put(x), jd.lut = dev.put(lut), jd.ch_scale = dev.put(sc), jd.ch_zero = dev.put(zc);
+  if (p.half_rows) jd.x16 = dev.put(x16);
+  else jd.x = dev.put(x);
+  jd.lut = dev.put(lut), jd.ch_scale = dev.put(sc), jd.ch_zero = dev.put(zc);
   if (p.thresholds) jd.ch_lo = dev.put(lo), jd.ch_hi = dev.put(hi);
   jd.codes = dev.put(d.codes), jd.affine = dev.put(d.aff), jd.out_idx = dev.put(d.idx), jd.out_val = dev.put(d.val);
   jd.out_count = dev.put(d.cnt);
@@ -201,6 +208,8 @@ INSTANTIATE_TEST_SUITE_P(
                       encode_case{"uniform_values_2", kt::kvq_uniform_values, 2, 1040, 37, 48, 0, false},
                       encode_case{"uniform_values_3", kt::kvq_uniform_values, 3, 1040, 37, 48, 0, false},
                       encode_case{"uniform_values_4", kt::kvq_uniform_values, 4, 1040, 37, 48, 0, false},
+                      encode_case{"uniform_keys_2_fp16_rows", kt::kvq_uniform_keys, 2, 1040, 32, 32, 0, false, true},
+                      encode_case{"uniform_values_3_fp16_rows", kt::kvq_uniform_values, 3, 1040, 37, 48, 0, false, true},
                       encode_case{"lut_keys_2", kt::kvq_lut_keys, 2, 1040, 37, 0, 0, true},
                       encode_case{"lut_keys_3", kt::kvq_lut_keys, 3, 1040, 37, 0, 0, true},
                       encode_case{"lut_keys_4", kt::kvq_lut_keys, 4, 1040, 37, 0, 0, true},
