@@ -18,7 +18,7 @@ namespace {
 class fp_cache final : public kv_cache {
  public:
   fp_cache(cache_format f, const cache_geometry& g, backend& be)
-      : format_(f), geo_(g), be_(be), host_mem_(be.host_memory()), kscratch_(be), qpos_(be), block_(be) {
+      : format_(f), geo_(g), be_(be), host_mem_(be.host_memory()), pos_(be, g.capacity), kscratch_(be), block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim);
@@ -29,16 +29,13 @@ class fp_cache final : public kv_cache {
     const size_t layer_bytes = (size_t)g.capacity * row_elems_ * elem_bytes_;
     bytes_ = 2 * layer_bytes * g.n_layer + (size_t)g.capacity * sizeof(int32_t);
     XCTX_ASSERT(bytes_ == cache_bytes_for(f, g, g.capacity, 0, 0).total());
-    base_ = static_cast<uint8_t*>(be_.alloc(bytes_));
+    // K and V in one allocation; the slot positions (pos_) in their own.
+    base_ = static_cast<uint8_t*>(be_.alloc(bytes_ - pos_.bytes()));
     XCTX_CHECK(base_ != nullptr, "cache: cannot allocate ", bytes_, " bytes for ", g.capacity, " tokens");
     for (int l = 0; l < g.n_layer; ++l) {
       k_.push_back(base_ + (2 * (size_t)l) * layer_bytes);
       v_.push_back(base_ + (2 * (size_t)l + 1) * layer_bytes);
     }
-    pos_ = reinterpret_cast<int32_t*>(base_ + 2 * layer_bytes * g.n_layer);
-    // The slot positions are checked and kept on the host; a device backend's kernels read the
-    // copy in pos_ (4 bytes per slot of host memory beyond bytes_allocated, device backends only).
-    if (!host_mem_) pos_host_.resize(g.capacity);
     n_.assign(g.n_layer, 0);
   }
   ~fp_cache() override { be_.free(base_); }
@@ -53,7 +50,7 @@ class fp_cache final : public kv_cache {
   }
   void clear() override {
     std::fill(n_.begin(), n_.end(), 0);
-    n_max_written_ = 0;
+    pos_.clear();
   }
 
   void append(int layer, const layer_input& in) override {
@@ -62,27 +59,27 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(at + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", at, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
-    store_positions(layer, at, in.pos, in.n);
+    pos_.store(layer, at, in);
     // Keys are stored after RoPE at their positions (pos_ + at: the same values as in.pos, where
     // the backend reads them); fp32 rotates in place, fp16 through an f32 scratch.
     const size_t n_elems = (size_t)in.n * row_elems_;
     uint8_t* k_dst = k_[layer] + (size_t)at * row_elems_ * elem_bytes_;
     float* k_rot = type_ == kv_dtype::kv_f32 ? reinterpret_cast<float*>(k_dst) : kscratch_.reserve_as<float>(n_elems);
     be_.convert_rows(k_rot, kv_dtype::kv_f32, in.k, (int64_t)n_elems);
-    be_.rope(k_rot, pos_ + at, in.n, geo_.n_head_kv, geo_.rope);
+    be_.rope(k_rot, pos_.on_backend() + at, in.n, geo_.n_head_kv, geo_.rope);
     if (type_ != kv_dtype::kv_f32) be_.convert_rows(k_dst, type_, k_rot, (int64_t)n_elems);
     be_.convert_rows(v_[layer] + (size_t)at * row_elems_ * elem_bytes_, type_, in.v, (int64_t)n_elems);
     n_[layer] = at + in.n;
   }
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, softmax_acc& out) override {
-    attn_args a = args(k_[layer], v_[layer], pos_, n_[layer], q, q_pos, n_q);
+    attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, q_pos, n_q);
     a.acc = &out;
     be_.attention_partial(a);
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, float* o,
                       float* lse) override {
-    attn_args a = args(k_[layer], v_[layer], pos_, n_[layer], q, q_pos_on_backend(q_pos, n_q), n_q);
+    attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, pos_.queries_on_backend(q_pos, n_q), n_q);
     run_partial(a, o, lse);
   }
 
@@ -93,7 +90,7 @@ class fp_cache final : public kv_cache {
     const int64_t n = n_.at(layer);
     auto* out = static_cast<uint8_t*>(dst);
     std::memcpy(out, &n, sizeof n);
-    std::memcpy(out + 8, pos_host(), n * sizeof(int32_t));
+    std::memcpy(out + 8, pos_.host(), n * sizeof(int32_t));
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     be_.download(out + 8 + padded_pos_bytes(n), k_[layer], kv);
     be_.download(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
@@ -121,7 +118,7 @@ class fp_cache final : public kv_cache {
     }
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     const uint8_t* k = in + 8 + padded_pos_bytes(n);
-    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos_on_backend(q_pos, n_q), n_q);
+    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, pos_.queries_on_backend(q_pos, n_q), n_q);
     run_partial(a, o, lse);
   }
 
@@ -132,8 +129,7 @@ class fp_cache final : public kv_cache {
     XCTX_CHECK(n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", n, " tokens; the cache has room for ",
                geo_.capacity);
     const auto* in = static_cast<const uint8_t*>(block);
-    restore_slot_positions(pos_host(), n_max_written_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
-    if (!host_mem_) be_.upload(pos_, pos_host(), (size_t)n * sizeof(int32_t));
+    pos_.restore(layer, reinterpret_cast<const int32_t*>(in + 8), n);
     const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
     be_.upload(k_[layer], in + 8 + padded_pos_bytes(n), kv);
     be_.upload(v_[layer], in + 8 + padded_pos_bytes(n) + kv, kv);
@@ -141,32 +137,6 @@ class fp_cache final : public kv_cache {
   }
 
  private:
-  int32_t* pos_host() { return host_mem_ ? pos_ : pos_host_.data(); }
-  const int32_t* pos_host() const { return host_mem_ ? pos_ : pos_host_.data(); }
-
-  // Checks and records the positions of slots [at, at + n) of `layer`, on the host and where the
-  // backend reads them. Slots are shared by the layers: only the first layer to reach a slot
-  // uploads it (one upload per step, not per layer).
-  void store_positions(int layer, int64_t at, const int32_t* pos, int64_t n) {
-    layer_input in;
-    in.pos = pos, in.n = n;
-    const int64_t written = n_max_written_;
-    store_slot_positions(pos_host(), n_max_written_, layer, at, in);
-    if (!host_mem_ && n_max_written_ > written)
-      be_.upload(pos_ + written, pos_host() + written, (size_t)(n_max_written_ - written) * sizeof(int32_t));
-  }
-
-  // The query positions where the backend reads them. Every layer of a step asks with the same
-  // positions: the last upload is reused while they match (one upload per step).
-  const int32_t* q_pos_on_backend(const int32_t* q_pos, int64_t n_q) {
-    if (host_mem_) return q_pos;
-    if ((int64_t)qpos_host_.size() != n_q || !std::equal(q_pos, q_pos + n_q, qpos_host_.begin())) {
-      qpos_host_.assign(q_pos, q_pos + n_q);
-      be_.upload(qpos_.reserve_as<int32_t>(std::max<int64_t>(n_q, 1)), q_pos, (size_t)n_q * sizeof(int32_t));
-    }
-    return qpos_.as<int32_t>();
-  }
-
   // The token count of a block, checked against its size.
   int64_t block_tokens(int layer, const void* block, size_t bytes) const {
     XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
@@ -215,23 +185,25 @@ class fp_cache final : public kv_cache {
   size_t bytes_ = 0;
   uint8_t* base_ = nullptr;
   std::vector<uint8_t*> k_, v_;  // per layer: [capacity, n_head_kv, head_dim], backend memory
-  int32_t* pos_ = nullptr;       // [capacity] backend memory
-  std::vector<int32_t> pos_host_;  // [capacity] the host's copy (non-host backends)
-  std::vector<int32_t> qpos_host_;  // what qpos_ holds
+  slot_position_store pos_;      // [capacity]
   std::vector<int64_t> n_;       // tokens held per layer
-  int64_t n_max_written_ = 0;
-  // Backend scratch: rotated f32 keys of an fp16 append, uploaded query positions, an uploaded
-  // ring block.
-  backend_buffer kscratch_, qpos_, block_;
+  // Backend scratch: rotated f32 keys of an fp16 append, an uploaded ring block.
+  backend_buffer kscratch_, block_;
 };
 
 }  // namespace
 
 bool cache_runs_on(cache_format f, const backend& be, std::string* why) {
-  if (be.exact_accumulator() || format_traits(f).family == cache_family::family_fp) return true;
+  const cache_format_traits t = format_traits(f);
+  if (be.exact_accumulator() || t.family == cache_family::family_fp) return true;
+  // kivi and nuq have (o, lse) attention and keep their arrays in the backend's memory, but for
+  // nuq -1%'s key outlier lists, which grow on the host.
+  const bool kvq = t.family == cache_family::family_kivi || t.family == cache_family::family_nuq;
+  if (kvq && (t.outlier_fraction == 0.0 || be.host_memory())) return true;
   if (why != nullptr)
-    *why = std::string("cache format ") + format_traits(f).name + " does not run on the " + be.name() +
-           " backend yet: only fp16 and fp32 do; every format runs on --backend cpu";
+    *why = std::string("cache format ") + t.name + " does not run on the " + be.name() +
+           " backend yet: fp16, fp32, kivi2-4 and nuq2-4 do (not nuq -1%, whose key outlier lists are kept on the "
+           "host); every format runs on --backend cpu";
   return false;
 }
 

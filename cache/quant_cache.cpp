@@ -15,6 +15,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cache/cache.h"
@@ -34,25 +35,33 @@ size_t cap_bytes(const std::vector<T>& v) {
   return v.capacity() * sizeof(T);
 }
 
+// One layer's arrays, in the backend's memory (one allocation, `arena`, carved at construction:
+// the host's on ref/cpu, the device's on cuda), but for the key outlier lists: they grow with
+// the data and live on the host (nuq -1% runs on host-memory backends only, cache_runs_on).
 struct layer_store {
+  explicit layer_store(backend& be) : arena(be) {}
   int64_t n = 0;       // slots held
   int64_t n_sink = 0;  // 0 or 1
   int64_t n_tail = 0;  // kivi residual rows
   int64_t nq = 0;      // quantized rows
-  std::vector<uint16_t> k_sink, v_sink;            // [1, C]
-  std::vector<uint16_t> k_tail, v_tail;            // [group, C]
-  std::vector<uint8_t> k_codes, v_codes;           // [capacity, C*bits/8]
-  std::vector<kvq_affine> k_group, v_aff;          // kivi [cap/G, C], [cap, n_vg]; nuq v_aff [cap]
-  std::vector<uint32_t> k_out_off;                 // [capacity + 1]
-  std::vector<uint16_t> k_out_idx, k_out_val;      // grows with the data
-  std::vector<uint16_t> v_out_idx, v_out_val;      // [capacity, 2*side]
-  std::vector<float> lut_k, lut_v, ch_scale, ch_zero, ch_lo, ch_hi;  // nuq tables
+  int64_t nk = 0;      // key outlier entries (k_out_off[nq], kept where the host reads it)
+  backend_buffer arena;
+  uint16_t *k_sink = nullptr, *v_sink = nullptr;    // [1, C] fp16 (nuq with a sink)
+  uint16_t *k_tail = nullptr, *v_tail = nullptr;    // [group, C] fp16 (kivi)
+  uint8_t *k_codes = nullptr, *v_codes = nullptr;   // [capacity, C*bits/8]
+  kvq_affine *k_group = nullptr, *v_aff = nullptr;  // kivi [cap/G, C], [cap, n_vg]; nuq v_aff [cap]
+  float *lut_k = nullptr, *lut_v = nullptr;         // nuq [2^bits]
+  float *ch_scale = nullptr, *ch_zero = nullptr;    // nuq [C]
+  float *ch_lo = nullptr, *ch_hi = nullptr;         // nuq -1% [C]
+  uint32_t* k_out_off = nullptr;                    // nuq -1% [capacity + 1]
+  uint16_t *v_out_idx = nullptr, *v_out_val = nullptr;  // nuq -1% [capacity, 2*side]
+  std::vector<uint16_t> k_out_idx, k_out_val;       // nuq -1%, host: [nk]
 };
 
 class quant_cache final : public kv_cache {
  public:
   quant_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
-      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)) {
+      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)), pos_(be, g.capacity), block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim);
@@ -63,7 +72,9 @@ class quant_cache final : public kv_cache {
     bits_ = traits_.bits_per_element;
     rb_ = kvq_row_bytes(C_, bits_);
     kivi_ = traits_.family == cache_family::family_kivi;
-    const int64_t cap = g.capacity;
+    outliers_ = !kivi_ && traits_.outlier_fraction > 0.0;
+    XCTX_CHECK(!outliers_ || be.host_memory(), "cache ", traits_.name, ": key outlier lists are kept in host memory; the ",
+               be.name(), " backend cannot read them");
     if (kivi_) {
       G_ = spec.options.group_size;
       XCTX_CHECK(G_ >= 8 && G_ % 8 == 0 && G_ <= 65536, "cache ", traits_.name, ": group size ", G_,
@@ -78,34 +89,29 @@ class quant_cache final : public kv_cache {
       v_side_ = value_outliers_per_side(traits_.outlier_fraction, C_);
     }
     const bool qn = qnorm_enabled(spec.format, spec.options);
-    pos_.resize(cap);
-    layers_.resize(g.n_layer);
+    layers_.reserve(g.n_layer);
     for (int l = 0; l < g.n_layer; ++l) {
-      layer_store& s = layers_[l];
-      s.k_codes.resize((size_t)cap * rb_);
-      s.v_codes.resize((size_t)cap * rb_);
-      if (kivi_) {
-        s.k_tail.resize((size_t)G_ * C_), s.v_tail.resize((size_t)G_ * C_);
-        s.k_group.resize((size_t)(cap / G_) * C_);
-        s.v_aff.resize((size_t)cap * n_vg_);
-        continue;
-      }
-      if (spec.options.sink) s.k_sink.resize(C_), s.v_sink.resize(C_);
-      s.v_aff.resize(cap);
+      layer_store& s = layers_.emplace_back(be);
+      carve(s, static_cast<uint8_t*>(s.arena.reserve(carve(s, nullptr))));
+      if (kivi_) continue;
+      // The layer's tables, computed on the host, where the kernels read them.
       const calib_layer_setting& cl = spec.options.calib->layer(traits_.outlier_fraction, l);
-      s.lut_k = cl.key_type(bits_).lut(qn);
-      s.lut_v = cl.value_type(bits_).lut(qn);
-      s.ch_scale.resize(C_), s.ch_zero.resize(C_);
+      const std::vector<float> lut_k = cl.key_type(bits_).lut(qn), lut_v = cl.value_type(bits_).lut(qn);
+      XCTX_CHECK(lut_k.size() == (size_t)1 << bits_ && lut_v.size() == (size_t)1 << bits_, "calibration for ",
+                 spec.options.calib->model_name, ": layer ", l, " has no ", bits_, "-bit datatype");
+      std::vector<float> zero((size_t)C_), scale((size_t)C_);
       for (int c = 0; c < C_; ++c) {
-        s.ch_zero[c] = 0.5f * (cl.k_hi[c] + cl.k_lo[c]);
-        s.ch_scale[c] = 0.5f * (cl.k_hi[c] - cl.k_lo[c]);
+        zero[c] = 0.5f * (cl.k_hi[c] + cl.k_lo[c]);
+        scale[c] = 0.5f * (cl.k_hi[c] - cl.k_lo[c]);
       }
-      if (traits_.outlier_fraction > 0.0) {
-        s.ch_lo = cl.k_lo, s.ch_hi = cl.k_hi;
-        s.k_out_off.assign((size_t)cap + 1, 0);
-        const size_t reserve = reserved_key_outliers(traits_.outlier_fraction, C_, cap);
+      be.upload(s.lut_k, lut_k.data(), lut_k.size() * 4), be.upload(s.lut_v, lut_v.data(), lut_v.size() * 4);
+      be.upload(s.ch_scale, scale.data(), (size_t)C_ * 4), be.upload(s.ch_zero, zero.data(), (size_t)C_ * 4);
+      if (outliers_) {
+        be.upload(s.ch_lo, cl.k_lo.data(), (size_t)C_ * 4), be.upload(s.ch_hi, cl.k_hi.data(), (size_t)C_ * 4);
+        const uint32_t first = 0;
+        be.upload(s.k_out_off, &first, sizeof first);
+        const size_t reserve = reserved_key_outliers(traits_.outlier_fraction, C_, g.capacity);
         s.k_out_idx.reserve(reserve), s.k_out_val.reserve(reserve);
-        s.v_out_idx.resize((size_t)cap * 2 * v_side_), s.v_out_val.resize((size_t)cap * 2 * v_side_);
       }
     }
   }
@@ -115,13 +121,8 @@ class quant_cache final : public kv_cache {
   int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
 
   size_t bytes_allocated() const override {
-    size_t b = cap_bytes(pos_);
-    for (const layer_store& s : layers_)
-      b += cap_bytes(s.k_sink) + cap_bytes(s.v_sink) + cap_bytes(s.k_tail) + cap_bytes(s.v_tail) +
-           cap_bytes(s.k_codes) + cap_bytes(s.v_codes) + cap_bytes(s.k_group) + cap_bytes(s.v_aff) +
-           cap_bytes(s.k_out_off) + cap_bytes(s.k_out_idx) + cap_bytes(s.k_out_val) + cap_bytes(s.v_out_idx) +
-           cap_bytes(s.v_out_val) + cap_bytes(s.lut_k) + cap_bytes(s.lut_v) + cap_bytes(s.ch_scale) +
-           cap_bytes(s.ch_zero) + cap_bytes(s.ch_lo) + cap_bytes(s.ch_hi);
+    size_t b = pos_.bytes();
+    for (const layer_store& s : layers_) b += s.arena.bytes() + cap_bytes(s.k_out_idx) + cap_bytes(s.k_out_val);
     return b;
   }
 
@@ -139,29 +140,24 @@ class quant_cache final : public kv_cache {
         continue;
       }
       b += (size_t)s.nq * sizeof(kvq_affine);
-      b += (s.lut_k.size() + s.lut_v.size() + s.ch_scale.size() + s.ch_zero.size() + s.ch_lo.size() +
-            s.ch_hi.size()) * sizeof(float);
-      if (!s.k_out_off.empty()) {
-        const size_t nk = s.k_out_off[s.nq];
-        b += ((size_t)s.nq + 1) * 4 + nk * 4 + (size_t)s.nq * 2 * v_side_ * 4;
-      }
+      b += (2 * ((size_t)1 << bits_) + (outliers_ ? 4 : 2) * C) * sizeof(float);  // tables
+      if (outliers_) b += ((size_t)s.nq + 1) * 4 + (size_t)s.nk * 4 + (size_t)s.nq * 2 * v_side_ * 4;
     }
     return b + (size_t)n_max * sizeof(int32_t);
   }
 
   int64_t key_outliers() const {
     int64_t k = 0;
-    for (const layer_store& s : layers_)
-      if (!s.k_out_off.empty()) k += s.k_out_off[s.nq];
+    for (const layer_store& s : layers_) k += s.nk;
     return k;
   }
 
   void clear() override {
     for (layer_store& s : layers_) {
-      s.n = s.n_sink = s.n_tail = s.nq = 0;
+      s.n = s.n_sink = s.n_tail = s.nq = s.nk = 0;
       s.k_out_idx.clear(), s.k_out_val.clear();
     }
-    n_pos_ = 0;
+    pos_.clear();
   }
 
   void append(int layer, const layer_input& in) override {
@@ -170,59 +166,68 @@ class quant_cache final : public kv_cache {
     XCTX_CHECK(s.n + in.n <= geo_.capacity, "cache full: layer ", layer, " holds ", s.n, " tokens, appending ", in.n,
                " exceeds the capacity of ", geo_.capacity, " (raise the context size)");
     if (in.n == 0) return;
-    store_slot_positions(pos_.data(), n_pos_, layer, s.n, in);
+    pos_.store(layer, s.n, in);
     int64_t i = 0;
     if (kivi_) {
       while (i < in.n) {  // fill the residual window; a full window becomes a quantized group
         const int64_t take = std::min<int64_t>(in.n - i, G_ - s.n_tail);
-        to_fp16(in.k + i * C_, take * C_, s.k_tail.data() + s.n_tail * C_);
-        to_fp16(in.v + i * C_, take * C_, s.v_tail.data() + s.n_tail * C_);
+        be_.convert_rows(s.k_tail + s.n_tail * C_, kv_dtype::kv_f16, in.k + i * C_, take * C_);
+        be_.convert_rows(s.v_tail + s.n_tail * C_, kv_dtype::kv_f16, in.v + i * C_, take * C_);
         s.n_tail += take, s.n += take, i += take;
         if (s.n_tail == G_) encode_kivi_group(s);
       }
       return;
     }
     if (s.n == 0 && spec_.options.sink && in.pos[0] == 0) {  // the attention sink stays fp16
-      to_fp16(in.k, C_, s.k_sink.data());
-      to_fp16(in.v, C_, s.v_sink.data());
+      be_.convert_rows(s.k_sink, kv_dtype::kv_f16, in.k, C_);
+      be_.convert_rows(s.v_sink, kv_dtype::kv_f16, in.v, C_);
       s.n_sink = 1, s.n = 1, i = 1;
     }
     if (i < in.n) encode_nuq_rows(s, in.k + i * C_, in.v + i * C_, in.n - i);
   }
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
-    run_attention(view_of(layer), q, q_pos, n_q, path, out);
+    kvq_attn_args a = attention_args(view_of(layer), q, q_pos, n_q, path);
+    a.acc = &out;
+    be_.attention_kvq(a);
+  }
+  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
+                      float* lse) override {
+    kvq_attn_args a = attention_args(view_of(layer), q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_kvq(a);
   }
 
   size_t exported_bytes(int layer) const override {
     const layer_store& s = layers_.at(layer);
-    return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, s.k_out_off.empty() ? 0 : s.k_out_off[s.nq]);
+    return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, s.nk);
   }
 
   void export_layer(int layer, void* dst) const override {
     const layer_store& s = layers_.at(layer);
-    const int64_t nk = s.k_out_off.empty() ? 0 : s.k_out_off[s.nq];
     uint8_t* out = static_cast<uint8_t*>(dst);
-    const int64_t hdr[5] = {s.n, s.n_sink, s.n_tail, s.nq, nk};
+    const int64_t hdr[5] = {s.n, s.n_sink, s.n_tail, s.nq, s.nk};
     std::memcpy(out, hdr, sizeof hdr);
     size_t at = sizeof hdr;
-    const auto put = [&](const void* p, size_t bytes) {
-      if (bytes) std::memcpy(out + at, p, bytes);
+    // Host arrays are copied, the backend's downloaded (a plain copy on host-memory backends).
+    const auto put = [&](const void* p, size_t bytes, bool on_host = false) {
+      if (bytes && on_host) std::memcpy(out + at, p, bytes);
+      else if (bytes) be_.download(out + at, p, bytes);
       at += pad8(bytes);
     };
-    put(pos_.data(), s.n * 4);
-    put(s.k_sink.data(), s.n_sink * C_ * 2), put(s.v_sink.data(), s.n_sink * C_ * 2);
-    put(s.k_tail.data(), s.n_tail * C_ * 2), put(s.v_tail.data(), s.n_tail * C_ * 2);
-    put(s.k_codes.data(), s.nq * rb_), put(s.v_codes.data(), s.nq * rb_);
+    put(pos_.host(), s.n * 4, true);
+    put(s.k_sink, s.n_sink * C_ * 2), put(s.v_sink, s.n_sink * C_ * 2);
+    put(s.k_tail, s.n_tail * C_ * 2), put(s.v_tail, s.n_tail * C_ * 2);
+    put(s.k_codes, s.nq * rb_), put(s.v_codes, s.nq * rb_);
     if (kivi_) {
-      put(s.k_group.data(), (s.nq / G_) * C_ * sizeof(kvq_affine));
-      put(s.v_aff.data(), s.nq * n_vg_ * sizeof(kvq_affine));
+      put(s.k_group, (s.nq / G_) * C_ * sizeof(kvq_affine));
+      put(s.v_aff, s.nq * n_vg_ * sizeof(kvq_affine));
     } else {
-      put(s.v_aff.data(), s.nq * sizeof(kvq_affine));
-      if (!s.k_out_off.empty()) {
-        put(s.k_out_off.data(), (s.nq + 1) * 4);
-        put(s.k_out_idx.data(), nk * 2), put(s.k_out_val.data(), nk * 2);
-        put(s.v_out_idx.data(), s.nq * 2 * v_side_ * 2), put(s.v_out_val.data(), s.nq * 2 * v_side_ * 2);
+      put(s.v_aff, s.nq * sizeof(kvq_affine));
+      if (outliers_) {
+        put(s.k_out_off, (s.nq + 1) * 4);
+        put(s.k_out_idx.data(), s.nk * 2, true), put(s.k_out_val.data(), s.nk * 2, true);
+        put(s.v_out_idx, s.nq * 2 * v_side_ * 2), put(s.v_out_val, s.nq * 2 * v_side_ * 2);
       }
     }
     XCTX_ASSERT(at == exported_bytes(layer));
@@ -230,7 +235,23 @@ class quant_cache final : public kv_cache {
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
-    run_attention(parse_block(layer, block, bytes), q, q_pos, n_q, path, out);
+    kvq_attn_args a = attention_args(parse_block(layer, block, bytes), q, q_pos, n_q, path);
+    a.acc = &out;
+    be_.attention_kvq(a);
+  }
+  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
+    kvq_layer_view v = parse_block(layer, block, bytes);  // checked where the host reads it
+    if (!be_.host_memory()) {
+      if (block_on_backend == nullptr) {  // one upload of the whole block: every array keeps its offset
+        block_on_backend = block_.reserve(bytes);
+        be_.upload(const_cast<void*>(block_on_backend), block, bytes);
+      }
+      rebase(v, block, block_on_backend);
+    }
+    kvq_attn_args a = attention_args(v, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_kvq(a);
   }
 
   void restore_layer(int layer, const void* block, size_t bytes) override {
@@ -241,48 +262,49 @@ class quant_cache final : public kv_cache {
     const int64_t nq = v.q_end - v.n_sink, n_tail = v.n - v.q_end;
     XCTX_CHECK(v.n <= geo_.capacity, "cache snapshot: layer ", layer, " holds ", v.n, " tokens; the cache has room for ",
                geo_.capacity);
-    XCTX_CHECK(v.n_sink == 0 || !s.k_sink.empty(), "cache snapshot: layer ", layer,
+    XCTX_CHECK(v.n_sink == 0 || s.k_sink != nullptr, "cache snapshot: layer ", layer,
                " keeps an attention sink; this cache was made without one (--no-sink)");
-    restore_slot_positions(pos_.data(), n_pos_, layer, v.pos, v.n);
-    const auto copy = [](auto* dst, const auto* src, int64_t count) {
-      if (count > 0) std::memcpy(dst, src, (size_t)count * sizeof(*src));
+    pos_.restore(layer, v.pos, v.n);
+    const auto copy = [&](auto* dst, const auto* src, int64_t count) {
+      if (count > 0) be_.upload(dst, src, (size_t)count * sizeof(*src));
     };
-    copy(s.k_sink.data(), v.k_sink, v.n_sink * C_), copy(s.v_sink.data(), v.v_sink, v.n_sink * C_);
-    copy(s.k_tail.data(), v.k_tail, n_tail * C_), copy(s.v_tail.data(), v.v_tail, n_tail * C_);
-    copy(s.k_codes.data(), v.k_codes, nq * (int64_t)rb_), copy(s.v_codes.data(), v.v_codes, nq * (int64_t)rb_);
+    copy(s.k_sink, v.k_sink, v.n_sink * C_), copy(s.v_sink, v.v_sink, v.n_sink * C_);
+    copy(s.k_tail, v.k_tail, n_tail * C_), copy(s.v_tail, v.v_tail, n_tail * C_);
+    copy(s.k_codes, v.k_codes, nq * (int64_t)rb_), copy(s.v_codes, v.v_codes, nq * (int64_t)rb_);
     if (kivi_) {
-      copy(s.k_group.data(), v.k_group, nq / G_ * C_), copy(s.v_aff.data(), v.v_group, nq * n_vg_);
+      copy(s.k_group, v.k_group, nq / G_ * C_), copy(s.v_aff, v.v_group, nq * n_vg_);
     } else {
-      copy(s.v_aff.data(), v.v_tok, nq);
-      if (!s.k_out_off.empty()) {
+      copy(s.v_aff, v.v_tok, nq);
+      if (outliers_) {
         const int64_t nk = v.k_out_off[nq];
-        copy(s.k_out_off.data(), v.k_out_off, nq + 1);
+        copy(s.k_out_off, v.k_out_off, nq + 1);
         s.k_out_idx.clear(), s.k_out_val.clear();
         reserve_key_outliers(s, (size_t)nk);
         s.k_out_idx.insert(s.k_out_idx.end(), v.k_out_idx, v.k_out_idx + nk);
         s.k_out_val.insert(s.k_out_val.end(), v.k_out_val, v.k_out_val + nk);
-        copy(s.v_out_idx.data(), v.v_out_idx, nq * 2 * v_side_), copy(s.v_out_val.data(), v.v_out_val, nq * 2 * v_side_);
+        s.nk = nk;
+        copy(s.v_out_idx, v.v_out_idx, nq * 2 * v_side_), copy(s.v_out_val, v.v_out_val, nq * 2 * v_side_);
       }
     }
     s.n = v.n, s.n_sink = v.n_sink, s.nq = nq, s.n_tail = n_tail;
   }
 
-  // For tests and tools: the layer as the kernels see it.
+  // For tests and tools: the layer as the kernels see it (in the backend's memory).
   kvq_layer_view view_of(int layer) const {
     const layer_store& s = layers_.at(layer);
     kvq_layer_view v = base_view(s);
     v.n = s.n, v.n_sink = s.n_sink, v.q_end = s.n_sink + s.nq;
-    v.pos = pos_.data();
-    v.k_sink = s.k_sink.data(), v.v_sink = s.v_sink.data();
-    v.k_tail = s.k_tail.data(), v.v_tail = s.v_tail.data();
-    v.k_codes = s.k_codes.data(), v.v_codes = s.v_codes.data();
+    v.pos = pos_.on_backend();
+    v.k_sink = s.k_sink, v.v_sink = s.v_sink;
+    v.k_tail = s.k_tail, v.v_tail = s.v_tail;
+    v.k_codes = s.k_codes, v.v_codes = s.v_codes;
     if (kivi_) {
-      v.k_group = s.k_group.data(), v.v_group = s.v_aff.data();
+      v.k_group = s.k_group, v.v_group = s.v_aff;
     } else {
-      v.v_tok = s.v_aff.data();
-      if (!s.k_out_off.empty()) {
-        v.k_out_off = s.k_out_off.data(), v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
-        v.v_out_idx = s.v_out_idx.data(), v.v_out_val = s.v_out_val.data();
+      v.v_tok = s.v_aff;
+      if (outliers_) {
+        v.k_out_off = s.k_out_off, v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
+        v.v_out_idx = s.v_out_idx, v.v_out_val = s.v_out_val;
       }
     }
     return v;
@@ -327,7 +349,7 @@ class quant_cache final : public kv_cache {
       v.v_group = reinterpret_cast<const kvq_affine*>(take(nq * n_vg_ * sizeof(kvq_affine)));
     } else {
       v.v_tok = reinterpret_cast<const kvq_affine*>(take(nq * sizeof(kvq_affine)));
-      if (!own.k_out_off.empty()) {
+      if (outliers_) {
         v.k_out_off = reinterpret_cast<const uint32_t*>(take((nq + 1) * 4));
         XCTX_CHECK(v.k_out_off[0] == 0 && (int64_t)v.k_out_off[nq] == nk, "cache block for layer ", layer,
                    ": key outlier offsets do not span its ", nk, " entries");
@@ -372,49 +394,80 @@ class quant_cache final : public kv_cache {
     v.scheme = kivi_ ? kvq_scheme::kvq_uniform : kvq_scheme::kvq_lut;
     v.bits = bits_, v.n_head_kv = geo_.n_head_kv, v.head_dim = geo_.head_dim, v.group = G_;
     if (!kivi_) {
-      v.lut_k = s.lut_k.data(), v.lut_v = s.lut_v.data();
-      v.k_ch_scale = s.ch_scale.data(), v.k_ch_zero = s.ch_zero.data();
-      v.v_out_per_tok = s.k_out_off.empty() ? 0 : 2 * v_side_;
+      v.lut_k = s.lut_k, v.lut_v = s.lut_v;
+      v.k_ch_scale = s.ch_scale, v.k_ch_zero = s.ch_zero;
+      v.v_out_per_tok = outliers_ ? 2 * v_side_ : 0;
     }
     return v;
   }
 
 
-  static void to_fp16(const float* x, int64_t n, uint16_t* out) {
-    for (int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
+  // Points s's arrays into the arena at base, each 64-byte aligned, and returns its size (base =
+  // null: the size alone, every pointer null).
+  size_t carve(layer_store& s, uint8_t* base) const {
+    size_t at = 0;
+    const auto take = [&](auto*& p, size_t count) {
+      using T = std::remove_reference_t<decltype(*p)>;
+      p = base == nullptr ? nullptr : reinterpret_cast<T*>(base + at);
+      at += (count * sizeof(T) + 63) / 64 * 64;
+    };
+    const size_t cap = (size_t)geo_.capacity, C = (size_t)C_;
+    take(s.k_codes, cap * rb_), take(s.v_codes, cap * rb_);
+    if (kivi_) {
+      take(s.k_tail, (size_t)G_ * C), take(s.v_tail, (size_t)G_ * C);
+      take(s.k_group, cap / G_ * C), take(s.v_aff, cap * n_vg_);
+      return at;
+    }
+    if (spec_.options.sink) take(s.k_sink, C), take(s.v_sink, C);
+    take(s.v_aff, cap);
+    take(s.lut_k, (size_t)1 << bits_), take(s.lut_v, (size_t)1 << bits_);
+    take(s.ch_scale, C), take(s.ch_zero, C);
+    if (outliers_) {
+      take(s.ch_lo, C), take(s.ch_hi, C), take(s.k_out_off, cap + 1);
+      take(s.v_out_idx, cap * 2 * v_side_), take(s.v_out_val, cap * 2 * v_side_);
+    }
+    return at;
+  }
+
+  // v's arrays, which point into the host block `host`, moved to the same offsets in `dev`.
+  static void rebase(kvq_layer_view& v, const void* host, const void* dev) {
+    const auto move = [&](auto*& p) {
+      using T = std::remove_reference_t<decltype(*p)>;
+      if (p != nullptr)
+        p = reinterpret_cast<T*>(static_cast<const uint8_t*>(dev) +
+                                 (reinterpret_cast<const uint8_t*>(p) - static_cast<const uint8_t*>(host)));
+    };
+    move(v.pos), move(v.k_sink), move(v.v_sink), move(v.k_tail), move(v.v_tail), move(v.k_codes), move(v.v_codes);
+    move(v.k_group), move(v.v_group), move(v.v_tok);
+    XCTX_ASSERT(v.k_out_off == nullptr, "quant cache: outlier lists on a device backend");
   }
 
   void encode_kivi_group(layer_store& s) {
-    std::vector<float>& kf = scratch_k_;
-    std::vector<float>& vf = scratch_v_;
-    kf.resize((size_t)G_ * C_), vf.resize((size_t)G_ * C_);
-    for (size_t e = 0; e < kf.size(); ++e) kf[e] = fp16_to_fp32(s.k_tail[e]), vf[e] = fp16_to_fp32(s.v_tail[e]);
-    kvq_encode_job j;
+    kvq_encode_job j;  // from the fp16 window rows: what attention read while they were residual
     j.bits = bits_, j.channels = C_, j.group = G_, j.n = G_;
     j.tensor = kvq_tensor::kvq_uniform_keys;
-    j.x = kf.data(), j.codes = s.k_codes.data() + s.nq * rb_, j.affine = s.k_group.data() + (s.nq / G_) * C_;
+    j.x16 = s.k_tail, j.codes = s.k_codes + s.nq * rb_, j.affine = s.k_group + (s.nq / G_) * C_;
     be_.kvq_encode(j);
     j.tensor = kvq_tensor::kvq_uniform_values;
-    j.x = vf.data(), j.codes = s.v_codes.data() + s.nq * rb_, j.affine = s.v_aff.data() + s.nq * n_vg_;
+    j.x16 = s.v_tail, j.codes = s.v_codes + s.nq * rb_, j.affine = s.v_aff + s.nq * n_vg_;
     be_.kvq_encode(j);
     s.nq += G_;
     s.n_tail = 0;
   }
 
   void encode_nuq_rows(layer_store& s, const float* k, const float* v, int64_t n) {
-    const bool outl = !s.k_out_off.empty();
     kvq_encode_job j;
     j.bits = bits_, j.channels = C_, j.n = n;
     j.tensor = kvq_tensor::kvq_lut_keys;
-    j.x = k, j.lut = s.lut_k.data(), j.ch_scale = s.ch_scale.data(), j.ch_zero = s.ch_zero.data();
-    j.codes = s.k_codes.data() + s.nq * rb_;
-    if (outl) {
-      j.ch_lo = s.ch_lo.data(), j.ch_hi = s.ch_hi.data();
+    j.x = k, j.lut = s.lut_k, j.ch_scale = s.ch_scale, j.ch_zero = s.ch_zero;
+    j.codes = s.k_codes + s.nq * rb_;
+    if (outliers_) {
+      j.ch_lo = s.ch_lo, j.ch_hi = s.ch_hi;
       out_idx_.resize((size_t)n * C_), out_val_.resize((size_t)n * C_), out_cnt_.resize(n);
       j.out_idx = out_idx_.data(), j.out_val = out_val_.data(), j.out_count = out_cnt_.data();
     }
     be_.kvq_encode(j);
-    if (outl) {  // compact the per-row scratch into the key's compressed columns
+    if (outliers_) {  // compact the per-row scratch into the key's compressed columns (host memory)
       size_t more = 0;
       for (int64_t t = 0; t < n; ++t) more += out_cnt_[t];
       reserve_key_outliers(s, more);
@@ -424,30 +477,30 @@ class quant_cache final : public kv_cache {
         s.k_out_val.insert(s.k_out_val.end(), out_val_.begin() + t * C_, out_val_.begin() + t * C_ + c);
         s.k_out_off[s.nq + t + 1] = s.k_out_off[s.nq + t] + c;
       }
+      s.nk = s.k_out_off[s.nq + n];
     }
     kvq_encode_job jv;
     jv.bits = bits_, jv.channels = C_, jv.n = n;
     jv.tensor = kvq_tensor::kvq_lut_values;
-    jv.x = v, jv.lut = s.lut_v.data(), jv.v_out_side = outl ? v_side_ : 0;
-    jv.codes = s.v_codes.data() + s.nq * rb_, jv.affine = s.v_aff.data() + s.nq;
-    if (outl) {
-      jv.out_idx = s.v_out_idx.data() + s.nq * 2 * v_side_;
-      jv.out_val = s.v_out_val.data() + s.nq * 2 * v_side_;
+    jv.x = v, jv.lut = s.lut_v, jv.v_out_side = outliers_ ? v_side_ : 0;
+    jv.codes = s.v_codes + s.nq * rb_, jv.affine = s.v_aff + s.nq;
+    if (outliers_) {
+      jv.out_idx = s.v_out_idx + s.nq * 2 * v_side_;
+      jv.out_val = s.v_out_val + s.nq * 2 * v_side_;
     }
     be_.kvq_encode(jv);
     s.nq += n, s.n += n;
   }
 
-  void run_attention(const kvq_layer_view& v, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
-                     softmax_acc& out) {
+  kvq_attn_args attention_args(const kvq_layer_view& v, const float* q, const int32_t* q_pos, int64_t n_q,
+                               attend_path path) const {
     kvq_attn_args a;
     a.kv = v;
     a.q = q, a.q_pos = q_pos, a.n_q = n_q, a.n_head = geo_.n_head;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
-    a.acc = &out;
     a.decode_step = path == attend_path::attend_decode;
-    be_.attention_kvq(a);
+    return a;
   }
 
   cache_spec spec_;
@@ -456,12 +509,11 @@ class quant_cache final : public kv_cache {
   cache_format_traits traits_;
   int C_ = 0, bits_ = 0, G_ = 0, n_vg_ = 0, v_side_ = 0;
   size_t rb_ = 0;
-  bool kivi_ = false;
-  std::vector<int32_t> pos_;  // [capacity], shared by the layers
-  int64_t n_pos_ = 0;
+  bool kivi_ = false, outliers_ = false;
+  slot_position_store pos_;  // [capacity], shared by the layers
   std::vector<layer_store> layers_;
-  std::vector<float> scratch_k_, scratch_v_;  // [G, C] a kivi group widened for encoding
-  std::vector<uint16_t> out_idx_, out_val_;   // [n, C] key outlier scratch
+  backend_buffer block_;                      // a ring block uploaded by attend_exported_partial
+  std::vector<uint16_t> out_idx_, out_val_;   // [n, C] key outlier scratch (host)
   std::vector<uint32_t> out_cnt_;             // [n]
 };
 

@@ -24,6 +24,7 @@
 
 #include "comm/communicator.h"
 #include "common/error.h"
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace xctx::test {
@@ -125,8 +126,64 @@ class device_space_backend final : public backend {
     check(o, n_row * head_dim * 4, "merge_partials", "o"), check(lse, n_row * 4, "merge_partials", "lse");
     with_memory_open([&] { cpu_->merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse); });
   }
-  void kvq_encode(const kvq_encode_job&) override { fail("device_space: kvq_encode is not emulated"); }
-  void attention_kvq(const kvq_attn_args&) override { fail("device_space: attention_kvq is not emulated"); }
+  void kvq_encode(const kvq_encode_job& j) override {
+    const int64_t C = j.channels, n = j.n, rb = (int64_t)kvq_row_bytes(j.channels, j.bits);
+    if (j.x16 != nullptr) check_some(j.x16, n * C * 2, "kvq_encode", "x16");
+    else check_some(j.x, n * C * 4, "kvq_encode", "x");
+    check_some(j.codes, n * rb, "kvq_encode", "codes");
+    switch (j.tensor) {
+      case kvq_tensor::kvq_uniform_keys: check_some(j.affine, C * 4, "kvq_encode", "affine"); break;
+      case kvq_tensor::kvq_uniform_values:
+        check_some(j.affine, n * ((C + j.group - 1) / std::max(j.group, 1)) * 4, "kvq_encode", "affine");
+        break;
+      case kvq_tensor::kvq_lut_keys:
+        check_some(j.lut, 4 << j.bits, "kvq_encode", "lut");
+        check_some(j.ch_scale, C * 4, "kvq_encode", "ch_scale"), check_some(j.ch_zero, C * 4, "kvq_encode", "ch_zero");
+        if (j.ch_lo != nullptr) {
+          check_some(j.ch_lo, C * 4, "kvq_encode", "ch_lo"), check_some(j.ch_hi, C * 4, "kvq_encode", "ch_hi");
+          check_some(j.out_idx, n * C * 2, "kvq_encode", "out_idx"), check_some(j.out_val, n * C * 2, "kvq_encode", "out_val");
+          check_some(j.out_count, n * 4, "kvq_encode", "out_count");
+        }
+        break;
+      case kvq_tensor::kvq_lut_values:
+        check_some(j.lut, 4 << j.bits, "kvq_encode", "lut"), check_some(j.affine, n * 4, "kvq_encode", "affine");
+        check_some(j.out_idx, n * 2 * j.v_out_side * 2, "kvq_encode", "out_idx");
+        check_some(j.out_val, n * 2 * j.v_out_side * 2, "kvq_encode", "out_val");
+        break;
+    }
+    with_memory_open([&] { cpu_->kvq_encode(j); });
+  }
+  void attention_kvq(const kvq_attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
+    const kvq_layer_view& L = a.kv;
+    const int64_t C = L.channels(), nq = L.n_quant(), n_tail = L.n - L.q_end, q_rows = a.n_q * a.n_head;
+    check(a.q, q_rows * L.head_dim * 4, "attention_kvq", "q"), check(a.q_pos, a.n_q * 4, "attention_kvq", "q_pos");
+    check(a.o, q_rows * L.head_dim * 4, "attention_kvq", "o"), check(a.lse, q_rows * 4, "attention_kvq", "lse");
+    check_some(L.pos, L.n * 4, "attention_kvq", "kv.pos");
+    check_some(L.k_sink, L.n_sink * C * 2, "attention_kvq", "kv.k_sink");
+    check_some(L.v_sink, L.n_sink * C * 2, "attention_kvq", "kv.v_sink");
+    check_some(L.k_tail, n_tail * C * 2, "attention_kvq", "kv.k_tail");
+    check_some(L.v_tail, n_tail * C * 2, "attention_kvq", "kv.v_tail");
+    check_some(L.k_codes, nq * (int64_t)kvq_row_bytes((int)C, L.bits), "attention_kvq", "kv.k_codes");
+    check_some(L.v_codes, nq * (int64_t)kvq_row_bytes((int)C, L.value_bits()), "attention_kvq", "kv.v_codes");
+    if (L.scheme == kvq_scheme::kvq_uniform) {
+      check_some(L.k_group, nq / std::max(L.group, 1) * C * 4, "attention_kvq", "kv.k_group");
+      check_some(L.v_group, nq * ((C + L.group - 1) / std::max(L.group, 1)) * 4, "attention_kvq", "kv.v_group");
+    } else {
+      check_some(L.lut_k, 4 << L.bits, "attention_kvq", "kv.lut_k"), check_some(L.lut_v, 4 << L.bits, "attention_kvq", "kv.lut_v");
+      check_some(L.k_ch_scale, C * 4, "attention_kvq", "kv.k_ch_scale");
+      check_some(L.k_ch_zero, C * 4, "attention_kvq", "kv.k_ch_zero");
+      check_some(L.v_tok, nq * 4, "attention_kvq", "kv.v_tok");
+      XCTX_CHECK(L.k_out_off == nullptr && L.v_out_per_tok == 0, "device_space: attention_kvq over outlier lists");
+    }
+    ++attention_calls;
+    with_memory_open([&] { cpu_->attention_kvq(a); });
+  }
+
+  // check() for an argument that may be absent when it holds nothing (bytes == 0).
+  void check_some(const void* p, int64_t bytes, const char* op, const char* arg) {
+    if (bytes > 0) check(p, bytes, op, arg);
+  }
 
   // Whether [p, p + bytes) lies in one allocation.
   bool in_space(const void* p, size_t bytes) const { return block_of(p, bytes) != 0; }

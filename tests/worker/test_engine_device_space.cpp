@@ -111,7 +111,9 @@ INSTANTIATE_TEST_SUITE_P(
     models, device_space_engine,
     ::testing::Values(space_case{"q4_1_tied_fp16", ggml_type::ggml_q4_1, true, false, cache_format::cache_fp16},
                       space_case{"q8_0_untied_fp32", ggml_type::ggml_q8_0, false, false, cache_format::cache_fp32},
-                      space_case{"f32_bias_fp16", ggml_type::ggml_f32, true, true, cache_format::cache_fp16}),
+                      space_case{"f32_bias_fp16", ggml_type::ggml_f32, true, true, cache_format::cache_fp16},
+                      space_case{"q4_1_tied_kivi2", ggml_type::ggml_q4_1, true, false, cache_format::cache_kivi2},
+                      space_case{"q8_0_untied_kivi4", ggml_type::ggml_q8_0, false, false, cache_format::cache_kivi4}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
@@ -180,13 +182,13 @@ TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
   }
 }
 
-// Formats that still need the exact accumulator are refused when the cache is made, naming the
-// format and the backend; the fp formats are accepted.
+// Formats that still need the exact accumulator (or host memory) are refused when the cache is
+// made, naming the format and the backend; fp, kivi and nuq without outliers are accepted.
 TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
   test::device_space_backend dev;
   cache_geometry g;
   g.n_layer = 2, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 64;
-  for (cache_format f : {cache_format::cache_kivi2, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
+  for (cache_format f : {cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
                          cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
     std::string why;
     EXPECT_FALSE(cache_runs_on(f, dev, &why));
@@ -194,7 +196,9 @@ TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
         [&] { make_cache(cache_spec(f, cache_options{}), g, dev); },
         std::string("cache format ") + format_traits(f).name + " does not run on the device-space backend yet");
   }
-  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) EXPECT_TRUE(cache_runs_on(f, dev));
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32, cache_format::cache_kivi2,
+                         cache_format::cache_kivi4, cache_format::cache_nuq3, cache_format::cache_nuq2})
+    EXPECT_TRUE(cache_runs_on(f, dev));
 }
 
 // A layer exported from a device cache (ring block, snapshot) restores into another and attends

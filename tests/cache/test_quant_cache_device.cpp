@@ -1,0 +1,195 @@
+// The quantized caches (kivi*, nuq* without outliers) on a backend whose memory is not the
+// host's (tests/device_space_backend.h): their arrays live in that memory, are written only by
+// the backend's ops (convert_rows, kvq_encode) and read only by attention_kvq and downloads.
+// Against the same cache on the CPU backend: the same bytes (ring block / snapshot) after every
+// append pattern, bitwise the same (o, lse) partials (the same CPU kernels run behind the
+// emulation), blocks from either side attended and restored on the other.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cache/quant_test_util.h"
+#include "common/error.h"
+#include "device_space_backend.h"
+#include "test_util.h"
+
+namespace xctx {
+namespace {
+
+using test::make_synthetic_calibration;
+using test::make_synthetic_kv;
+using test::quant_geometry;
+
+constexpr int kGroup = 24;  // kivi: key groups of 24 tokens; 32-channel rows split 24 + 8 for values
+
+cache_spec device_spec(cache_format f, const cache_geometry& g) {
+  cache_options o;
+  o.group_size = kGroup;
+  if (format_traits(f).needs_calibration) o.calib = make_synthetic_calibration(g, 11);
+  return cache_spec(f, o);
+}
+
+std::vector<cache_format> device_formats() {
+  std::vector<cache_format> out;
+  for (cache_format f : test::quantized_formats())
+    if (format_traits(f).outlier_fraction == 0.0) out.push_back(f);
+  return out;
+}
+
+// A host cache and a device cache of one format, filled with the same rows in uneven chunks
+// (kivi: groups completed mid-chunk, a partial window left; nuq: the sink at position 0).
+struct twin_caches {
+  cache_geometry g = quant_geometry(160);
+  test::device_space_backend dev;
+  std::unique_ptr<backend> cpu = make_backend(backend_kind::backend_cpu);
+  std::unique_ptr<kv_cache> host, device;
+  int C = g.n_head_kv * g.head_dim;
+  int64_t n = 131;
+  std::vector<int32_t> pos;
+
+  explicit twin_caches(cache_format f) {
+    host = make_cache(device_spec(f, g), g, *cpu);
+    device = make_cache(device_spec(f, g), g, dev);
+    const test::synthetic_kv d = make_synthetic_kv(n, C, 5);
+    pos.resize(n);
+    for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(3 * i);
+    backend_buffer dk(dev), dv(dev);
+    for (int l = 0; l < g.n_layer; ++l) {
+      int64_t at = 0;
+      for (int64_t m : {1, 7, 30, 1, 1, 64, 27}) {
+        const float *k = d.k.data() + at * C, *v = d.v.data() + at * C;
+        host->append(l, layer_input{nullptr, k, v, pos.data() + at, m});
+        dev.upload(dk.reserve(m * C * 4), k, m * C * 4), dev.upload(dv.reserve(m * C * 4), v, m * C * 4);
+        device->append(l, layer_input{nullptr, dk.as<float>(), dv.as<float>(), pos.data() + at, m});
+        at += m;
+      }
+      EXPECT_EQ(at, n);
+    }
+  }
+  std::vector<uint8_t> block(const kv_cache& c, int layer) const {
+    std::vector<uint8_t> b(c.exported_bytes(layer));
+    c.export_layer(layer, b.data());
+    return b;
+  }
+};
+
+// (o, lse) of n_q queries (positions q_pos) over layer l: on the CPU backend from host arrays,
+// on the device through uploads (attend_partial, or attend_exported_partial over `block`).
+struct partial {
+  std::vector<float> o, lse;
+};
+partial host_partial(kv_cache& c, int l, const std::vector<float>& q, const std::vector<int32_t>& q_pos,
+                     attend_path path) {
+  const cache_geometry& g = c.geometry();
+  partial p{std::vector<float>(q.size()), std::vector<float>(q_pos.size() * g.n_head)};
+  c.attend_partial(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), path, p.o.data(), p.lse.data());
+  return p;
+}
+partial device_partial(test::device_space_backend& dev, kv_cache& c, int l, const std::vector<float>& q,
+                       const std::vector<int32_t>& q_pos, attend_path path, const std::vector<uint8_t>* block = nullptr) {
+  const cache_geometry& g = c.geometry();
+  const int64_t n_q = (int64_t)q_pos.size(), rows = n_q * g.n_head;
+  backend_buffer dq(dev), dout(dev), dlse(dev);
+  dev.upload(dq.reserve(q.size() * 4), q.data(), q.size() * 4);
+  float* o = dout.reserve_as<float>(rows * g.head_dim);
+  float* lse = dlse.reserve_as<float>(rows);
+  if (block == nullptr)
+    c.attend_partial(l, dq.as<float>(), q_pos.data(), n_q, path, o, lse);
+  else
+    c.attend_exported_partial(l, block->data(), block->size(), dq.as<float>(), q_pos.data(), n_q, path, o, lse, nullptr);
+  partial p{std::vector<float>(q.size()), std::vector<float>(rows)};
+  dev.download(p.o.data(), o, p.o.size() * 4), dev.download(p.lse.data(), lse, p.lse.size() * 4);
+  return p;
+}
+
+std::vector<float> some_queries(int64_t n_q, const cache_geometry& g) {
+  std::vector<float> q((size_t)n_q * g.n_head * g.head_dim);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * (float)i + 0.5f);
+  return q;
+}
+
+class quant_cache_device : public ::testing::TestWithParam<cache_format> {};
+
+TEST_P(quant_cache_device, stores_the_host_caches_bytes) {
+  twin_caches t(GetParam());
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    EXPECT_EQ(t.device->n_tokens(l), t.n);
+    EXPECT_EQ(t.block(*t.device, l), t.block(*t.host, l)) << "layer " << l;
+  }
+  EXPECT_EQ(t.device->bytes_used(), t.host->bytes_used());
+  EXPECT_EQ(t.device->bytes_allocated(), t.host->bytes_allocated());
+}
+
+// The same kernels behind the emulation: the device's partials are the host's, bit for bit, on
+// both attention paths; over a ring block from the host cache, the same again.
+TEST_P(quant_cache_device, attends_as_the_host_cache) {
+  twin_caches t(GetParam());
+  const std::vector<int32_t> q_pos = {0, 40, 200, 390};  // from the first slot to past the last
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
+  const std::vector<int32_t> one = {390};
+  const std::vector<float> q1 = some_queries(1, t.g);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const partial hp = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill);
+    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
+    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
+    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
+    const partial hd = host_partial(*t.host, l, q1, one, attend_path::attend_decode);
+    const partial dd = device_partial(t.dev, *t.device, l, q1, one, attend_path::attend_decode);
+    EXPECT_EQ(dd.o, hd.o) << "layer " << l;
+    EXPECT_EQ(dd.lse, hd.lse) << "layer " << l;
+    const std::vector<uint8_t> block = t.block(*t.host, l);
+    const partial db = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill, &block);
+    EXPECT_EQ(db.o, hp.o) << "layer " << l;
+    EXPECT_EQ(db.lse, hp.lse) << "layer " << l;
+  }
+}
+
+// The (o, lse) partial agrees with the exact accumulator's result on the CPU backend to float
+// rounding: a different summation order of the same softmax (o of size ~1, lse of size ~10).
+TEST_P(quant_cache_device, partials_agree_with_the_exact_accumulator) {
+  twin_caches t(GetParam());
+  const std::vector<int32_t> q_pos = {2, 130, 390};
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
+    std::vector<float> o(q.size()), lse(dp.lse.size());
+    t.host->attend(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), o.data(), lse.data(), attend_path::attend_prefill);
+    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(dp.o[i], o[i], 1e-5 * (1.0 + std::fabs(o[i]))) << i;
+    for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(dp.lse[i], lse[i], 1e-5 * (1.0 + std::fabs(lse[i]))) << i;
+  }
+}
+
+// A snapshot of the host cache restores into an empty device cache (uploaded array by array)
+// and exports the same bytes again; the device's snapshot restores on the host.
+TEST_P(quant_cache_device, snapshots_cross_between_host_and_device) {
+  twin_caches t(GetParam());
+  auto dev2 = make_cache(device_spec(GetParam(), t.g), t.g, t.dev);
+  auto host2 = make_cache(device_spec(GetParam(), t.g), t.g, *t.cpu);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const std::vector<uint8_t> from_host = t.block(*t.host, l), from_dev = t.block(*t.device, l);
+    dev2->restore_layer(l, from_host.data(), from_host.size());
+    host2->restore_layer(l, from_dev.data(), from_dev.size());
+    EXPECT_EQ(t.block(*dev2, l), from_host) << "layer " << l;
+    EXPECT_EQ(t.block(*host2, l), from_dev) << "layer " << l;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(formats, quant_cache_device, ::testing::ValuesIn(device_formats()),
+                         [](const auto& info) { return std::string(format_traits(info.param).name); });
+
+// nuq -1% keeps its key outlier lists on the host: refused on a device backend, by make_cache
+// and by the cache itself, naming the format and the backend.
+TEST(quant_cache_device, outlier_formats_are_refused) {
+  test::device_space_backend dev;
+  const cache_geometry g = quant_geometry(64);
+  for (cache_format f : test::quantized_formats()) {
+    if (format_traits(f).outlier_fraction == 0.0) continue;
+    EXPECT_FALSE(cache_runs_on(f, dev));
+    test::expect_error_contains([&] { make_cache(device_spec(f, g), g, dev); },
+                                std::string("cache format ") + format_traits(f).name + " does not run on the device-space");
+  }
+}
+
+}  // namespace
+}  // namespace xctx
