@@ -53,7 +53,7 @@ struct layer_store {
 class x_window_cache final : public kv_cache {
  public:
   x_window_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
-      : spec_(spec), geo_(g), traits_(format_traits(spec.format)), use_ref_(be.name() == "ref") {
+      : spec_(spec), geo_(g), traits_(format_traits(spec.format)), use_ref_(be.name() == "ref"), pos_(be, g.capacity) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);
@@ -77,7 +77,6 @@ class x_window_cache final : public kv_cache {
     }
     const int C = xquant_ ? xquant_rank(g) : kv_;
     XCTX_CHECK(C % 8 == 0 && C <= 65536, "cache ", traits_.name, ": ", C, " channels per row must be a multiple of 8");
-    pos_.resize(g.capacity);
     layers_.resize(g.n_layer);
     for (int l = 0; l < g.n_layer; ++l) {
       layer_store& L = layers_[l];
@@ -116,7 +115,7 @@ class x_window_cache final : public kv_cache {
   int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
 
   size_t bytes_allocated() const override {
-    size_t b = pos_.capacity() * 4;
+    size_t b = pos_.bytes();
     for (const layer_store& L : layers_)
       for (int k = 0; k < L.n_streams; ++k)
         b += L.s[k].codes.capacity() + L.s[k].params.capacity() * sizeof(kvq_affine) + L.s[k].tail.capacity() * 2 +
@@ -142,7 +141,7 @@ class x_window_cache final : public kv_cache {
 
   void clear() override {
     for (layer_store& L : layers_) L.n = L.nq = L.n_tail = 0;
-    n_pos_ = 0;
+    pos_.clear();
   }
 
   void append(int layer, const layer_input& in) override {
@@ -157,7 +156,7 @@ class x_window_cache final : public kv_cache {
       for (int k = 0; k < 2; ++k)
         XCTX_CHECK(!L.s[k].shared || layers_[layer - 1].n >= L.n + in.n, "cache clkv: layer ", layer,
                    " shares layer ", layer - 1, "'s codes, which must be appended first");
-    store_slot_positions(pos_.data(), n_pos_, layer, L.n, in);
+    pos_.store(layer, L.n, in);
     const float* rows[2] = {in.k, in.v};
     if (xquant_) {
       if (latent_) {  // the latents X·U_k and X·U_v of the new rows
@@ -186,7 +185,7 @@ class x_window_cache final : public kv_cache {
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
     const layer_store& L = layers_.at(layer);
-    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.data(), q, q_pos, n_q, path, out);
+    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.host(), q, q_pos, n_q, path, out);
   }
 
   // Block: int64 {n, nq, n_tail} | pos | per stream: codes (the shared partner's for clkv),
@@ -206,7 +205,7 @@ class x_window_cache final : public kv_cache {
       if (bytes) std::memcpy(out + at, p, bytes);
       at += pad8(bytes);
     };
-    put(pos_.data(), L.n * 4);
+    put(pos_.host(), L.n * 4);
     for (int k = 0; k < L.n_streams; ++k) {
       const stream_store& s = L.s[k];
       put(codes_of(layer, k), L.nq * s.rb);
@@ -246,7 +245,7 @@ class x_window_cache final : public kv_cache {
       if (p.n_tail > 0) std::memcpy(s.tail.data(), p.v[k].tail, (size_t)p.n_tail * s.C * 2);
       if (s.ch0 && p.nq > 0) std::memcpy(s.ch0_vals.data(), p.v[k].ch0, (size_t)p.nq * 2);
     }
-    restore_slot_positions(pos_.data(), n_pos_, layer, p.pos, p.n);
+    pos_.restore(layer, p.pos, p.n);
     L.n = p.n, L.nq = p.nq, L.n_tail = p.n_tail;
   }
 
@@ -394,8 +393,7 @@ class x_window_cache final : public kv_cache {
   bool xquant_ = false, latent_ = false;
   int kv_ = 0, W_ = 0;
   std::shared_ptr<const x_factors> factors_;
-  std::vector<int32_t> pos_;  // [capacity]
-  int64_t n_pos_ = 0;
+  slot_position_store pos_;  // [capacity], shared by the layers (host backends only)
   std::vector<layer_store> layers_;
   std::vector<float> proj_[2];  // [n, r] latents of the rows being appended
   std::vector<float> scratch_;  // [window, C] a window widened for encoding

@@ -78,7 +78,8 @@ class x_cl_cache final : public kv_cache {
         geo_(g),
         traits_(format_traits(spec.format)),
         use_ref_(be.name() == "ref"),
-        deltas_(spec.options.cl_ring != cl_ring_mode::cl_ring_latent) {
+        deltas_(spec.options.cl_ring != cl_ring_mode::cl_ring_latent),
+        pos_(be, g.capacity) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);
@@ -93,7 +94,6 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(g.n_embd % 8 == 0, "cache ", traits_.name, ": n_embd ", g.n_embd, " must be a multiple of 8");
     d_ = g.n_embd, kv_ = g.n_head_kv * g.head_dim, r_ = xquant_cl_rank(g);
     base_ = xquant_cl_hi_layers(spec.options, g.n_layer) - 1;
-    pos_.resize(g.capacity);
     layers_.resize(g.n_layer);
     for (int l = 0; l < g.n_layer; ++l) {
       cl_layer& L = layers_[l];
@@ -111,7 +111,7 @@ class x_cl_cache final : public kv_cache {
   int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
 
   size_t bytes_allocated() const override {
-    size_t b = pos_.capacity() * 4 + acc_.capacity() * 4 + acc_layer_.capacity() * 2;
+    size_t b = pos_.bytes() + acc_.capacity() * 4 + acc_layer_.capacity() * 2;
     for (const cl_layer& L : layers_) b += L.codes.capacity() + L.params.capacity() * sizeof(kvq_affine);
     for (const foreign_acc& f : foreign_) b += f.pos.capacity() * 4 + f.x.capacity() * 4;
     return b;
@@ -130,7 +130,7 @@ class x_cl_cache final : public kv_cache {
   void clear() override {
     for (cl_layer& L : layers_) L.n = 0;
     std::fill(acc_layer_.begin(), acc_layer_.end(), (int16_t)-1);
-    n_pos_ = 0;
+    pos_.clear();
     release_ring_state();
   }
 
@@ -145,7 +145,7 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(in.x != nullptr, "cache ", traits_.name, ": layer ", layer, " input lacks the layer input x");
     XCTX_CHECK(layer == 0 || layers_[layer - 1].n >= L.n + in.n, "cache ", traits_.name, ": layer ", layer,
                " appended before layer ", layer - 1, " holds its tokens (the cross-layer accumulator needs them)");
-    store_slot_positions(pos_.data(), n_pos_, layer, L.n, in);
+    pos_.store(layer, L.n, in);
     const int64_t a0 = L.n;
     ensure_acc(a0 + in.n);
     if (layer <= base_) {
@@ -173,18 +173,18 @@ class x_cl_cache final : public kv_cache {
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
     const cl_layer& L = layers_.at(layer);
     if (layer < base_) {
-      run_w(layer, stream_view(layer), L.n, pos_.data(), q, q_pos, n_q, path, out);
+      run_w(layer, stream_view(layer), L.n, pos_.host(), q, q_pos, n_q, path, out);
       return;
     }
     if (deltas_) {  // from the f32 accumulator, as foreign blocks (attend_exported)
       advance(0, L.n, layer);
-      run_w(layer, dense_view(acc_.data()), L.n, pos_.data(), q, q_pos, n_q, path, out);
+      run_w(layer, dense_view(acc_.data()), L.n, pos_.host(), q, q_pos, n_q, path, out);
       return;
     }
     // The own shard is attended through the same fp16 latent a ring block carries, so a token's
     // keys and values are the same bits whichever rank attends it (rank-count invariance).
     const std::vector<uint16_t> y = latent_fp16(layer, L.n);
-    run_latent(layer, y.data(), L.n, pos_.data(), q, q_pos, n_q, path, out);
+    run_latent(layer, y.data(), L.n, pos_.host(), q, q_pos, n_q, path, out);
   }
 
   // Block: int64 n | pos [n] int32 | codes [n, rb], params [n, n_g] of the layer (layers < base,
@@ -202,7 +202,7 @@ class x_cl_cache final : public kv_cache {
       if (bytes) std::memcpy(out + at, p, bytes);
       at += pad8(bytes);
     };
-    put(pos_.data(), n * 4);
+    put(pos_.host(), n * 4);
     if (layer < base_ || deltas_) {
       put(L.codes.data(), n * L.rb);
       put(L.params.data(), n * L.n_g * sizeof(kvq_affine));
@@ -262,7 +262,7 @@ class x_cl_cache final : public kv_cache {
     auto* out = static_cast<uint8_t*>(dst);
     const int64_t n = L.n;
     std::memcpy(out, &n, 8);
-    std::memcpy(out + 8, pos_.data(), n * 4);
+    std::memcpy(out + 8, pos_.host(), n * 4);
     std::memcpy(out + 8 + pad8(n * 4), L.codes.data(), n * L.rb);
     std::memcpy(out + 8 + pad8(n * 4) + pad8(n * L.rb), L.params.data(), n * L.n_g * sizeof(kvq_affine));
   }
@@ -282,7 +282,7 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(layer == 0 || layers_[layer - 1].n >= n, "cache snapshot: layer ", layer, " holds ", n,
                " tokens, more than layer ", layer - 1, " below it (restore the layers in order)");
     if (layer == 0) std::fill(acc_layer_.begin(), acc_layer_.end(), (int16_t)-1);
-    restore_slot_positions(pos_.data(), n_pos_, layer, reinterpret_cast<const int32_t*>(in + 8), n);
+    pos_.restore(layer, reinterpret_cast<const int32_t*>(in + 8), n);
     cl_layer& L = layers_[layer];
     std::memcpy(L.codes.data(), in + 8 + pad8(n * 4), n * L.rb);
     std::memcpy(L.params.data(), in + 8 + pad8(n * 4) + pad8(n * L.rb), n * L.n_g * sizeof(kvq_affine));
@@ -504,8 +504,7 @@ class x_cl_cache final : public kv_cache {
   bool deltas_ = true;  // cl_ring_mode::cl_ring_deltas
   std::shared_ptr<const x_factors> factors_;
   int G_ = 0, d_ = 0, kv_ = 0, r_ = 0, base_ = 0;
-  std::vector<int32_t> pos_;  // [capacity]
-  int64_t n_pos_ = 0;
+  slot_position_store pos_;  // [capacity], shared by the layers (host backends only)
   std::vector<cl_layer> layers_;
   mutable std::vector<float> acc_;          // [rows, n_embd] the accumulator X̂
   mutable std::vector<int16_t> acc_layer_;  // [rows] layer each accumulator row holds (-1: none)
