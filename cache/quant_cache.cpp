@@ -30,22 +30,26 @@ namespace {
 
 size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
 
-template <typename T>
-size_t cap_bytes(const std::vector<T>& v) {
-  return v.capacity() * sizeof(T);
-}
-
-// One layer's arrays, in the backend's memory (one allocation, `arena`, carved at construction:
-// the host's on ref/cpu, the device's on cuda), but for the key outlier lists: they grow with
-// the data and live on the host (nuq -1% runs on host-memory backends only, cache_runs_on).
+// One layer's arrays, in the backend's memory (the host's on ref/cpu, the device's on cuda): one
+// allocation, `arena`, carved at construction, and the key outlier lists (nuq -1%), which grow
+// with the data in an allocation of their own.
+//
+// The number of key outlier entries, k_out_off[nq], is written by the backend (kvq_append_outliers)
+// and read by the host only when it must be exact (export, bytes_used, a possible overflow): on a
+// device that read waits for the stream, so appends keep an upper bound instead (nk read last +
+// nk_unread, every appended element counted as an outlier) and read the count only when that
+// bound passes the lists' capacity.
 struct layer_store {
-  explicit layer_store(backend& be) : arena(be) {}
+  explicit layer_store(backend& be) : arena(be), k_out(be) {}
   int64_t n = 0;       // slots held
   int64_t n_sink = 0;  // 0 or 1
   int64_t n_tail = 0;  // kivi residual rows
   int64_t nq = 0;      // quantized rows
-  int64_t nk = 0;      // key outlier entries (k_out_off[nq], kept where the host reads it)
+  mutable int64_t nk = 0;         // key outlier entries when last read (k_out_off[nq] then)
+  mutable int64_t nk_unread = 0;  // at most this many appended since (0: nk is exact)
   backend_buffer arena;
+  backend_buffer k_out;  // nuq -1%: k_out_idx [k_out_cap], then k_out_val [k_out_cap]
+  size_t k_out_cap = 0;
   uint16_t *k_sink = nullptr, *v_sink = nullptr;    // [1, C] fp16 (nuq with a sink)
   uint16_t *k_tail = nullptr, *v_tail = nullptr;    // [group, C] fp16 (kivi)
   uint8_t *k_codes = nullptr, *v_codes = nullptr;   // [capacity, C*bits/8]
@@ -55,13 +59,13 @@ struct layer_store {
   float *ch_lo = nullptr, *ch_hi = nullptr;         // nuq -1% [C]
   uint32_t* k_out_off = nullptr;                    // nuq -1% [capacity + 1]
   uint16_t *v_out_idx = nullptr, *v_out_val = nullptr;  // nuq -1% [capacity, 2*side]
-  std::vector<uint16_t> k_out_idx, k_out_val;       // nuq -1%, host: [nk]
+  uint16_t *k_out_idx = nullptr, *k_out_val = nullptr;  // nuq -1%, in k_out: [nk] used
 };
 
 class quant_cache final : public kv_cache {
  public:
   quant_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
-      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)), pos_(be, g.capacity), block_(be) {
+      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)), pos_(be, g.capacity), block_(be), outlier_scratch_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim);
@@ -73,8 +77,6 @@ class quant_cache final : public kv_cache {
     rb_ = kvq_row_bytes(C_, bits_);
     kivi_ = traits_.family == cache_family::family_kivi;
     outliers_ = !kivi_ && traits_.outlier_fraction > 0.0;
-    XCTX_CHECK(!outliers_ || be.host_memory(), "cache ", traits_.name, ": key outlier lists are kept in host memory; the ",
-               be.name(), " backend cannot read them");
     if (kivi_) {
       G_ = spec.options.group_size;
       XCTX_CHECK(G_ >= 8 && G_ % 8 == 0 && G_ <= 65536, "cache ", traits_.name, ": group size ", G_,
@@ -110,8 +112,7 @@ class quant_cache final : public kv_cache {
         be.upload(s.ch_lo, cl.k_lo.data(), (size_t)C_ * 4), be.upload(s.ch_hi, cl.k_hi.data(), (size_t)C_ * 4);
         const uint32_t first = 0;
         be.upload(s.k_out_off, &first, sizeof first);
-        const size_t reserve = reserved_key_outliers(traits_.outlier_fraction, C_, g.capacity);
-        s.k_out_idx.reserve(reserve), s.k_out_val.reserve(reserve);
+        grow_key_outliers(s, reserved_key_outliers(traits_.outlier_fraction, C_, g.capacity));
       }
     }
   }
@@ -122,7 +123,7 @@ class quant_cache final : public kv_cache {
 
   size_t bytes_allocated() const override {
     size_t b = pos_.bytes();
-    for (const layer_store& s : layers_) b += s.arena.bytes() + cap_bytes(s.k_out_idx) + cap_bytes(s.k_out_val);
+    for (const layer_store& s : layers_) b += s.arena.bytes() + s.k_out.bytes();
     return b;
   }
 
@@ -141,21 +142,20 @@ class quant_cache final : public kv_cache {
       }
       b += (size_t)s.nq * sizeof(kvq_affine);
       b += (2 * ((size_t)1 << bits_) + (outliers_ ? 4 : 2) * C) * sizeof(float);  // tables
-      if (outliers_) b += ((size_t)s.nq + 1) * 4 + (size_t)s.nk * 4 + (size_t)s.nq * 2 * v_side_ * 4;
+      if (outliers_) b += ((size_t)s.nq + 1) * 4 + (size_t)key_entries(s) * 4 + (size_t)s.nq * 2 * v_side_ * 4;
     }
     return b + (size_t)n_max * sizeof(int32_t);
   }
 
   int64_t key_outliers() const {
     int64_t k = 0;
-    for (const layer_store& s : layers_) k += s.nk;
+    for (const layer_store& s : layers_) k += key_entries(s);
     return k;
   }
 
   void clear() override {
     for (layer_store& s : layers_) {
-      s.n = s.n_sink = s.n_tail = s.nq = s.nk = 0;
-      s.k_out_idx.clear(), s.k_out_val.clear();
+      s.n = s.n_sink = s.n_tail = s.nq = s.nk = s.nk_unread = 0;  // k_out_off[0] stays 0
     }
     pos_.clear();
   }
@@ -200,13 +200,13 @@ class quant_cache final : public kv_cache {
 
   size_t exported_bytes(int layer) const override {
     const layer_store& s = layers_.at(layer);
-    return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, s.nk);
+    return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, outliers_ ? key_entries(s) : 0);
   }
 
   void export_layer(int layer, void* dst) const override {
     const layer_store& s = layers_.at(layer);
     uint8_t* out = static_cast<uint8_t*>(dst);
-    const int64_t hdr[5] = {s.n, s.n_sink, s.n_tail, s.nq, s.nk};
+    const int64_t hdr[5] = {s.n, s.n_sink, s.n_tail, s.nq, outliers_ ? key_entries(s) : 0};
     std::memcpy(out, hdr, sizeof hdr);
     size_t at = sizeof hdr;
     // Host arrays are copied, the backend's downloaded (a plain copy on host-memory backends).
@@ -226,7 +226,7 @@ class quant_cache final : public kv_cache {
       put(s.v_aff, s.nq * sizeof(kvq_affine));
       if (outliers_) {
         put(s.k_out_off, (s.nq + 1) * 4);
-        put(s.k_out_idx.data(), s.nk * 2, true), put(s.k_out_val.data(), s.nk * 2, true);
+        put(s.k_out_idx, hdr[4] * 2), put(s.k_out_val, hdr[4] * 2);
         put(s.v_out_idx, s.nq * 2 * v_side_ * 2), put(s.v_out_val, s.nq * 2 * v_side_ * 2);
       }
     }
@@ -278,10 +278,9 @@ class quant_cache final : public kv_cache {
       if (outliers_) {
         const int64_t nk = v.k_out_off[nq];
         copy(s.k_out_off, v.k_out_off, nq + 1);
-        s.k_out_idx.clear(), s.k_out_val.clear();
-        reserve_key_outliers(s, (size_t)nk);
-        s.k_out_idx.insert(s.k_out_idx.end(), v.k_out_idx, v.k_out_idx + nk);
-        s.k_out_val.insert(s.k_out_val.end(), v.k_out_val, v.k_out_val + nk);
+        s.nk = s.nk_unread = 0;  // an empty layer: nothing to keep when the lists grow
+        if ((size_t)nk > s.k_out_cap) grow_key_outliers(s, (size_t)nk);
+        copy(s.k_out_idx, v.k_out_idx, nk), copy(s.k_out_val, v.k_out_val, nk);
         s.nk = nk;
         copy(s.v_out_idx, v.v_out_idx, nq * 2 * v_side_), copy(s.v_out_val, v.v_out_val, nq * 2 * v_side_);
       }
@@ -303,7 +302,7 @@ class quant_cache final : public kv_cache {
     } else {
       v.v_tok = s.v_aff;
       if (outliers_) {
-        v.k_out_off = s.k_out_off, v.k_out_idx = s.k_out_idx.data(), v.k_out_val = s.k_out_val.data();
+        v.k_out_off = s.k_out_off, v.k_out_idx = s.k_out_idx, v.k_out_val = s.k_out_val;
         v.v_out_idx = s.v_out_idx, v.v_out_val = s.v_out_val;
       }
     }
@@ -371,13 +370,64 @@ class quant_cache final : public kv_cache {
     return v;
   }
 
-  // Text denser in outliers than the reserve: grow the key lists by a quarter of the reserve (or
-  // what this append needs), not by doubling, so an overrun costs RSS in proportion to it.
-  void reserve_key_outliers(layer_store& s, size_t more) const {
-    const size_t need = s.k_out_idx.size() + more;
-    if (need <= s.k_out_idx.capacity()) return;
-    const size_t step = std::max(more, reserved_key_outliers(traits_.outlier_fraction, C_, geo_.capacity) / 4);
-    s.k_out_idx.reserve(s.k_out_idx.size() + step), s.k_out_val.reserve(s.k_out_val.size() + step);
+  // The exact number of s's key outlier entries (one read from the backend when appends have
+  // left it unread; see layer_store).
+  int64_t key_entries(const layer_store& s) const {
+    if (s.nk_unread > 0) {
+      uint32_t nk = 0;
+      be_.download(&nk, s.k_out_off + s.nq, sizeof nk);
+      s.nk = nk, s.nk_unread = 0;
+    }
+    return s.nk;
+  }
+
+  // Room for `need` key outlier entries. The first call allocates the reserve; text denser in
+  // outliers than the reserve grows the lists by a quarter of it (or what is needed), not by
+  // doubling, so an overrun costs memory in proportion to it. The s.nk entries held (exact:
+  // callers read the count first) move to the new allocation through the host (rare).
+  void grow_key_outliers(layer_store& s, size_t need) {
+    if (need <= s.k_out_cap && s.k_out_idx != nullptr) return;
+    XCTX_ASSERT(s.nk_unread == 0, "quant cache: growing key outlier lists with an unread count");
+    const size_t cap = s.k_out_idx == nullptr
+                           ? need
+                           : std::max(need, s.k_out_cap + reserved_key_outliers(traits_.outlier_fraction, C_, geo_.capacity) / 4);
+    XCTX_CHECK(cap <= UINT32_MAX, "cache ", traits_.name, ": ", cap, " key outliers in one layer exceed the 2^32 the offsets address");
+    backend_buffer grown(be_);
+    auto* idx = static_cast<uint16_t*>(grown.reserve(cap * 4));
+    if (s.nk > 0) {
+      std::vector<uint16_t> held((size_t)s.nk);
+      be_.download(held.data(), s.k_out_idx, held.size() * 2), be_.upload(idx, held.data(), held.size() * 2);
+      be_.download(held.data(), s.k_out_val, held.size() * 2), be_.upload(idx + cap, held.data(), held.size() * 2);
+    }
+    s.k_out.swap(grown);
+    s.k_out_cap = cap, s.k_out_idx = idx, s.k_out_val = idx + cap;
+  }
+
+  // Appends the key outliers of n rows just encoded by job j (its per-row scratch) to s's lists,
+  // in the backend's memory. The count is read back only when the bound on it (every element an
+  // outlier) could pass the capacity; if the append did overflow, the lists grow and the same
+  // append runs again from the scratch, which nothing has overwritten yet.
+  void append_key_outliers(layer_store& s, const kvq_encode_job& j, int64_t n) {
+    kvq_outlier_append a;
+    a.channels = C_, a.n = n, a.count = j.out_count, a.row_idx = j.out_idx, a.row_val = j.out_val;
+    a.off = s.k_out_off + s.nq;
+    const int64_t most = n * C_, cap = (int64_t)s.k_out_cap;
+    if (s.nk + s.nk_unread + most > cap) key_entries(s);
+    const bool may_overflow = s.nk + s.nk_unread + most > cap;
+    a.idx = s.k_out_idx, a.val = s.k_out_val, a.capacity = s.k_out_cap;
+    be_.kvq_append_outliers(a);
+    if (!may_overflow) {
+      s.nk_unread += most;
+      return;
+    }
+    uint32_t total = 0;
+    be_.download(&total, a.off + n, sizeof total);
+    if (total > s.k_out_cap) {
+      grow_key_outliers(s, total);
+      a.idx = s.k_out_idx, a.val = s.k_out_val, a.capacity = s.k_out_cap;
+      be_.kvq_append_outliers(a);
+    }
+    s.nk = total;
   }
 
   size_t block_bytes(int64_t n, int64_t n_sink, int64_t n_tail, int64_t nq, int64_t nk) const {
@@ -439,7 +489,7 @@ class quant_cache final : public kv_cache {
     };
     move(v.pos), move(v.k_sink), move(v.v_sink), move(v.k_tail), move(v.v_tail), move(v.k_codes), move(v.v_codes);
     move(v.k_group), move(v.v_group), move(v.v_tok);
-    XCTX_ASSERT(v.k_out_off == nullptr, "quant cache: outlier lists on a device backend");
+    move(v.k_out_off), move(v.k_out_idx), move(v.k_out_val), move(v.v_out_idx), move(v.v_out_val);
   }
 
   void encode_kivi_group(layer_store& s) {
@@ -461,24 +511,14 @@ class quant_cache final : public kv_cache {
     j.tensor = kvq_tensor::kvq_lut_keys;
     j.x = k, j.lut = s.lut_k, j.ch_scale = s.ch_scale, j.ch_zero = s.ch_zero;
     j.codes = s.k_codes + s.nq * rb_;
-    if (outliers_) {
+    if (outliers_) {  // per-row scratch in the backend's memory: [n, C] channels, [n, C] δ, [n] counts
       j.ch_lo = s.ch_lo, j.ch_hi = s.ch_hi;
-      out_idx_.resize((size_t)n * C_), out_val_.resize((size_t)n * C_), out_cnt_.resize(n);
-      j.out_idx = out_idx_.data(), j.out_val = out_val_.data(), j.out_count = out_cnt_.data();
+      const size_t nc = (size_t)n * C_;
+      auto* scratch = static_cast<uint16_t*>(outlier_scratch_.reserve(nc * 4 + (size_t)n * 4));
+      j.out_idx = scratch, j.out_val = scratch + nc, j.out_count = reinterpret_cast<uint32_t*>(scratch + 2 * nc);
     }
     be_.kvq_encode(j);
-    if (outliers_) {  // compact the per-row scratch into the key's compressed columns (host memory)
-      size_t more = 0;
-      for (int64_t t = 0; t < n; ++t) more += out_cnt_[t];
-      reserve_key_outliers(s, more);
-      for (int64_t t = 0; t < n; ++t) {
-        const uint32_t c = out_cnt_[t];
-        s.k_out_idx.insert(s.k_out_idx.end(), out_idx_.begin() + t * C_, out_idx_.begin() + t * C_ + c);
-        s.k_out_val.insert(s.k_out_val.end(), out_val_.begin() + t * C_, out_val_.begin() + t * C_ + c);
-        s.k_out_off[s.nq + t + 1] = s.k_out_off[s.nq + t] + c;
-      }
-      s.nk = s.k_out_off[s.nq + n];
-    }
+    if (outliers_) append_key_outliers(s, j, n);
     kvq_encode_job jv;
     jv.bits = bits_, jv.channels = C_, jv.n = n;
     jv.tensor = kvq_tensor::kvq_lut_values;
@@ -513,8 +553,7 @@ class quant_cache final : public kv_cache {
   slot_position_store pos_;  // [capacity], shared by the layers
   std::vector<layer_store> layers_;
   backend_buffer block_;                      // a ring block uploaded by attend_exported_partial
-  std::vector<uint16_t> out_idx_, out_val_;   // [n, C] key outlier scratch (host)
-  std::vector<uint32_t> out_cnt_;             // [n]
+  backend_buffer outlier_scratch_;            // key outliers of one encode, per row (kvq_encode_job)
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/half.h"
+#include "kernels/kv_quant.h"
 
 namespace xctx {
 namespace {
@@ -69,6 +70,7 @@ class host_backend final : public backend {
     k_.merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse);
   }
   void kvq_encode(const kvq_encode_job& job) override { k_.kvq_encode(job); }
+  void kvq_append_outliers(const kvq_outlier_append& a) override { kvq_append_outliers_host(a); }
   void attention_kvq(const kvq_attn_args& a) override { k_.attention_kvq(a); }
 
  private:

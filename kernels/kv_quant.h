@@ -220,6 +220,41 @@ struct kvq_encode_job {
   uint32_t* out_count = nullptr;   // keys: [n] outliers found per row
 };
 
+// Appends the key outliers of n rows just encoded (kvq_encode's per-row scratch) to a layer's
+// compressed columns, everything in the backend's memory, so a device cache never waits for a
+// count: off[i + 1] = off[i] + count[i] for i < n, where off[0] already holds the layer's entries
+// so far, and row i's count[i] entries go to idx/val from off[i]. Entries at or past `capacity`
+// are not written (off still is): a caller that cannot bound the total reads off[n] afterwards
+// and, when it exceeds the capacity, grows the lists and runs the same append again from the
+// untouched scratch (the offsets come out the same).
+struct kvq_outlier_append {
+  int channels = 0;                   // C: the scratch's row stride
+  int64_t n = 0;                      // rows
+  const uint32_t* count = nullptr;    // [n] (kvq_encode_job::out_count)
+  const uint16_t* row_idx = nullptr;  // [n, C] (out_idx)
+  const uint16_t* row_val = nullptr;  // [n, C] (out_val)
+  uint32_t* off = nullptr;            // [n + 1]; off[0] is read
+  uint16_t* idx = nullptr;            // [capacity] the layer's channel list
+  uint16_t* val = nullptr;            // [capacity] the layer's fp16 δ list
+  uint64_t capacity = 0;
+};
+
+// Entry e of row i of an append (the row's offsets already written): the one copy every backend
+// makes, dropped at or past the capacity.
+XCTX_HOST_DEVICE inline void kvq_append_outlier_entry(const kvq_outlier_append& a, int64_t i, uint32_t e) {
+  const uint64_t at = (uint64_t)a.off[i] + e;
+  if (at >= a.capacity) return;
+  a.idx[at] = a.row_idx[i * a.channels + e];
+  a.val[at] = a.row_val[i * a.channels + e];
+}
+
+// The whole append on the host (the ref and cpu backends; the oracle of the CUDA kernels).
+inline void kvq_append_outliers_host(const kvq_outlier_append& a) {
+  for (int64_t i = 0; i < a.n; ++i) a.off[i + 1] = a.off[i] + a.count[i];
+  for (int64_t i = 0; i < a.n; ++i)
+    for (uint32_t e = 0; e < a.count[i]; ++e) kvq_append_outlier_entry(a, i, e);
+}
+
 // Element i of a job's input rows: x[i], or x16[i] widened when the job reads fp16 rows.
 XCTX_HOST_DEVICE inline float kvq_input(const kvq_encode_job& j, int64_t i) {
   return j.x16 != nullptr ? fp16_to_fp32(j.x16[i]) : j.x[i];

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/quant_blocks.h"
@@ -71,6 +72,7 @@ enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
 
 // Quantized-cache kernels (encode, attention over one quantized layer): kernels/kv_quant.h.
 struct kvq_encode_job;
+struct kvq_outlier_append;
 struct kvq_attn_args;
 class softmax_acc;  // kernels/softmax_acc.h
 
@@ -174,6 +176,8 @@ class backend {
                               int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/) = 0;
   // Encodes rows of a quantized cache (bit-identical codes on every backend).
   virtual void kvq_encode(const kvq_encode_job& job) = 0;
+  // Appends encoded rows' key outliers to a layer's compressed columns (kernels/kv_quant.h).
+  virtual void kvq_append_outliers(const kvq_outlier_append& a) = 0;
   // Attention partial over one quantized layer: dequantize, RoPE, q·k, softmax, p·v, fused.
   virtual void attention_kvq(const kvq_attn_args& a) = 0;
 };
@@ -201,6 +205,10 @@ class backend_buffer {
   template <typename T>
   T* as() const { return static_cast<T*>(p_); }
   size_t bytes() const { return bytes_; }
+  // Exchanges allocations with o (same backend): how a buffer grows while keeping what it held.
+  void swap(backend_buffer& o) noexcept {
+    std::swap(be_, o.be_), std::swap(p_, o.p_), std::swap(bytes_, o.bytes_);
+  }
   void release() {
     if (p_ != nullptr) be_->free(p_);
     p_ = nullptr;

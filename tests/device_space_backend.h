@@ -153,6 +153,16 @@ class device_space_backend final : public backend {
     }
     with_memory_open([&] { cpu_->kvq_encode(j); });
   }
+  void kvq_append_outliers(const kvq_outlier_append& a) override {
+    const int64_t n = a.n, C = a.channels, cap = (int64_t)a.capacity;
+    check_some(a.count, n * 4, "kvq_append_outliers", "count");
+    check_some(a.row_idx, n * C * 2, "kvq_append_outliers", "row_idx");
+    check_some(a.row_val, n * C * 2, "kvq_append_outliers", "row_val");
+    check(a.off, (n + 1) * 4, "kvq_append_outliers", "off");
+    check_some(a.idx, cap * 2, "kvq_append_outliers", "idx"), check_some(a.val, cap * 2, "kvq_append_outliers", "val");
+    ++outlier_appends;
+    with_memory_open([&] { cpu_->kvq_append_outliers(a); });
+  }
   void attention_kvq(const kvq_attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
     const kvq_layer_view& L = a.kv;
@@ -174,7 +184,14 @@ class device_space_backend final : public backend {
       check_some(L.k_ch_scale, C * 4, "attention_kvq", "kv.k_ch_scale");
       check_some(L.k_ch_zero, C * 4, "attention_kvq", "kv.k_ch_zero");
       check_some(L.v_tok, nq * 4, "attention_kvq", "kv.v_tok");
-      XCTX_CHECK(L.k_out_off == nullptr && L.v_out_per_tok == 0, "device_space: attention_kvq over outlier lists");
+      if (L.k_out_off != nullptr) {
+        check(L.k_out_off, (nq + 1) * 4, "attention_kvq", "kv.k_out_off");
+        const int64_t nk = peek_u32(L.k_out_off + nq);  // the entry count the kernel will read
+        check_some(L.k_out_idx, nk * 2, "attention_kvq", "kv.k_out_idx");
+        check_some(L.k_out_val, nk * 2, "attention_kvq", "kv.k_out_val");
+      }
+      check_some(L.v_out_idx, nq * L.v_out_per_tok * 2, "attention_kvq", "kv.v_out_idx");
+      check_some(L.v_out_val, nq * L.v_out_per_tok * 2, "attention_kvq", "kv.v_out_val");
     }
     ++attention_calls;
     with_memory_open([&] { cpu_->attention_kvq(a); });
@@ -185,11 +202,21 @@ class device_space_backend final : public backend {
     if (bytes > 0) check(p, bytes, op, arg);
   }
 
+  // A value in this backend's memory, read as a kernel would (not counted as a download).
+  uint32_t peek_u32(const uint32_t* p) {
+    const uintptr_t start = block_of(p, 4);
+    XCTX_CHECK(start != 0, "device_space: peek at ", static_cast<const void*>(p), ", not in this backend's memory");
+    XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), blocks_.at(start), PROT_READ) == 0, "device_space: mprotect failed");
+    const uint32_t v = *p;
+    XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), blocks_.at(start), PROT_NONE) == 0, "device_space: mprotect failed");
+    return v;
+  }
+
   // Whether [p, p + bytes) lies in one allocation.
   bool in_space(const void* p, size_t bytes) const { return block_of(p, bytes) != 0; }
 
   size_t memory_share = 0;  // what memory_share_bytes reports (0: the host's figure applies)
-  int64_t uploads = 0, downloads = 0, attention_calls = 0;
+  int64_t uploads = 0, downloads = 0, attention_calls = 0, outlier_appends = 0;
   uint64_t upload_bytes = 0, download_bytes = 0;
 
   // Checks an op's argument and marks its allocation to be opened for the op.

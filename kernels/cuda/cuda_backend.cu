@@ -182,6 +182,10 @@ class cuda_backend final : public backend {
     use_device();
     cuda::kvq_encode(ctx_, job);
   }
+  void kvq_append_outliers(const kvq_outlier_append& a) override {
+    use_device();
+    cuda::kvq_append_outliers(ctx_, a);
+  }
   void attention_kvq(const kvq_attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
     use_device();

@@ -541,6 +541,40 @@ void launch_attention(context& ctx, const attn_params& prm, int n_head_kv) {
 
 }  // namespace
 
+// Offsets of an outlier append (kvq_outlier_append): one block scans the counts a tile of
+// kvq_threads rows at a time, carrying the running total between tiles. An append is at most a
+// prefill chunk of rows, so one block is enough; the copy below carries the bandwidth.
+__global__ void __launch_bounds__(kvq_threads) outlier_offsets_kernel(const kvq_outlier_append a) {
+  __shared__ uint32_t s_warp[kvq_warps];
+  __shared__ uint32_t s_carry;
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  if (threadIdx.x == 0) s_carry = a.off[0];
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < a.n; t0 += kvq_threads) {
+    const int64_t t = t0 + threadIdx.x;
+    uint32_t incl = t < a.n ? a.count[t] : 0u;  // inclusive scan within the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    uint32_t total = s_carry + incl;
+    for (int w = 0; w < warp; ++w) total += s_warp[w];
+    if (t < a.n) a.off[t + 1] = total;
+    __syncthreads();  // every thread has read s_carry and s_warp
+    if ((int)threadIdx.x == kvq_threads - 1) s_carry = total;
+    __syncthreads();
+  }
+}
+
+// The entries, one row per block at a time, its threads over the row's entries.
+__global__ void __launch_bounds__(kvq_threads) outlier_copy_kernel(const kvq_outlier_append a) {
+  for (int64_t i = blockIdx.x; i < a.n; i += gridDim.x)
+    for (uint32_t e = threadIdx.x; e < a.count[i]; e += kvq_threads) kvq_append_outlier_entry(a, i, e);
+}
+
 void kvq_encode(context& ctx, const kvq_encode_job& j) {
   check_encode_job(j);
   const kvq_encode_plan plan = plan_kvq_encode(j.tensor, j.channels, j.n, ctx.n_sm);
@@ -565,6 +599,17 @@ void kvq_encode(context& ctx, const kvq_encode_job& j) {
       lut_values_kernel<<<plan.blocks, kvq_threads, plan.smem_bytes, ctx.stream>>>(j, plan.sort_n);
       break;
   }
+  CUDA_CHECK_LAUNCH();
+}
+
+void kvq_append_outliers(context& ctx, const kvq_outlier_append& a) {
+  XCTX_CHECK(a.n >= 0 && a.channels > 0 && a.count != nullptr && a.row_idx != nullptr && a.row_val != nullptr &&
+                 a.off != nullptr && (a.capacity == 0 || (a.idx != nullptr && a.val != nullptr)),
+             "cuda kvq_append_outliers: ", a.n, " rows of ", a.channels, " channels with missing arrays");
+  if (a.n == 0) return;
+  outlier_offsets_kernel<<<1, kvq_threads, 0, ctx.stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  outlier_copy_kernel<<<kvq_outlier_copy_blocks(a.n, ctx.n_sm), kvq_threads, 0, ctx.stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
 

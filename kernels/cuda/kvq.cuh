@@ -44,6 +44,7 @@ struct context;  // kernels.cuh
 
 // Backend entry points (kvq.cu); every pointer in the job/args is a device pointer.
 void kvq_encode(context& ctx, const kvq_encode_job& job);
+void kvq_append_outliers(context& ctx, const kvq_outlier_append& a);
 void attention_kvq(context& ctx, const kvq_attn_args& a);
 
 constexpr int kvq_threads = 128;  // every kvq kernel: 4 warps
@@ -56,6 +57,11 @@ constexpr int kvq_prefill_rows_per_warp = 8;          // 32 per block otherwise
 constexpr int64_t kvq_min_split_slots = 256;          // below this a key-axis split costs more than it brings
 constexpr size_t kvq_scratch_cap = 256u << 20;        // split partials; bounds n_split for huge n_q
 constexpr int kvq_max_sort_channels = 8192;           // lut values: one row's sort keys in shared memory
+// Blocks of the outlier copy (one row per block at a time): enough to fill the SMs, never more
+// than there are rows.
+inline int kvq_outlier_copy_blocks(int64_t n_rows, int n_sm) {
+  return (int)std::max<int64_t>(0, std::min<int64_t>(n_rows, 8 * (int64_t)std::max(n_sm, 1)));
+}
 constexpr double kvq_rope_cs_err = 2.0 * FLT_EPSILON;  // |cos/sin error| of the on-the-fly RoPE (above)
 
 // ---- encode ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cache/cache.h"
@@ -90,6 +91,14 @@ inline std::shared_ptr<calibration> make_synthetic_calibration(const cache_geome
 // The KV-quantizing formats (kivi, nuq); the X formats have their own tests (test_x_cache.cpp).
 inline std::vector<cache_format> quantized_formats() {
   return formats_of({cache_family::family_kivi, cache_family::family_nuq});
+}
+
+// A format's name as a gtest parameter name ("nuq3-1%" -> "nuq3_1_").
+inline std::string format_test_name(cache_format f) {
+  std::string s = format_traits(f).name;
+  for (char& ch : s)
+    if (ch == '-' || ch == '%') ch = '_';
+  return s;
 }
 
 }  // namespace xctx::test

@@ -414,12 +414,7 @@ TEST_P(quant_cache_test, capacity_overflow_is_a_clear_error) {
 }
 
 INSTANTIATE_TEST_SUITE_P(formats, quant_cache_test, ::testing::ValuesIn(test::quantized_formats()),
-                         [](const auto& info) {
-                           std::string s = format_traits(info.param).name;
-                           for (char& ch : s)
-                             if (ch == '-' || ch == '%') ch = '_';
-                           return s;
-                         });
+                         [](const auto& info) { return test::format_test_name(info.param); });
 
 TEST(quant_cache, nuq_without_calibration_or_with_a_foreign_one_is_a_clear_error) {
   auto be = make_backend(backend_kind::backend_cpu);

@@ -1,11 +1,13 @@
-// The quantized caches (kivi*, nuq* without outliers) on a backend whose memory is not the
-// host's (tests/device_space_backend.h): their arrays live in that memory, are written only by
-// the backend's ops (convert_rows, kvq_encode) and read only by attention_kvq and downloads.
+// The quantized caches (kivi*, nuq*, nuq* -1%) on a backend whose memory is not the host's
+// (tests/device_space_backend.h): their arrays live in that memory, are written only by the
+// backend's ops (convert_rows, kvq_encode, kvq_append_outliers) and read only by attention_kvq
+// and downloads.
 // Against the same cache on the CPU backend: the same bytes (ring block / snapshot) after every
 // append pattern, bitwise the same (o, lse) partials (the same CPU kernels run behind the
 // emulation), blocks from either side attended and restored on the other.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -30,12 +32,7 @@ cache_spec device_spec(cache_format f, const cache_geometry& g) {
   return cache_spec(f, o);
 }
 
-std::vector<cache_format> device_formats() {
-  std::vector<cache_format> out;
-  for (cache_format f : test::quantized_formats())
-    if (format_traits(f).outlier_fraction == 0.0) out.push_back(f);
-  return out;
-}
+std::vector<cache_format> device_formats() { return test::quantized_formats(); }
 
 // A host cache and a device cache of one format, filled with the same rows in uneven chunks
 // (kivi: groups completed mid-chunk, a partial window left; nuq: the sink at position 0).
@@ -176,19 +173,76 @@ TEST_P(quant_cache_device, snapshots_cross_between_host_and_device) {
 }
 
 INSTANTIATE_TEST_SUITE_P(formats, quant_cache_device, ::testing::ValuesIn(device_formats()),
-                         [](const auto& info) { return std::string(format_traits(info.param).name); });
+                         [](const auto& info) { return test::format_test_name(info.param); });
 
-// nuq -1% keeps its key outlier lists on the host: refused on a device backend, by make_cache
-// and by the cache itself, naming the format and the backend.
-TEST(quant_cache_device, outlier_formats_are_refused) {
+// Feeds the same rows to a host cache and a device cache, m rows per append.
+void append_twice(kv_cache& host, kv_cache& device, test::device_space_backend& dev, const test::synthetic_kv& d,
+                  const std::vector<int32_t>& pos, int64_t m) {
+  const cache_geometry& g = host.geometry();
+  const int64_t C = g.n_head_kv * g.head_dim, n = (int64_t)pos.size();
+  backend_buffer dk(dev), dv(dev);
+  for (int l = 0; l < g.n_layer; ++l)
+    for (int64_t at = 0; at < n; at += m) {
+      const int64_t r = std::min(m, n - at);
+      const float *k = d.k.data() + at * C, *v = d.v.data() + at * C;
+      host.append(l, layer_input{nullptr, k, v, pos.data() + at, r});
+      dev.upload(dk.reserve(r * C * 4), k, r * C * 4), dev.upload(dv.reserve(r * C * 4), v, r * C * 4);
+      device.append(l, layer_input{nullptr, dk.as<float>(), dv.as<float>(), pos.data() + at, r});
+    }
+}
+
+// Text far denser in key outliers than the reserve (every key 20x past its calibrated range):
+// the device lists grow as the host's do, the overflowing append runs again from its scratch,
+// and the layers export the host's bytes and attend as the host's.
+TEST(quant_cache_device, key_outlier_lists_grow_past_the_reserve) {
+  const cache_geometry g = quant_geometry(96);
+  const int C = g.n_head_kv * g.head_dim;
+  test::synthetic_kv d = make_synthetic_kv(90, C, 9);
+  for (float& x : d.k) x *= 20.0f;
+  std::vector<int32_t> pos(90);
+  for (int i = 0; i < 90; ++i) pos[i] = i;
   test::device_space_backend dev;
-  const cache_geometry g = quant_geometry(64);
-  for (cache_format f : test::quantized_formats()) {
-    if (format_traits(f).outlier_fraction == 0.0) continue;
-    EXPECT_FALSE(cache_runs_on(f, dev));
-    test::expect_error_contains([&] { make_cache(device_spec(f, g), g, dev); },
-                                std::string("cache format ") + format_traits(f).name + " does not run on the device-space");
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  const cache_format f = cache_format::cache_nuq3_1pct;
+  auto host = make_cache(device_spec(f, g), g, *cpu), device = make_cache(device_spec(f, g), g, dev);
+  const size_t reserved = reserved_key_outliers(format_traits(f).outlier_fraction, C, g.capacity);
+  append_twice(*host, *device, dev, d, pos, 13);
+  EXPECT_GT((size_t)quant_cache_key_outliers(*host), 2 * g.n_layer * reserved);  // grown in every layer
+  EXPECT_EQ(quant_cache_key_outliers(*device), quant_cache_key_outliers(*host));
+  EXPECT_EQ(device->bytes_used(), host->bytes_used());
+  const std::vector<int32_t> q_pos = {89};
+  const std::vector<float> q = some_queries(1, g);
+  for (int l = 0; l < g.n_layer; ++l) {
+    std::vector<uint8_t> hb(host->exported_bytes(l)), db(device->exported_bytes(l));
+    host->export_layer(l, hb.data()), device->export_layer(l, db.data());
+    EXPECT_EQ(db, hb) << "layer " << l;
+    const partial hp = host_partial(*host, l, q, q_pos, attend_path::attend_decode);
+    const partial dp = device_partial(dev, *device, l, q, q_pos, attend_path::attend_decode);
+    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
+    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
   }
+}
+
+// Decode appends (one token per layer and step) never wait for the outlier count while the
+// bound on it fits the reserve: no download per step; the count is read once, when asked for.
+TEST(quant_cache_device, decode_appends_do_not_read_the_outlier_count) {
+  const cache_geometry g = quant_geometry(4096);
+  const int C = g.n_head_kv * g.head_dim;
+  const int64_t n = 64;
+  const test::synthetic_kv d = make_synthetic_kv(n, C, 21);
+  std::vector<int32_t> pos(n);
+  for (int i = 0; i < n; ++i) pos[i] = 5 + i;
+  test::device_space_backend dev;
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  const cache_format f = cache_format::cache_nuq3_1pct;
+  auto host = make_cache(device_spec(f, g), g, *cpu), device = make_cache(device_spec(f, g), g, dev);
+  const int64_t downloads = dev.downloads, appends = dev.outlier_appends;
+  append_twice(*host, *device, dev, d, pos, 1);
+  EXPECT_EQ(dev.downloads - downloads, 0);
+  EXPECT_EQ(dev.outlier_appends - appends, n * g.n_layer);
+  EXPECT_GT(quant_cache_key_outliers(*host), 0);
+  EXPECT_EQ(quant_cache_key_outliers(*device), quant_cache_key_outliers(*host));
+  EXPECT_EQ(dev.downloads - downloads, g.n_layer);  // one read per layer, for the question
 }
 
 }  // namespace

@@ -224,10 +224,7 @@ std::vector<decode_case> decode_cases() {
 // Names are built at registration, not during static initialisation (the format table may not
 // be initialised yet then).
 std::string case_name(const ::testing::TestParamInfo<decode_case>& info) {
-  std::string n = std::string(format_traits(info.param.format).name) + "_" + info.param.name;
-  for (char& ch : n)
-    if (ch == '-' || ch == '%') ch = '_';
-  return n;
+  return test::format_test_name(info.param.format) + "_" + info.param.name;
 }
 
 INSTANTIATE_TEST_SUITE_P(shapes, quant_decode_test, ::testing::ValuesIn(decode_cases()), case_name);

@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <random>
 #include <vector>
 
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 // Device suites skip (reported as skipped) where no usable CUDA device is present.
@@ -55,6 +58,25 @@ inline std::vector<float> ascending_lut(int bits, float power) {
     l[i] = std::copysign(std::pow(std::fabs(u), power), u);
   }
   return l;
+}
+
+// kvq_encode's per-row key outlier scratch for n rows of C channels: counts from 0 to C (every
+// fifth row none, the last row full), entries numbered so a misplaced one is seen; the rest
+// of each row holds a filler no append may copy.
+struct outlier_scratch {
+  std::vector<uint32_t> count;     // [n]
+  std::vector<uint16_t> idx, val;  // [n, C]
+};
+inline outlier_scratch make_outlier_scratch(int64_t n, int C, uint32_t seed) {
+  std::mt19937 rng(seed);
+  outlier_scratch s;
+  s.count.resize(n), s.idx.assign((size_t)n * C, 0xFFFF), s.val.assign((size_t)n * C, 0xFFFF);
+  for (int64_t i = 0; i < n; ++i) {
+    s.count[i] = i == n - 1 ? (uint32_t)C : i % 5 == 0 ? 0u : (uint32_t)(rng() % (C / 4 + 1));
+    for (uint32_t e = 0; e < s.count[i]; ++e)
+      s.idx[i * C + e] = (uint16_t)((e * 7 + i) % C), s.val[i * C + e] = (uint16_t)(i * 31 + e);
+  }
+  return s;
 }
 
 }  // namespace xctx::kvq_cuda_test

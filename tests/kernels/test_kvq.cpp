@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/kvq_impl.h"
 #include "kernels/kv_quant.h"
+#include "kernels/kvq_cuda_test_util.h"
 #include "kernels/ref/ref_ops.h"
 #include "test_util.h"
 
@@ -234,6 +235,39 @@ TEST(kvq_encode_fp16_rows, encode_exactly_like_their_widened_f32_rows) {
     kvq_encode_job j;
     j.tensor = kvq_tensor::kvq_lut_values, j.bits = 3, j.channels = C, j.n = n, j.x16 = x16.data();
     test::expect_error_contains([&] { enc(j); }, "fp16 input rows (x16) are for the uniform tensors only");
+  }
+}
+
+// The outlier append (kernels/kv_quant.h), against lists built the obvious way: offsets continue
+// from off[0], rows' entries are concatenated in order, nothing past the capacity is written
+// (the offsets are), and the same append after growing writes the whole lists.
+TEST(kvq_outlier_append, concatenates_rows_after_the_held_entries) {
+  const int C = 24;
+  const int64_t n = 41;
+  const uint32_t held = 9;
+  const kvq_cuda_test::outlier_scratch s = kvq_cuda_test::make_outlier_scratch(n, C, 5);
+  std::vector<uint32_t> want_off{held};
+  std::vector<uint16_t> want_idx(held, 0x1111), want_val(held, 0x2222);
+  for (int64_t i = 0; i < n; ++i) {
+    want_off.push_back(want_off.back() + s.count[i]);
+    want_idx.insert(want_idx.end(), s.idx.begin() + i * C, s.idx.begin() + i * C + s.count[i]);
+    want_val.insert(want_val.end(), s.val.begin() + i * C, s.val.begin() + i * C + s.count[i]);
+  }
+  const size_t total = want_off.back();
+  for (const size_t cap : {total / 2, total}) {
+    std::vector<uint32_t> off(n + 1, 0xDEAD);
+    off[0] = held;
+    std::vector<uint16_t> idx(total + 3, 0x1111), val(total + 3, 0x2222);
+    kvq_outlier_append a;
+    a.channels = C, a.n = n, a.count = s.count.data(), a.row_idx = s.idx.data(), a.row_val = s.val.data();
+    a.off = off.data(), a.idx = idx.data(), a.val = val.data(), a.capacity = cap;
+    kvq_append_outliers_host(a);
+    EXPECT_EQ(off, want_off) << "capacity " << cap;
+    for (size_t e = 0; e < idx.size(); ++e) {
+      const bool written = e < cap && e < total;
+      EXPECT_EQ(idx[e], written ? want_idx[e] : 0x1111) << "capacity " << cap << " entry " << e;
+      EXPECT_EQ(val[e], written ? want_val[e] : 0x2222) << "capacity " << cap << " entry " << e;
+    }
   }
 }
 

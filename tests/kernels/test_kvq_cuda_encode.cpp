@@ -221,5 +221,50 @@ INSTANTIATE_TEST_SUITE_P(
                       encode_case{"lut_values_4_c8192", kt::kvq_lut_values, 4, 8192, 3, 0, 41, false}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// ---- outlier append ------------------------------------------------------------------------
+
+TEST(KvqCudaHost, outlier_copy_fills_the_sms_but_never_outnumbers_the_rows) {
+  EXPECT_EQ(kvq_outlier_copy_blocks(0, 132), 0);
+  EXPECT_EQ(kvq_outlier_copy_blocks(1, 132), 1);
+  EXPECT_EQ(kvq_outlier_copy_blocks(5000, 132), 8 * 132);
+  EXPECT_EQ(kvq_outlier_copy_blocks(5000, 0), 8);
+}
+
+// The device append (a one-block scan over tiles of kvq_threads rows, then a row-per-block copy)
+// writes the host append's offsets and lists exactly: one row (a decode step), rows spanning
+// several scan tiles, entries held before, and a capacity that cuts the lists.
+TEST(KvqCudaOutliers, append_equals_the_host_append) {
+  XCTX_REQUIRE_CUDA();
+  auto be = make_backend(backend_kind::backend_cuda);
+  const int C = 96;
+  for (const int64_t n : {int64_t{1}, int64_t{127}, int64_t{300}, int64_t{1000}})
+    for (const bool cut : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << n << " rows, capacity " << (cut ? "cut" : "ample"));
+      const kvq_cuda_test::outlier_scratch s = kvq_cuda_test::make_outlier_scratch(n, C, 17 + (uint32_t)n);
+      uint64_t total = 33;
+      for (uint32_t c : s.count) total += c;
+      const uint64_t cap = cut ? total * 2 / 3 : total + 5;
+      std::vector<uint32_t> off(n + 1, 0xDEADu);
+      off[0] = 33;
+      std::vector<uint16_t> idx(cap, 0x1111), val(cap, 0x2222);
+      device_arena dev(*be);
+      kvq_outlier_append d;
+      d.channels = C, d.n = n, d.count = dev.put(s.count), d.row_idx = dev.put(s.idx), d.row_val = dev.put(s.val);
+      d.off = dev.put(off), d.idx = dev.put(idx), d.val = dev.put(val), d.capacity = cap;
+      kvq_outlier_append h = d;
+      h.count = s.count.data(), h.row_idx = s.idx.data(), h.row_val = s.val.data();
+      h.off = off.data(), h.idx = idx.data(), h.val = val.data();
+      kvq_append_outliers_host(h);
+      be->kvq_append_outliers(d);
+      std::vector<uint32_t> d_off(off.size());
+      std::vector<uint16_t> d_idx(cap), d_val(cap);
+      be->download(d_off.data(), d.off, d_off.size() * 4);
+      be->download(d_idx.data(), d.idx, cap * 2), be->download(d_val.data(), d.val, cap * 2);
+      EXPECT_EQ(d_off, off);
+      EXPECT_EQ(d_idx, idx);
+      EXPECT_EQ(d_val, val);
+    }
+}
+
 }  // namespace
 }  // namespace xctx

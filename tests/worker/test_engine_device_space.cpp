@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "cache/cache.h"
+#include "cache/quant_test_util.h"
 #include "comm/communicator.h"
 #include "common/error.h"
 #include "device_space_backend.h"
@@ -39,7 +40,10 @@ std::vector<std::vector<float>> run(const model_weights& w, backend& be, cache_f
   rp.n_batch = n_batch;
   llama_engine engine(w, be, rp);
   const int64_t n = (int64_t)prompt.size();
-  auto cache = make_cache(fmt, engine.cache_geometry_for(n + (int64_t)forced.size()), be);
+  const cache_geometry g = engine.cache_geometry_for(n + (int64_t)forced.size());
+  cache_options o;  // nuq: a calibration of the cache's shape (the same on both backends)
+  if (format_traits(fmt).needs_calibration) o.calib = test::make_synthetic_calibration(g, 11);
+  auto cache = make_cache(cache_spec(fmt, o), g, be);
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
   std::vector<std::vector<float>> out(1, std::vector<float>(w.hp.n_vocab));
@@ -113,7 +117,9 @@ INSTANTIATE_TEST_SUITE_P(
                       space_case{"q8_0_untied_fp32", ggml_type::ggml_q8_0, false, false, cache_format::cache_fp32},
                       space_case{"f32_bias_fp16", ggml_type::ggml_f32, true, true, cache_format::cache_fp16},
                       space_case{"q4_1_tied_kivi2", ggml_type::ggml_q4_1, true, false, cache_format::cache_kivi2},
-                      space_case{"q8_0_untied_kivi4", ggml_type::ggml_q8_0, false, false, cache_format::cache_kivi4}),
+                      space_case{"q8_0_untied_kivi4", ggml_type::ggml_q8_0, false, false, cache_format::cache_kivi4},
+                      space_case{"q4_1_tied_nuq3_1pct", ggml_type::ggml_q4_1, true, false, cache_format::cache_nuq3_1pct},
+                      space_case{"q8_0_untied_nuq4", ggml_type::ggml_q8_0, false, false, cache_format::cache_nuq4}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
@@ -183,12 +189,12 @@ TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
 }
 
 // Formats that still need the exact accumulator (or host memory) are refused when the cache is
-// made, naming the format and the backend; fp, kivi and nuq without outliers are accepted.
+// made, naming the format and the backend; fp, kivi and nuq (with or without outliers) are accepted.
 TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
   test::device_space_backend dev;
   cache_geometry g;
   g.n_layer = 2, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 64;
-  for (cache_format f : {cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
+  for (cache_format f : {cache_format::cache_xquant2,
                          cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
     std::string why;
     EXPECT_FALSE(cache_runs_on(f, dev, &why));
@@ -197,7 +203,8 @@ TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
         std::string("cache format ") + format_traits(f).name + " does not run on the device-space backend yet");
   }
   for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32, cache_format::cache_kivi2,
-                         cache_format::cache_kivi4, cache_format::cache_nuq3, cache_format::cache_nuq2})
+                         cache_format::cache_kivi4, cache_format::cache_nuq3, cache_format::cache_nuq2,
+                         cache_format::cache_nuq3_1pct, cache_format::cache_nuq4_1pct})
     EXPECT_TRUE(cache_runs_on(f, dev));
 }
 
