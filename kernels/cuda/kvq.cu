@@ -39,17 +39,18 @@ namespace {
 // ---- encoder ---------------------------------------------------------------------------------
 
 // Exclusive prefix sum of v over the block; *total gets the block sum. s_warp: [kvq_warps].
-__device__ inline int block_exclusive_scan(int v, int* s_warp, int* total) {
+template <typename T>
+__device__ inline T block_exclusive_scan(T v, T* s_warp, T* total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inc = v;
+  T inc = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, inc, o);
+    const T n = __shfl_up_sync(0xffffffffu, inc, o);
     if (lane >= o) inc += n;
   }
   if (lane == 31) s_warp[warp] = inc;
   __syncthreads();
-  int before = 0, sum = 0;
+  T before = 0, sum = 0;
 #pragma unroll
   for (int w = 0; w < kvq_warps; ++w) {
     before += w < warp ? s_warp[w] : 0;
@@ -546,26 +547,14 @@ void launch_attention(context& ctx, const attn_params& prm, int n_head_kv) {
 // prefill chunk of rows, so one block is enough; the copy below carries the bandwidth.
 __global__ void __launch_bounds__(kvq_threads) outlier_offsets_kernel(const kvq_outlier_append a) {
   __shared__ uint32_t s_warp[kvq_warps];
-  __shared__ uint32_t s_carry;
-  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
-  if (threadIdx.x == 0) s_carry = a.off[0];
-  __syncthreads();
+  uint32_t carry = a.off[0];  // every thread keeps the running total
   for (int64_t t0 = 0; t0 < a.n; t0 += kvq_threads) {
     const int64_t t = t0 + threadIdx.x;
-    uint32_t incl = t < a.n ? a.count[t] : 0u;  // inclusive scan within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (lane == 31) s_warp[warp] = incl;
-    __syncthreads();
-    uint32_t total = s_carry + incl;
-    for (int w = 0; w < warp; ++w) total += s_warp[w];
-    if (t < a.n) a.off[t + 1] = total;
-    __syncthreads();  // every thread has read s_carry and s_warp
-    if ((int)threadIdx.x == kvq_threads - 1) s_carry = total;
-    __syncthreads();
+    const uint32_t c = t < a.n ? a.count[t] : 0u;
+    uint32_t tile = 0;
+    const uint32_t before = block_exclusive_scan(c, s_warp, &tile);
+    if (t < a.n) a.off[t + 1] = carry + before + c;
+    carry += tile;
   }
 }
 
