@@ -168,8 +168,9 @@ def write_outputs(rows, out, cpu, args):
             w.writerow(r)
     with open(out + ".md", "w") as f:
         f.write(f"# Long contexts: passkey over {args.np} ranks\n\n")
-        f.write(f"Machine: {cpu}. Build: {args.build_note}. Command: `{' '.join(sys.argv)}`; "
-                f"{time.strftime('%Y-%m-%d')}.\n\n")
+        f.write(f"This file was last written by `{' '.join(sys.argv)}` on {cpu}, {time.strftime('%Y-%m-%d')}; "
+                f"build: {args.build_note}. Rows kept from earlier runs (--append) keep their own command, commit "
+                f"and machine: the notes below name them.\n\n")
         f.write("| context | format | passkey | 95% interval | prefill s | prefill tok/s | decode tok/s | "
                 "cache/rank | peak RSS/rank | over base / plan | prefill | rope | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
@@ -207,7 +208,8 @@ def write_outputs(rows, out, cpu, args):
         a.set_xlabel("context tokens")
         a.set_title(t)
     ax[0].legend(fontsize=7)
-    fig.suptitle(f"{args.np} ranks, {cpu}", fontsize=8)
+    fig.suptitle(f"{args.np} ranks on 2 cores; rows from several runs and machines (the notes in {os.path.basename(out)}.md)",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=110)
 
@@ -231,13 +233,15 @@ def main():
     ap.add_argument("--build-note", default="Release (-O3 -DNDEBUG), portable x86-64 with run-time AVX2/AVX-512 dispatch (launch/build)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))
     ap.add_argument("--append", action="store_true", help="keep the rows of an existing CSV (other contexts/formats)")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: rewrite the Markdown (notes included) and the PNG from the existing CSV")
     args = ap.parse_args()
     formats = args.formats.split(",")
     contexts = [parse_count(c) for c in args.contexts.split(",")]
-    if any(f.startswith("nuq") for f in formats):
+    if any(f.startswith("nuq") for f in formats) and not args.replot:
         ensure_calib(args)
     rows = []
-    if args.append and os.path.exists(args.out + ".csv"):
+    if (args.append or args.replot) and os.path.exists(args.out + ".csv"):
         with open(args.out + ".csv") as f:
             for r in csv.DictReader(f):
                 r = {k: (v if v != "" else None) for k, v in r.items()}
@@ -252,6 +256,9 @@ def main():
                 r["message"] = r.get("message") or ""
                 rows.append(r)
     cpu = cpu_description()
+    if args.replot:
+        write_outputs(rows, args.out, cpu, args)
+        return
     print(f"{cpu}; {args.np} ranks", file=sys.stderr)
     for ctx in contexts:
         for fmt in formats:
