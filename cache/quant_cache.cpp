@@ -412,8 +412,8 @@ class quant_cache final : public kv_cache {
     a.channels = C_, a.n = n, a.count = j.out_count, a.row_idx = j.out_idx, a.row_val = j.out_val;
     a.off = s.k_out_off + s.nq;
     const int64_t most = n * C_, cap = (int64_t)s.k_out_cap;
-    if (s.nk + s.nk_unread + most > cap) key_entries(s);
-    const bool may_overflow = s.nk + s.nk_unread + most > cap;
+    if (s.nk + s.nk_unread + most > cap) key_entries(s);  // the bound may not fit: make it exact
+    const bool may_overflow = s.nk + s.nk_unread + most > cap;  // with the exact count, when it was read
     a.idx = s.k_out_idx, a.val = s.k_out_val, a.capacity = s.k_out_cap;
     be_.kvq_append_outliers(a);
     if (!may_overflow) {
