@@ -72,6 +72,11 @@ class host_backend final : public backend {
   void kvq_encode(const kvq_encode_job& job) override { k_.kvq_encode(job); }
   void kvq_append_outliers(const kvq_outlier_append& a) override { kvq_append_outliers_host(a); }
   void attention_kvq(const kvq_attn_args& a) override { k_.attention_kvq(a); }
+  void xq_encode(const xq_encode_job& job) override { k_.xq_encode(job); }
+  void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) override {
+    k_.xq_project(x, u, n, d, r, out);
+  }
+  void attention_xq(const xq_attn_args& a) override { k_.attention_xq(a); }
 
  private:
   host_kernels k_;

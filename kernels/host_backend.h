@@ -20,6 +20,9 @@ struct host_kernels {
   void (*merge_partials)(const float*, const float*, int, int64_t, int, float*, float*);
   void (*kvq_encode)(const kvq_encode_job&);
   void (*attention_kvq)(const kvq_attn_args&);
+  void (*xq_encode)(const xq_encode_job&);
+  void (*xq_project)(const float*, const float*, int64_t, int, int, float*);
+  void (*attention_xq)(const xq_attn_args&);
   // Optional (nullptr: one matmul call per weight).
   void (*matmul_n)(const weight_view*, int, const float*, int64_t, float* const*);
 };

@@ -74,6 +74,9 @@ enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
 struct kvq_encode_job;
 struct kvq_outlier_append;
 struct kvq_attn_args;
+// X-cache kernels (encode a latent stream, attention rebuilding K and V): kernels/x_quant.h.
+struct xq_encode_job;
+struct xq_attn_args;
 class softmax_acc;  // kernels/softmax_acc.h
 
 // One attention call: queries against a set of cached tokens, producing a *partial* result
@@ -180,6 +183,13 @@ class backend {
   virtual void kvq_append_outliers(const kvq_outlier_append& a) = 0;
   // Attention partial over one quantized layer: dequantize, RoPE, q·k, softmax, p·v, fused.
   virtual void attention_kvq(const kvq_attn_args& a) = 0;
+  // The X caches (cache/x_cache.cpp): rows of a latent stream encoded (bit-identical codes on
+  // every backend); out = x·u, the latents of n new rows; attention over one layer's streams
+  // (exact deposits into a.acc where the backend has the accumulator, else (o, lse)).
+  virtual void xq_encode(const xq_encode_job& job) = 0;
+  virtual void xq_project(const float* x /*[n, d]*/, const float* u /*[d, r]*/, int64_t n, int d, int r,
+                          float* out /*[n, r]*/) = 0;
+  virtual void attention_xq(const xq_attn_args& a) = 0;
 };
 
 // One allocation in a backend's memory, freed with the object. reserve() grows it (what it held

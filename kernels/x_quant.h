@@ -71,9 +71,25 @@ struct xq_encode_job {
   float eta = 0.0f;
   int64_t n = 0;
   const float* x = nullptr;       // [n, C]
+  const uint16_t* x16 = nullptr;  // [n, C] fp16 rows instead of x (a cache's residual window)
   uint8_t* codes = nullptr;       // [n, C*bits/8] or null
   kvq_affine* params = nullptr;   // per_channel [n/group, C]; per_token [n, ceil(C/group)]
+  // When set: channel 0 of every row is stored here as fp16 and encoded as the constant 0
+  // (XQuant App. B, the outlier channel of the key-side latent kept in fp16).
+  uint16_t* ch0 = nullptr;        // [n]
 };
+
+// Element c of input row t as the encoder sees it (x16 widened, channel 0 zero under ch0), and
+// what it stores for row t under ch0: the same on every backend.
+XCTX_HOST_DEVICE inline float xq_encode_input(const xq_encode_job& j, int64_t t, int c) {
+  if (c == 0 && j.ch0 != nullptr) return 0.0f;
+  const int64_t e = t * j.channels + c;
+  return j.x16 != nullptr ? fp16_to_fp32(j.x16[e]) : j.x[e];
+}
+XCTX_HOST_DEVICE inline uint16_t xq_encode_ch0(const xq_encode_job& j, int64_t t) {
+  const int64_t e = t * j.channels;
+  return j.x16 != nullptr ? j.x16[e] : fp32_to_fp16(j.x[e]);
+}
 
 struct xq_attn_args {
   int64_t n = 0;                 // rows of the streams

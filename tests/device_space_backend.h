@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
+#include "kernels/x_quant.h"
 
 namespace xctx::test {
 
@@ -195,6 +196,52 @@ class device_space_backend final : public backend {
     }
     ++attention_calls;
     with_memory_open([&] { cpu_->attention_kvq(a); });
+  }
+
+  void xq_encode(const xq_encode_job& j) override {
+    const int64_t C = j.channels, n = j.n, rb = (int64_t)kvq_row_bytes(j.channels, j.bits);
+    if (j.x16 != nullptr) check_some(j.x16, n * C * 2, "xq_encode", "x16");
+    else check_some(j.x, n * C * 4, "xq_encode", "x");
+    if (j.codes != nullptr) check_some(j.codes, n * rb, "xq_encode", "codes");
+    const int64_t n_params = j.axis == xq_axis::xq_per_channel ? n / std::max(j.group, 1) * C
+                                                                : n * ((C + j.group - 1) / std::max(j.group, 1));
+    check_some(j.params, n_params * 4, "xq_encode", "params");
+    if (j.ch0 != nullptr) check_some(j.ch0, n * 2, "xq_encode", "ch0");
+    with_memory_open([&] { cpu_->xq_encode(j); });
+  }
+  void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) override {
+    check_some(x, n * d * 4, "xq_project", "x"), check(u, (int64_t)d * r * 4, "xq_project", "u");
+    check_some(out, n * r * 4, "xq_project", "out");
+    with_memory_open([&] { cpu_->xq_project(x, u, n, d, r, out); });
+  }
+  void attention_xq(const xq_attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
+    const int64_t q_rows = a.n_q * a.n_head, kv = (int64_t)a.n_head_kv * a.head_dim;
+    check(a.q, q_rows * a.head_dim * 4, "attention_xq", "q"), check(a.q_pos, a.n_q * 4, "attention_xq", "q_pos");
+    check(a.o, q_rows * a.head_dim * 4, "attention_xq", "o"), check(a.lse, q_rows * 4, "attention_xq", "lse");
+    check_some(a.pos, a.n * 4, "attention_xq", "pos");
+    check_stream(a.zk, a.n, "zk");
+    if (!a.same_stream) check_stream(a.zv, a.n, "zv");
+    if (a.m_k != nullptr) check(a.m_k, (a.zk.channels - 1) * a.ld_mk * 4 + kv * 4, "attention_xq", "m_k");
+    if (a.m_v != nullptr) check(a.m_v, (a.zv.channels - 1) * a.ld_mv * 4 + kv * 4, "attention_xq", "m_v");
+    if (a.b_k != nullptr) check(a.b_k, kv * 4, "attention_xq", "b_k");
+    if (a.b_v != nullptr) check(a.b_v, kv * 4, "attention_xq", "b_v");
+    ++attention_calls;
+    with_memory_open([&] { cpu_->attention_xq(a); });
+  }
+  void check_stream(const xq_stream& s, int64_t n, const char* which) {
+    const int64_t C = s.channels, nq = s.nq;
+    const std::string at = std::string("attention_xq ") + which;
+    if (s.dense != nullptr) {
+      check_some(s.dense, n * C * 4, at.c_str(), "dense");
+      return;
+    }
+    check_some(s.codes, nq * (int64_t)kvq_row_bytes(s.channels, s.bits), at.c_str(), "codes");
+    const int64_t n_params = s.axis == xq_axis::xq_per_channel ? nq / std::max(s.group, 1) * C
+                                                                : nq * ((C + s.group - 1) / std::max(s.group, 1));
+    check_some(s.params, n_params * 4, at.c_str(), "params");
+    check_some(s.tail, (n - nq) * C * 2, at.c_str(), "tail");
+    if (s.ch0 != nullptr) check_some(s.ch0, nq * 2, at.c_str(), "ch0");
   }
 
   // check() for an argument that may be absent when it holds nothing (bytes == 0).

@@ -305,7 +305,9 @@ void xq_encode(const xq_encode_job& j) {
     const int64_t u0 = n_units * p / n_piece, u1 = n_units * (p + 1) / n_piece;
     xq_encode_job sub = j;
     sub.n = (u1 - u0) * unit;
-    sub.x = j.x + u0 * unit * j.channels;
+    sub.x = j.x != nullptr ? j.x + u0 * unit * j.channels : nullptr;
+    sub.x16 = j.x16 != nullptr ? j.x16 + u0 * unit * j.channels : nullptr;
+    sub.ch0 = j.ch0 != nullptr ? j.ch0 + u0 * unit : nullptr;
     sub.codes = j.codes ? j.codes + u0 * unit * rb : nullptr;
     sub.params = j.params + u0 * params_per_unit;
     ref::xq_encode(sub);

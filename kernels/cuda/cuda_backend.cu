@@ -21,6 +21,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"
+#include "kernels/cuda/xq.cuh"
 
 namespace xctx::cuda {
 
@@ -190,6 +191,19 @@ class cuda_backend final : public backend {
     XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
     use_device();
     cuda::attention_kvq(ctx_, a);
+  }
+  void xq_encode(const xq_encode_job& job) override {
+    use_device();
+    cuda::xq_encode(ctx_, job);
+  }
+  void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) override {
+    use_device();
+    cuda::xq_project(ctx_, x, u, n, d, r, out);
+  }
+  void attention_xq(const xq_attn_args& a) override {
+    XCTX_CHECK(a.acc == nullptr, kNoAccumulator);
+    use_device();
+    cuda::attention_xq(ctx_, a);
   }
 
  private:

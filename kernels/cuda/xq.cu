@@ -41,12 +41,12 @@ __global__ void __launch_bounds__(xq_threads) per_token_kernel(const xq_encode_j
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const size_t rb = kvq_row_bytes(C, j.bits);
   for (int64_t t = blockIdx.x; t < j.n; t += gridDim.x) {
-    const float* x = j.x + t * C;
+    if (j.ch0 != nullptr && threadIdx.x == 0) j.ch0[t] = xq_encode_ch0(j, t);
     for (int g = warp; g < n_g; g += kWarps) {
       const int c0 = g * G, c1 = min(C, c0 + G);
       xq_extreme lo{0.0f, -1}, hi{0.0f, -1};
       for (int c = c0 + lane; c < c1; c += 32) {
-        const xq_extreme e{x[c], c};
+        const xq_extreme e{xq_encode_input(j, t, c), c};
         lo = xq_pick_min(lo, e);
         hi = xq_pick_max(hi, e);
       }
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(xq_threads) per_token_kernel(const xq_encode_j
       for (int c0 = (int)threadIdx.x * 8; c0 < C; c0 += xq_threads * 8) {
         uint8_t codes[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(x[c0 + e], s_par[(c0 + e) / G], j.bits);
+        for (int e = 0; e < 8; ++e)
+          codes[e] = kvq_uniform_encode(xq_encode_input(j, t, c0 + e), s_par[(c0 + e) / G], j.bits);
         kvq_pack8(codes, j.bits, j.codes + t * rb + (size_t)(c0 / 8) * j.bits);
       }
     }
@@ -80,11 +81,13 @@ __global__ void __launch_bounds__(xq_threads) per_channel_kernel(const xq_encode
   const int units = min(xq_threads, C - c_base) / 8;  // C and c_base are multiples of 8
   const size_t rb = kvq_row_bytes(C, j.bits);
   for (int64_t g = blockIdx.y; g < j.n / G; g += gridDim.y) {
-    const float* x = j.x + g * G * C;
+    const int64_t t0 = g * G;
+    if (j.ch0 != nullptr && blockIdx.x == 0)
+      for (int t = (int)threadIdx.x; t < G; t += xq_threads) j.ch0[t0 + t] = xq_encode_ch0(j, t0 + t);
     if (c < C) {
-      float lo = x[c], hi = lo;
+      float lo = xq_encode_input(j, t0, c), hi = lo;
       for (int t = 1; t < G; ++t) {
-        const float v = x[(int64_t)t * C + c];
+        const float v = xq_encode_input(j, t0 + t, c);
         lo = v < lo ? v : lo;  // std::min(lo, v)
         hi = hi < v ? v : hi;  // std::max(hi, v)
       }
@@ -99,11 +102,49 @@ __global__ void __launch_bounds__(xq_threads) per_channel_kernel(const xq_encode
         const int u = (int)(it % units), c0 = c_base + 8 * u;
         uint8_t codes[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) codes[e] = kvq_uniform_encode(x[t * C + c0 + e], s_par[8 * u + e], j.bits);
+        for (int e = 0; e < 8; ++e)
+          codes[e] = kvq_uniform_encode(xq_encode_input(j, t0 + t, c0 + e), s_par[8 * u + e], j.bits);
         kvq_pack8(codes, j.bits, j.codes + (g * G + t) * rb + (size_t)(c0 / 8) * j.bits);
       }
     }
     __syncthreads();
+  }
+}
+
+// ---- latents of new rows: out = x·U ----------------------------------------------------------
+
+// Tiles of xq_lat_tile rows x xq_lat_tile latent channels; thread (tx, ty) owns channel tx of rows
+// ty, ty + 8, ... Each output is one FMA chain over d in order, so its bits depend on its own row
+// only (not on how many rows share the call: rank-count invariance), unlike a cuBLAS call whose
+// algorithm may change with n.
+constexpr int xq_lat_tile = 32, xq_lat_ty = 8;
+
+__global__ void __launch_bounds__(xq_lat_tile* xq_lat_ty)
+    xq_latent_kernel(const float* __restrict__ x, const float* __restrict__ u, int64_t n, int d, int r,
+                     float* __restrict__ out) {
+  __shared__ float xs[xq_lat_tile][xq_lat_tile + 1], us[xq_lat_tile][xq_lat_tile + 1];
+  const int tx = (int)threadIdx.x, ty = (int)threadIdx.y;
+  const int64_t t0 = (int64_t)blockIdx.x * xq_lat_tile;
+  const int j = (int)blockIdx.y * xq_lat_tile + tx;
+  float acc[xq_lat_tile / xq_lat_ty] = {};
+  for (int i0 = 0; i0 < d; i0 += xq_lat_tile) {
+    for (int k = ty; k < xq_lat_tile; k += xq_lat_ty) {
+      const int64_t t = t0 + k;
+      xs[k][tx] = (t < n && i0 + tx < d) ? x[t * d + i0 + tx] : 0.0f;
+      us[k][tx] = (i0 + k < d && j < r) ? u[(int64_t)(i0 + k) * r + j] : 0.0f;
+    }
+    __syncthreads();
+    const int m = min(xq_lat_tile, d - i0);  // padding never enters a chain
+#pragma unroll
+    for (int q = 0; q < xq_lat_tile / xq_lat_ty; ++q)
+      for (int i = 0; i < m; ++i) acc[q] = fmaf(xs[ty + q * xq_lat_ty][i], us[i][tx], acc[q]);
+    __syncthreads();
+  }
+  if (j >= r) return;
+#pragma unroll
+  for (int q = 0; q < xq_lat_tile / xq_lat_ty; ++q) {
+    const int64_t t = t0 + ty + q * xq_lat_ty;
+    if (t < n) out[t * r + j] = acc[q];
   }
 }
 
@@ -116,7 +157,8 @@ void check_encode_job(const xq_encode_job& j) {
   XCTX_CHECK(j.eta >= 0.0f && j.eta < 0.5f, "cuda xq_encode: calibration eta must be in [0, 0.5), got ", j.eta);
   XCTX_CHECK(j.axis != xq_axis::xq_per_channel || j.n % j.group == 0, "cuda xq_encode: per-channel rows ", j.n,
              " are not whole groups of ", j.group);
-  XCTX_CHECK(j.n == 0 || (j.x != nullptr && j.params != nullptr), "cuda xq_encode: null x or params");
+  XCTX_CHECK(j.n == 0 || ((j.x != nullptr) != (j.x16 != nullptr) && j.params != nullptr),
+             "cuda xq_encode: exactly one of x / x16, and params, must be given");
 }
 
 // ---- attention -------------------------------------------------------------------------------
@@ -318,6 +360,17 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
     CUDA_CHECK(cudaFuncSetAttribute(xq_project_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)proj_smem));
   const unsigned blocks = (unsigned)std::min<int64_t>(n_row, 32 * (int64_t)ctx.n_sm);
   xq_project_kernel<<<blocks, xq_threads, proj_smem, ctx.stream>>>(a, wv, prm.u_out, n_row);
+  CUDA_CHECK_LAUNCH();
+}
+
+void xq_project(context& ctx, const float* x, const float* u, int64_t n, int d, int r, float* out) {
+  XCTX_CHECK(n >= 0 && d > 0 && r > 0, "cuda xq_project: bad sizes n=", n, " d=", d, " r=", r);
+  if (n == 0) return;
+  const int64_t row_tiles = (n + xq_lat_tile - 1) / xq_lat_tile;
+  XCTX_CHECK(row_tiles <= INT_MAX && (r + xq_lat_tile - 1) / xq_lat_tile <= 65535, "cuda xq_project: ", n,
+             " rows of ", r, " latent channels exceed one launch");
+  const dim3 grid((unsigned)row_tiles, (unsigned)((r + xq_lat_tile - 1) / xq_lat_tile));
+  xq_latent_kernel<<<grid, dim3(xq_lat_tile, xq_lat_ty), 0, ctx.stream>>>(x, u, n, d, r, out);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -41,6 +41,9 @@ struct context;  // kernels.cuh
 // Entry points (xq.cu); every pointer in the job/args is a device pointer.
 void xq_encode(context& ctx, const xq_encode_job& job);
 void attention_xq(context& ctx, const xq_attn_args& a);
+// out = x·u, the latents of n rows (x [n, d], u [d, r] row-major): one FMA chain per output in
+// channel order, so a row's latent does not depend on the rows beside it.
+void xq_project(context& ctx, const float* x, const float* u, int64_t n, int d, int r, float* out);
 
 constexpr int xq_threads = 128;
 constexpr int xq_tile = 32;           // stream rows per attention tile

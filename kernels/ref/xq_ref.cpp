@@ -29,38 +29,42 @@ void xq_encode(const xq_encode_job& j) {
              j.channels);
   XCTX_CHECK(j.group > 0 && j.n >= 0, "xq_encode: group ", j.group, " / rows ", j.n, " invalid");
   XCTX_CHECK(j.eta >= 0.0f && j.eta < 0.5f, "xq_encode: calibration eta must be in [0, 0.5), got ", j.eta);
+  XCTX_CHECK(j.n == 0 || ((j.x != nullptr) != (j.x16 != nullptr) && j.params != nullptr),
+             "xq_encode: exactly one of x / x16, and params, must be given");
   const int C = j.channels, b = j.bits;
   const size_t rb = kvq_row_bytes(C, b);
+  const auto in = [&](int64_t t, int c) { return xq_encode_input(j, t, c); };
+  if (j.ch0 != nullptr)
+    for (int64_t t = 0; t < j.n; ++t) j.ch0[t] = xq_encode_ch0(j, t);
   std::vector<uint8_t> codes((size_t)C);
   if (j.axis == xq_axis::xq_per_channel) {
     XCTX_CHECK(j.n % j.group == 0, "xq_encode: per-channel rows ", j.n, " are not whole groups of ", j.group);
     std::vector<uint8_t> all((size_t)j.group * C);  // [group, C]
     for (int64_t g = 0; g < j.n / j.group; ++g) {
-      const float* x = j.x + g * j.group * C;
+      const int64_t t0 = g * j.group;
       for (int c = 0; c < C; ++c) {
-        float lo = x[c], hi = x[c];
-        for (int t = 1; t < j.group; ++t) lo = std::min(lo, x[(size_t)t * C + c]), hi = std::max(hi, x[(size_t)t * C + c]);
+        float lo = in(t0, c), hi = lo;
+        for (int t = 1; t < j.group; ++t) lo = std::min(lo, in(t0 + t, c)), hi = std::max(hi, in(t0 + t, c));
         const kvq_affine p = kvq_uniform_params(lo, hi, b);
         j.params[g * C + c] = xq_calibrate(p, b, j.eta);
-        for (int t = 0; t < j.group; ++t) all[(size_t)t * C + c] = kvq_uniform_encode(x[(size_t)t * C + c], p, b);
+        for (int t = 0; t < j.group; ++t) all[(size_t)t * C + c] = kvq_uniform_encode(in(t0 + t, c), p, b);
       }
       if (j.codes == nullptr) continue;
       for (int t = 0; t < j.group; ++t)
         for (int c = 0; c < C; c += 8)
-          kvq_pack8(all.data() + (size_t)t * C + c, b, j.codes + (size_t)(g * j.group + t) * rb + (size_t)c / 8 * b);
+          kvq_pack8(all.data() + (size_t)t * C + c, b, j.codes + (size_t)(t0 + t) * rb + (size_t)c / 8 * b);
     }
     return;
   }
   const int n_g = (C + j.group - 1) / j.group;
   for (int64_t t = 0; t < j.n; ++t) {
-    const float* x = j.x + t * C;
     for (int g = 0; g < n_g; ++g) {
       const int c0 = g * j.group, c1 = std::min(C, c0 + j.group);
-      float lo = x[c0], hi = x[c0];
-      for (int c = c0 + 1; c < c1; ++c) lo = std::min(lo, x[c]), hi = std::max(hi, x[c]);
+      float lo = in(t, c0), hi = lo;
+      for (int c = c0 + 1; c < c1; ++c) lo = std::min(lo, in(t, c)), hi = std::max(hi, in(t, c));
       const kvq_affine p = kvq_uniform_params(lo, hi, b);
       j.params[t * n_g + g] = xq_calibrate(p, b, j.eta);
-      for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(x[c], p, b);
+      for (int c = c0; c < c1; ++c) codes[c] = kvq_uniform_encode(in(t, c), p, b);
     }
     if (j.codes != nullptr)
       kvq_pack_row(codes.data(), C, b, j.codes + t * rb);

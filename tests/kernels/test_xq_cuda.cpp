@@ -29,6 +29,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -539,6 +540,8 @@ struct encode_case {
   int64_t n;
   float eta;
   bool codes;
+  bool x16 = false;  // rows given as fp16 (a cache's residual window)
+  bool ch0 = false;  // channel 0 kept fp16 and encoded as 0
 };
 void PrintTo(const encode_case& c, std::ostream* os) { *os << c.name; }
 
@@ -553,6 +556,10 @@ std::vector<encode_case> encode_cases() {
   }
   v.push_back({"token_params_only", xq_axis::xq_per_token, 2, 96, 32, 30, 0.1f, false});
   v.push_back({"channel_params_only", xq_axis::xq_per_channel, 1, 64, 32, 64, 0.1f, false});
+  v.push_back({"channel_x16_ch0_b2", xq_axis::xq_per_channel, 2, 192, 128, 256, 0.0f, true, true, true});
+  v.push_back({"channel_x16_b3", xq_axis::xq_per_channel, 3, 136, 24, 48, 0.1f, true, true, false});
+  v.push_back({"token_x16_b4", xq_axis::xq_per_token, 4, 576, 128, 33, 0.0f, true, true, false});
+  v.push_back({"token_ch0_b2", xq_axis::xq_per_token, 2, 96, 32, 20, 0.0f, true, false, true});
   return v;
 }
 
@@ -574,21 +581,33 @@ TEST_P(XqCudaDeviceEncode, bytes_equal_ref) {
   const size_t n_codes = (size_t)p.n * kvq_row_bytes(C, p.bits);
   const size_t n_par = p.axis == xq_axis::xq_per_channel ? (size_t)(p.n / p.group) * C
                                                          : (size_t)p.n * ((C + p.group - 1) / p.group);
+  std::vector<uint16_t> x16(x.size());
+  for (size_t e = 0; e < x.size(); ++e) x16[e] = fp32_to_fp16(x[e]);
   std::vector<uint8_t> codes_ref(n_codes, 0xAB);
   std::vector<kvq_affine> par_ref(n_par);
+  std::vector<uint16_t> ch0_ref(p.ch0 ? (size_t)p.n : 0);
   xq_encode_job j;
-  j.axis = p.axis, j.bits = p.bits, j.channels = C, j.group = p.group, j.eta = p.eta, j.n = p.n, j.x = x.data();
+  j.axis = p.axis, j.bits = p.bits, j.channels = C, j.group = p.group, j.eta = p.eta, j.n = p.n;
+  if (p.x16) j.x16 = x16.data();
+  else j.x = x.data();
   j.codes = p.codes ? codes_ref.data() : nullptr, j.params = par_ref.data();
+  j.ch0 = p.ch0 ? ch0_ref.data() : nullptr;
   ref::xq_encode(j);
 
   device_ctx D;
   std::vector<uint8_t> codes_init(n_codes, 0xAB);
   uint8_t* d_codes = D.up(codes_init);
   kvq_affine* d_par = D.up(std::vector<kvq_affine>(n_par));
-  j.x = D.up(x), j.codes = p.codes ? d_codes : nullptr, j.params = d_par;
+  uint16_t* d_ch0 = p.ch0 ? D.up(std::vector<uint16_t>((size_t)p.n)) : nullptr;
+  if (p.x16) j.x16 = D.up(x16);
+  else j.x = D.up(x);
+  j.codes = p.codes ? d_codes : nullptr, j.params = d_par, j.ch0 = d_ch0;
   xq_encode(D.c, j);
   const std::vector<uint8_t> codes = D.down(d_codes, n_codes);
   const std::vector<kvq_affine> par = D.down(d_par, n_par);
+  if (p.ch0) {
+    EXPECT_EQ(D.down(d_ch0, (size_t)p.n), ch0_ref);
+  }
   for (size_t i = 0; i < n_par; ++i)
     ASSERT_TRUE(par[i].scale == par_ref[i].scale && par[i].zero == par_ref[i].zero) << "param " << i;
   for (size_t i = 0; i < n_codes; ++i) ASSERT_EQ(codes[i], codes_ref[i]) << "byte " << i;
@@ -596,6 +615,32 @@ TEST_P(XqCudaDeviceEncode, bytes_equal_ref) {
 
 INSTANTIATE_TEST_SUITE_P(cases, XqCudaDeviceEncode, ::testing::ValuesIn(encode_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// The latents of new rows against the double-sum reference: each device output is one f32 FMA
+// chain over d terms, so |err| <= (d + 1) eps Σ_i |x_i u_ij| (d roundings of partial sums bounded
+// by that sum, plus the reference's final rounding). Row counts and ranks off the 32-wide tiles.
+TEST(XqCudaDeviceProject, matches_ref_xq_project) {
+  XCTX_REQUIRE_CUDA();
+  for (const auto& [n, d, r] : {std::tuple<int64_t, int, int>{1, 576, 192}, {77, 96, 40}, {300, 64, 33}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " d " << d << " r " << r);
+    std::mt19937 rng(77 + (uint32_t)n);
+    std::normal_distribution<float> nd;
+    std::vector<float> x((size_t)n * d), u((size_t)d * r), out_ref((size_t)n * r);
+    for (float& v : x) v = nd(rng);
+    for (float& v : u) v = nd(rng) / 8.0f;
+    ref::xq_project(x.data(), u.data(), n, d, r, out_ref.data());
+    device_ctx D;
+    float* d_out = D.up(std::vector<float>((size_t)n * r, -1.0f));
+    xq_project(D.c, D.up(x), D.up(u), n, d, r, d_out);
+    const std::vector<float> out = D.down(d_out, (size_t)n * r);
+    for (int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < r; ++j) {
+        double sa = 0;
+        for (int i = 0; i < d; ++i) sa += std::fabs((double)x[t * d + i] * u[(size_t)i * r + j]);
+        ASSERT_NEAR(out[t * r + j], out_ref[t * r + j], (d + 1) * kEps * sa) << "row " << t << " col " << j;
+      }
+  }
+}
 
 class XqCudaDeviceAttention : public ::testing::TestWithParam<xq_case> {};
 
