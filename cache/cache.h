@@ -95,8 +95,8 @@ class kv_cache {
   virtual size_t bytes_used() const = 0;  // for the tokens held now
 };
 
-// Throws, naming the format and backend, for a format that does not run on `be` (formats other
-// than fp16/fp32 need the exact accumulator so far: they run on the cpu and ref backends).
+// Throws, naming the format and backend, for a format that does not run on `be` (xquant-cl*
+// needs the exact accumulator and host memory so far: it runs on the cpu and ref backends).
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
 // Whether make_cache(spec, ., be) accepts the format; the reason when it does not.
 bool cache_runs_on(cache_format f, const backend& be, std::string* why = nullptr);

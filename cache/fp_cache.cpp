@@ -196,13 +196,13 @@ class fp_cache final : public kv_cache {
 bool cache_runs_on(cache_format f, const backend& be, std::string* why) {
   const cache_format_traits t = format_traits(f);
   if (be.exact_accumulator() || t.family == cache_family::family_fp) return true;
-  // kivi and nuq (with or without outliers) have (o, lse) attention and keep every array in the
-  // backend's memory; the X formats do not yet.
-  if (t.family == cache_family::family_kivi || t.family == cache_family::family_nuq) return true;
+  // kivi, nuq (with or without outliers), xquant and clkv have (o, lse) attention and keep every
+  // array in the backend's memory; xquant-cl does not yet.
+  if (t.family != cache_family::family_xquant_cl) return true;
   if (why != nullptr)
     *why = std::string("cache format ") + t.name + " does not run on the " + be.name() +
-           " backend yet: fp16, fp32, kivi2-4 and nuq2-4 (with or without 1% outliers) do; the X formats (xquant*, "
-           "xquant-cl*, clkv) run on --backend cpu";
+           " backend yet: fp16, fp32, kivi2-4, nuq2-4 (with or without 1% outliers), xquant2-4 and clkv do; "
+           "xquant-cl* runs on --backend cpu";
   return false;
 }
 

@@ -8,14 +8,22 @@
 // (XQuant §4: group size 128); clkv uses KIVI's group size 32 inside a 128-token window (ACL §4.1).
 // clkv layers flagged shared store no codes: their rows decode layer l-1's codes with their own
 // (calibrated) scale and zero (ACL Algorithm 1, gamma_0 = 1).
-// Attention rebuilds K (and absorbs V) in the fused kernels of kernels/x_quant.h; the kernels are
-// called directly (cpu::, or ref:: on the ref backend) rather than through backend virtuals.
-// (clkv's streams are K and V in KIVI's layout: its decode step on the CPU runs the quantized-KV
-// fused kernel, kernels/cpu/xq.cpp attend_decode_as_kvq.)
+// Attention rebuilds K (and absorbs V) in the fused kernels of kernels/x_quant.h, reached through
+// the backend (backend::xq_encode / xq_project / attention_xq). Every array lives in the backend's
+// memory (the device's on cuda), as the quantized caches' do: the residual window is filled by
+// convert_rows, a full window encoded from its fp16 rows by the backend, the factors uploaded once
+// per layer; the host keeps only counts and positions. (clkv's streams are K and V in KIVI's
+// layout: its decode step on the CPU runs the quantized-KV fused kernel, kernels/cpu/xq.cpp
+// attend_decode_as_kvq.)
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "cache/x_cache.h"
@@ -30,6 +38,7 @@ namespace {
 
 size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
 
+// One stream of a layer; the arrays are carved from the layer's arena (backend memory).
 struct stream_store {
   int C = 0, bits = 0, group = 0;
   xq_axis axis = xq_axis::xq_per_token;
@@ -38,28 +47,88 @@ struct stream_store {
   bool ch0 = false;                 // first channel kept fp16
   size_t rb = 0;                    // code bytes per row
   int64_t params_per_window = 0;    // kvq_affine entries per encoded window
-  std::vector<uint8_t> codes;       // [capacity, rb] (empty when shared)
-  std::vector<kvq_affine> params;   // [capacity / window * params_per_window]
-  std::vector<uint16_t> tail;       // [window, C] fp16
-  std::vector<uint16_t> ch0_vals;   // [capacity] fp16
+  uint8_t* codes = nullptr;         // [capacity, rb] (null when shared)
+  kvq_affine* params = nullptr;     // [capacity / window * params_per_window]
+  uint16_t* tail = nullptr;         // [window, C] fp16
+  uint16_t* ch0_vals = nullptr;     // [capacity] fp16 (null unless ch0)
+};
+
+// The rebuild factors of one layer where the backend reads them.
+struct layer_factors {
+  const float *u_k = nullptr, *u_v = nullptr;  // [d, r] (latent mode)
+  const float *m_k = nullptr, *m_v = nullptr;  // [C, kv]
+  const float *b_k = nullptr, *b_v = nullptr;  // [kv] or null
+};
+
+// Every layer's factors in a backend's memory: the host arrays themselves on host-memory
+// backends; on the others one upload, shared by all the caches made on that backend from the
+// same factors (a rank's own cache and its star anchor / block caches), freed with the last.
+// They are model data, like the weights: not in a cache's bytes_allocated.
+class factors_on_backend {
+ public:
+  factors_on_backend(backend& be, const x_factors& f) : copy_(be) {
+    size_t total = 0;
+    for (const x_layer_factors& F : f.layers)
+      for (const std::vector<float>* v : arrays(F)) total += v->size();
+    float* dev = be.host_memory() ? nullptr : copy_.reserve_as<float>((int64_t)std::max<size_t>(total, 1));
+    size_t at = 0;
+    layers_.resize(f.layers.size());
+    for (size_t l = 0; l < f.layers.size(); ++l) {
+      const auto src = arrays(f.layers[l]);
+      layer_factors& L = layers_[l];
+      const float** dst[6] = {&L.u_k, &L.u_v, &L.m_k, &L.m_v, &L.b_k, &L.b_v};
+      for (int i = 0; i < 6; ++i) {
+        if (src[i]->empty()) continue;
+        if (dev == nullptr) {
+          *dst[i] = src[i]->data();
+          continue;
+        }
+        *dst[i] = dev + at;
+        be.upload(dev + at, src[i]->data(), src[i]->size() * sizeof(float));
+        at += src[i]->size();
+      }
+    }
+  }
+  const layer_factors& layer(int l) const { return layers_.at(l); }
+  size_t backend_bytes() const { return copy_.bytes(); }
+
+  // The instance for (be, f), made on first use; the caller keeps it alive.
+  static std::shared_ptr<const factors_on_backend> get(backend& be, const x_factors& f) {
+    static std::mutex mu;
+    static std::map<std::pair<const backend*, const x_factors*>, std::weak_ptr<const factors_on_backend>> live;
+    std::lock_guard<std::mutex> lock(mu);
+    std::weak_ptr<const factors_on_backend>& slot = live[{&be, &f}];
+    std::shared_ptr<const factors_on_backend> p = slot.lock();
+    if (p == nullptr) slot = p = std::make_shared<const factors_on_backend>(be, f);
+    for (auto it = live.begin(); it != live.end();) it = it->second.expired() ? live.erase(it) : std::next(it);
+    return p;
+  }
+
+ private:
+  static std::array<const std::vector<float>*, 6> arrays(const x_layer_factors& F) {
+    return {&F.u_k, &F.u_v, &F.m_k, &F.m_v, &F.b_k, &F.b_v};
+  }
+  backend_buffer copy_;
+  std::vector<layer_factors> layers_;
 };
 
 struct layer_store {
+  explicit layer_store(backend& be) : arena(be) {}
   int64_t n = 0, nq = 0, n_tail = 0;
   int n_streams = 2;
   stream_store s[2];
+  backend_buffer arena;  // every stream array
 };
 
 class x_window_cache final : public kv_cache {
  public:
   x_window_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
-      : spec_(spec), geo_(g), traits_(format_traits(spec.format)), use_ref_(be.name() == "ref"), pos_(be, g.capacity) {
+      : spec_(spec), geo_(g), be_(be), traits_(format_traits(spec.format)), pos_(be, g.capacity), proj_{backend_buffer(be), backend_buffer(be)},
+        block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);
     XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
-    XCTX_CHECK(be.name() == "ref" || be.name() == "cpu", "cache ", traits_.name,
-               " runs on the host backends (ref, cpu), not on ", be.name());
     kv_ = g.n_head_kv * g.head_dim;
     xquant_ = traits_.family == cache_family::family_xquant;
     W_ = spec.options.group_size;
@@ -77,9 +146,9 @@ class x_window_cache final : public kv_cache {
     }
     const int C = xquant_ ? xquant_rank(g) : kv_;
     XCTX_CHECK(C % 8 == 0 && C <= 65536, "cache ", traits_.name, ": ", C, " channels per row must be a multiple of 8");
-    layers_.resize(g.n_layer);
+    layers_.reserve(g.n_layer);
     for (int l = 0; l < g.n_layer; ++l) {
-      layer_store& L = layers_[l];
+      layer_store& L = layers_.emplace_back(be);
       L.n_streams = (xquant_ && !latent_) ? 1 : 2;
       for (int k = 0; k < L.n_streams; ++k) {
         stream_store& s = L.s[k];
@@ -102,24 +171,20 @@ class x_window_cache final : public kv_cache {
         s.rb = kvq_row_bytes(C, s.bits);
         s.params_per_window = s.axis == xq_axis::xq_per_channel ? (int64_t)(W_ / s.group) * C
                                                                  : (int64_t)W_ * ((C + s.group - 1) / s.group);
-        if (!s.shared) s.codes.resize((size_t)g.capacity * s.rb);
-        s.params.resize((size_t)(g.capacity / W_) * s.params_per_window);
-        s.tail.resize((size_t)W_ * C);
-        if (s.ch0) s.ch0_vals.resize(g.capacity);
       }
+      carve(L, static_cast<uint8_t*>(L.arena.reserve(carve(L, nullptr))));
     }
+    if (xquant_) factors_on_be_ = factors_on_backend::get(be, *factors_);
   }
 
   cache_format format() const override { return spec_.format; }
   const cache_geometry& geometry() const override { return geo_; }
   int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
 
+  // The layers' arenas and the slot positions (the factors are model data, shared).
   size_t bytes_allocated() const override {
     size_t b = pos_.bytes();
-    for (const layer_store& L : layers_)
-      for (int k = 0; k < L.n_streams; ++k)
-        b += L.s[k].codes.capacity() + L.s[k].params.capacity() * sizeof(kvq_affine) + L.s[k].tail.capacity() * 2 +
-             L.s[k].ch0_vals.capacity() * 2;
+    for (const layer_store& L : layers_) b += L.arena.bytes();
     return b;
   }
 
@@ -160,11 +225,12 @@ class x_window_cache final : public kv_cache {
     const float* rows[2] = {in.k, in.v};
     if (xquant_) {
       if (latent_) {  // the latents X·U_k and X·U_v of the new rows
-        const x_layer_factors& F = factors_->layers[layer];
-        proj_[0].resize((size_t)in.n * L.s[0].C), proj_[1].resize((size_t)in.n * L.s[1].C);
-        project(in.x, F.u_k.data(), in.n, proj_[0].data(), L.s[0].C);
-        project(in.x, F.u_v.data(), in.n, proj_[1].data(), L.s[1].C);
-        rows[0] = proj_[0].data(), rows[1] = proj_[1].data();
+        for (int k = 0; k < 2; ++k) {
+          float* out = proj_[k].reserve_as<float>(in.n * L.s[k].C);
+          const layer_factors& F = factors_on_be_->layer(layer);
+          be_.xq_project(in.x, k == 0 ? F.u_k : F.u_v, in.n, geo_.n_embd, L.s[k].C, out);
+          rows[k] = out;
+        }
       } else {
         rows[0] = in.x;
       }
@@ -174,9 +240,7 @@ class x_window_cache final : public kv_cache {
       const int64_t take = std::min<int64_t>(in.n - i, W_ - L.n_tail);
       for (int k = 0; k < L.n_streams; ++k) {
         stream_store& s = L.s[k];
-        const float* src = rows[k] + i * s.C;
-        uint16_t* dst = s.tail.data() + L.n_tail * s.C;
-        for (int64_t e = 0; e < take * s.C; ++e) dst[e] = fp32_to_fp16(src[e]);
+        be_.convert_rows(s.tail + L.n_tail * s.C, kv_dtype::kv_f16, rows[k] + i * s.C, take * s.C);
       }
       L.n_tail += take, L.n += take, i += take;
       if (L.n_tail == W_) encode_window(layer);
@@ -185,7 +249,18 @@ class x_window_cache final : public kv_cache {
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
     const layer_store& L = layers_.at(layer);
-    run(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.host(), q, q_pos, n_q, path, out);
+    xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.host(), q, q_pos,
+                                    n_q, path);
+    a.acc = &out;
+    be_.attention_xq(a);
+  }
+  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
+                      float* lse) override {
+    const layer_store& L = layers_.at(layer);
+    xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.on_backend(), q,
+                                    pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_xq(a);
   }
 
   // Block: int64 {n, nq, n_tail} | pos | per stream: codes (the shared partner's for clkv),
@@ -201,17 +276,19 @@ class x_window_cache final : public kv_cache {
     const int64_t hdr[3] = {L.n, L.nq, L.n_tail};
     std::memcpy(out, hdr, sizeof hdr);
     size_t at = sizeof hdr;
-    const auto put = [&](const void* p, size_t bytes) {
-      if (bytes) std::memcpy(out + at, p, bytes);
+    // Positions are the host's; the streams are downloaded (a plain copy on host-memory backends).
+    const auto put = [&](const void* p, size_t bytes, bool on_host) {
+      if (bytes && on_host) std::memcpy(out + at, p, bytes);
+      else if (bytes) be_.download(out + at, p, bytes);
       at += pad8(bytes);
     };
-    put(pos_.host(), L.n * 4);
+    put(pos_.host(), L.n * 4, true);
     for (int k = 0; k < L.n_streams; ++k) {
       const stream_store& s = L.s[k];
-      put(codes_of(layer, k), L.nq * s.rb);
-      put(s.params.data(), (L.nq / W_) * s.params_per_window * sizeof(kvq_affine));
-      put(s.tail.data(), L.n_tail * s.C * 2);
-      if (s.ch0) put(s.ch0_vals.data(), L.nq * 2);
+      put(codes_of(layer, k), L.nq * s.rb, false);
+      put(s.params, (L.nq / W_) * s.params_per_window * sizeof(kvq_affine), false);
+      put(s.tail, L.n_tail * s.C * 2, false);
+      if (s.ch0) put(s.ch0_vals, L.nq * 2, false);
     }
     XCTX_ASSERT(at == exported_bytes(layer));
   }
@@ -219,7 +296,24 @@ class x_window_cache final : public kv_cache {
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
     const parsed_block p = parse_block(layer, block, bytes);
-    run(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q, q_pos, n_q, path, out);
+    xq_attn_args a = attention_args(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q, q_pos, n_q, path);
+    a.acc = &out;
+    be_.attention_xq(a);
+  }
+  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
+    parsed_block p = parse_block(layer, block, bytes);  // checked where the host reads it
+    if (!be_.host_memory()) {
+      if (block_on_backend == nullptr) {  // one upload of the whole block: every array keeps its offset
+        block_on_backend = block_.reserve(bytes);
+        be_.upload(const_cast<void*>(block_on_backend), block, bytes);
+      }
+      rebase(p, block, block_on_backend);
+    }
+    xq_attn_args a = attention_args(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q,
+                                    pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_xq(a);
   }
 
   void restore_layer(int layer, const void* block, size_t bytes) override {
@@ -233,17 +327,17 @@ class x_window_cache final : public kv_cache {
       stream_store& s = L.s[k];
       const size_t code_bytes = (size_t)p.nq * s.rb;
       if (s.shared) {  // the layer below holds these codes: the snapshot must carry the same
-        XCTX_CHECK(layers_[layer - 1].nq == p.nq &&
-                       (code_bytes == 0 || std::memcmp(codes_of(layer, k), p.v[k].codes, code_bytes) == 0),
+        XCTX_CHECK(layers_[layer - 1].nq == p.nq && (code_bytes == 0 || same_bytes(codes_of(layer, k), p.v[k].codes,
+                                                                                   code_bytes)),
                    "cache snapshot: layer ", layer, " shares layer ", layer - 1,
                    "'s codes, but its snapshot carries others (restore the layers in order)");
       } else if (code_bytes > 0) {
-        std::memcpy(s.codes.data(), p.v[k].codes, code_bytes);
+        be_.upload(s.codes, p.v[k].codes, code_bytes);
       }
       const size_t n_params = (size_t)(p.nq / W_) * s.params_per_window;
-      if (n_params > 0) std::memcpy(s.params.data(), p.v[k].params, n_params * sizeof(kvq_affine));
-      if (p.n_tail > 0) std::memcpy(s.tail.data(), p.v[k].tail, (size_t)p.n_tail * s.C * 2);
-      if (s.ch0 && p.nq > 0) std::memcpy(s.ch0_vals.data(), p.v[k].ch0, (size_t)p.nq * 2);
+      if (n_params > 0) be_.upload(s.params, p.v[k].params, n_params * sizeof(kvq_affine));
+      if (p.n_tail > 0) be_.upload(s.tail, p.v[k].tail, (size_t)p.n_tail * s.C * 2);
+      if (s.ch0 && p.nq > 0) be_.upload(s.ch0_vals, p.v[k].ch0, (size_t)p.nq * 2);
     }
     pos_.restore(layer, p.pos, p.n);
     L.n = p.n, L.nq = p.nq, L.n_tail = p.n_tail;
@@ -256,9 +350,9 @@ class x_window_cache final : public kv_cache {
     xq_stream v = base_view(s);
     v.nq = L.nq;
     v.codes = codes_of(layer, k);
-    v.params = s.params.data();
-    v.tail = s.tail.data();
-    if (s.ch0) v.ch0 = s.ch0_vals.data();
+    v.params = s.params;
+    v.tail = s.tail;
+    if (s.ch0) v.ch0 = s.ch0_vals;
     return v;
   }
   int n_streams(int layer) const { return layers_.at(layer).n_streams; }
@@ -271,7 +365,33 @@ class x_window_cache final : public kv_cache {
   }
 
   const uint8_t* codes_of(int layer, int k) const {
-    return layers_[layer].s[k].shared ? layers_[layer - 1].s[k].codes.data() : layers_[layer].s[k].codes.data();
+    return layers_[layer].s[k].shared ? layers_[layer - 1].s[k].codes : layers_[layer].s[k].codes;
+  }
+
+  // Lays out a layer's stream arrays from `base` (null: only measures); returns the bytes.
+  size_t carve(layer_store& L, uint8_t* base) const {
+    size_t at = 0;
+    const auto take = [&](auto*& ptr, size_t bytes) {
+      ptr = base != nullptr ? reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(base + at) : nullptr;
+      at += (bytes + 63) / 64 * 64;  // every array on its own cache line
+    };
+    const size_t cap = (size_t)geo_.capacity;
+    for (int k = 0; k < L.n_streams; ++k) {
+      stream_store& s = L.s[k];
+      if (!s.shared) take(s.codes, cap * s.rb);
+      take(s.params, cap / W_ * s.params_per_window * sizeof(kvq_affine));
+      take(s.tail, (size_t)W_ * s.C * 2);
+      if (s.ch0) take(s.ch0_vals, cap * 2);
+    }
+    return at;
+  }
+
+  // Whether n bytes at p (backend memory) equal the host bytes at h.
+  bool same_bytes(const void* p, const void* h, size_t n) const {
+    if (be_.host_memory()) return std::memcmp(p, h, n) == 0;
+    std::vector<uint8_t> copy(n);
+    be_.download(copy.data(), p, n);
+    return std::memcmp(copy.data(), h, n) == 0;
   }
 
   // A ring block or snapshot as stream views, every count checked (it comes from another rank
@@ -329,74 +449,65 @@ class x_window_cache final : public kv_cache {
     return b;
   }
 
-  void project(const float* x, const float* u, int64_t n, float* out, int r) const {
-    if (use_ref_)
-      ref::xq_project(x, u, n, geo_.n_embd, r, out);
-    else
-      cpu::xq_project(x, u, n, geo_.n_embd, r, out);
+  // Moves a parsed block's pointers from the host block to its copy in the backend's memory.
+  static void rebase(parsed_block& p, const void* host, const void* dev) {
+    const auto move = [&](auto*& ptr) {
+      if (ptr == nullptr) return;
+      const auto off = reinterpret_cast<const uint8_t*>(ptr) - static_cast<const uint8_t*>(host);
+      ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(static_cast<const uint8_t*>(dev) + off);
+    };
+    move(p.pos);
+    for (xq_stream& v : p.v) move(v.codes), move(v.params), move(v.tail), move(v.ch0);
   }
 
+  // A full residual window encoded from its fp16 rows (what attention read while they were
+  // residual); under ch0 the encoder also keeps channel 0 of each row in fp16 (XQuant App. B).
   void encode_window(int layer) {
     layer_store& L = layers_[layer];
     for (int k = 0; k < L.n_streams; ++k) {
       stream_store& s = L.s[k];
-      scratch_.resize((size_t)W_ * s.C);
-      for (size_t e = 0; e < scratch_.size(); ++e) scratch_[e] = fp16_to_fp32(s.tail[e]);
-      if (s.ch0) {  // App. B: the outlier channel stays fp16; its code slot encodes a constant 0
-        for (int t = 0; t < W_; ++t) {
-          s.ch0_vals[L.nq + t] = s.tail[(size_t)t * s.C];
-          scratch_[(size_t)t * s.C] = 0.0f;
-        }
-      }
       xq_encode_job j;
       j.axis = s.axis, j.bits = s.bits, j.channels = s.C, j.group = s.group, j.eta = s.eta, j.n = W_;
-      j.x = scratch_.data();
-      j.codes = s.shared ? nullptr : s.codes.data() + (size_t)L.nq * s.rb;
-      j.params = s.params.data() + (size_t)(L.nq / W_) * s.params_per_window;
-      if (use_ref_)
-        ref::xq_encode(j);
-      else
-        cpu::xq_encode(j);
+      j.x16 = s.tail;
+      j.codes = s.shared ? nullptr : s.codes + (size_t)L.nq * s.rb;
+      j.params = s.params + (size_t)(L.nq / W_) * s.params_per_window;
+      if (s.ch0) j.ch0 = s.ch0_vals + L.nq;
+      be_.xq_encode(j);
     }
     L.nq += W_;
     L.n_tail = 0;
   }
 
-  void run(int layer, const xq_stream& zk, const xq_stream& zv, int64_t n, const int32_t* pos, const float* q,
-           const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
+  xq_attn_args attention_args(int layer, const xq_stream& zk, const xq_stream& zv, int64_t n, const int32_t* pos,
+                              const float* q, const int32_t* q_pos, int64_t n_q, attend_path path) const {
     xq_attn_args a;
     a.n = n, a.pos = pos, a.zk = zk, a.zv = zv;
     a.same_stream = layers_[layer].n_streams == 1;
     if (xquant_) {
-      const x_layer_factors& F = factors_->layers[layer];
-      a.m_k = F.m_k.data(), a.ld_mk = kv_, a.m_v = F.m_v.data(), a.ld_mv = kv_;
-      a.b_k = F.b_k.empty() ? nullptr : F.b_k.data();
-      a.b_v = F.b_v.empty() ? nullptr : F.b_v.data();
+      const layer_factors& F = factors_on_be_->layer(layer);
+      a.m_k = F.m_k, a.ld_mk = kv_, a.m_v = F.m_v, a.ld_mv = kv_;
+      a.b_k = F.b_k, a.b_v = F.b_v;
     }
     a.q = q, a.q_pos = q_pos, a.n_q = n_q;
     a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
     a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
     a.rope = geo_.rope;
-    a.acc = &out;
     a.absorb_v = path == attend_path::attend_decode;
-    if (use_ref_)
-      ref::attention_xq(a);
-    else
-      cpu::attention_xq(a);
+    return a;
   }
-
 
   cache_spec spec_;
   cache_geometry geo_;
+  backend& be_;
   cache_format_traits traits_;
-  bool use_ref_ = false;
   bool xquant_ = false, latent_ = false;
   int kv_ = 0, W_ = 0;
   std::shared_ptr<const x_factors> factors_;
-  slot_position_store pos_;  // [capacity], shared by the layers (host backends only)
+  std::shared_ptr<const factors_on_backend> factors_on_be_;  // xquant
+  slot_position_store pos_;  // [capacity], shared by the layers
   std::vector<layer_store> layers_;
-  std::vector<float> proj_[2];  // [n, r] latents of the rows being appended
-  std::vector<float> scratch_;  // [window, C] a window widened for encoding
+  backend_buffer proj_[2];   // [n, r] latents of the rows being appended
+  backend_buffer block_;     // a ring block uploaded by attend_exported_partial
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "cache/quant_test_util.h"
 #include "common/error.h"
+#include "cache/device_partials.h"
 #include "device_space_backend.h"
 #include "test_util.h"
 
@@ -64,47 +65,13 @@ struct twin_caches {
       EXPECT_EQ(at, n);
     }
   }
-  std::vector<uint8_t> block(const kv_cache& c, int layer) const {
-    std::vector<uint8_t> b(c.exported_bytes(layer));
-    c.export_layer(layer, b.data());
-    return b;
-  }
+  std::vector<uint8_t> block(const kv_cache& c, int layer) const { return test::exported_block(c, layer); }
 };
 
-// (o, lse) of n_q queries (positions q_pos) over layer l: on the CPU backend from host arrays,
-// on the device through uploads (attend_partial, or attend_exported_partial over `block`).
-struct partial {
-  std::vector<float> o, lse;
-};
-partial host_partial(kv_cache& c, int l, const std::vector<float>& q, const std::vector<int32_t>& q_pos,
-                     attend_path path) {
-  const cache_geometry& g = c.geometry();
-  partial p{std::vector<float>(q.size()), std::vector<float>(q_pos.size() * g.n_head)};
-  c.attend_partial(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), path, p.o.data(), p.lse.data());
-  return p;
-}
-partial device_partial(test::device_space_backend& dev, kv_cache& c, int l, const std::vector<float>& q,
-                       const std::vector<int32_t>& q_pos, attend_path path, const std::vector<uint8_t>* block = nullptr) {
-  const cache_geometry& g = c.geometry();
-  const int64_t n_q = (int64_t)q_pos.size(), rows = n_q * g.n_head;
-  backend_buffer dq(dev), dout(dev), dlse(dev);
-  dev.upload(dq.reserve(q.size() * 4), q.data(), q.size() * 4);
-  float* o = dout.reserve_as<float>(rows * g.head_dim);
-  float* lse = dlse.reserve_as<float>(rows);
-  if (block == nullptr)
-    c.attend_partial(l, dq.as<float>(), q_pos.data(), n_q, path, o, lse);
-  else
-    c.attend_exported_partial(l, block->data(), block->size(), dq.as<float>(), q_pos.data(), n_q, path, o, lse, nullptr);
-  partial p{std::vector<float>(q.size()), std::vector<float>(rows)};
-  dev.download(p.o.data(), o, p.o.size() * 4), dev.download(p.lse.data(), lse, p.lse.size() * 4);
-  return p;
-}
-
-std::vector<float> some_queries(int64_t n_q, const cache_geometry& g) {
-  std::vector<float> q((size_t)n_q * g.n_head * g.head_dim);
-  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * (float)i + 0.5f);
-  return q;
-}
+using test::device_partial;
+using test::host_partial;
+using test::some_queries;
+using partial = test::attn_partial;
 
 class quant_cache_device : public ::testing::TestWithParam<cache_format> {};
 

@@ -11,6 +11,7 @@
 
 #include "cache/cache.h"
 #include "cache/quant_test_util.h"
+#include "cache/x_factors.h"
 #include "comm/communicator.h"
 #include "common/error.h"
 #include "device_space_backend.h"
@@ -42,7 +43,9 @@ std::vector<std::vector<float>> run(const model_weights& w, backend& be, cache_f
   const int64_t n = (int64_t)prompt.size();
   const cache_geometry g = engine.cache_geometry_for(n + (int64_t)forced.size());
   cache_options o;  // nuq: a calibration of the cache's shape (the same on both backends)
+  o.group_size = 16, o.clkv_group = 8;  // kivi, xquant, clkv: windows encoded within the prompt
   if (format_traits(fmt).needs_calibration) o.calib = test::make_synthetic_calibration(g, 11);
+  if (format_needs_x_factors(fmt)) o.factors = build_x_factors(w, x_factor_kind_for(fmt));
   auto cache = make_cache(cache_spec(fmt, o), g, be);
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
@@ -65,32 +68,30 @@ struct space_case {
 
 class device_space_engine : public ::testing::TestWithParam<space_case> {};
 
-// The same tokens as the CPU backend, step by step. Bound: the CPU backend's own bound against
-// the scalar oracle (tests/worker/test_engine.cpp): a few-token step rounds activations to 8-bit
-// blocks, so a last-bit difference in attention can move an activation by 1/254 of its block's
-// max; float weights never round (measured here: ~1e-4 and ~1e-5 of logits of size ~2). The
-// greedy token must agree wherever the reference's top two are further apart than twice the
-// largest logit difference seen (closer, either may legitimately win).
-TEST_P(device_space_engine, generation_matches_the_cpu_backend) {
-  const space_case c = GetParam();
-  const model_weights w = write_and_load(tiny_hparams(c.tied, c.bias), c.type, 11);
+// Runs `fmt` on `other` and on the CPU backend, both teacher-forced with the CPU's greedy tokens,
+// and checks every step. Bound: the CPU backend's own bound against the scalar oracle
+// (tests/worker/test_engine.cpp): a few-token step rounds activations to 8-bit blocks, so a
+// last-bit difference in attention can move an activation by 1/254 of its block's max; float
+// weights never round (measured on the device-space backend: ~1e-4 and ~1e-5 of logits of size
+// ~2). The greedy token must agree wherever the reference's top two are further apart than twice
+// the largest logit difference seen (closer, either may legitimately win).
+void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, backend& other, cache_format fmt) {
+  SCOPED_TRACE(format_traits(fmt).name);
   const auto prompt = some_tokens(45, w.hp.n_vocab);
   auto cpu = make_backend(backend_kind::backend_cpu);
   // The reference's own greedy continuation, fed to both runs.
   std::vector<int32_t> forced;
   {
-    const auto probe = run(w, *cpu, c.format, 16, prompt, {});
+    const auto probe = run(w, *cpu, fmt, 16, prompt, {});
     forced.push_back(argmax(probe[0]));
     for (int s = 0; s < 11; ++s) {
-      const auto more = run(w, *cpu, c.format, 16, prompt, forced);
+      const auto more = run(w, *cpu, fmt, 16, prompt, forced);
       forced.push_back(argmax(more.back()));
     }
   }
-  const auto ref = run(w, *cpu, c.format, 16, prompt, forced);
-  test::device_space_backend dev;
-  const auto got = run(w, dev, c.format, 16, prompt, forced);
+  const auto ref = run(w, *cpu, fmt, 16, prompt, forced);
+  const auto got = run(w, other, fmt, 16, prompt, forced);
   ASSERT_EQ(got.size(), ref.size());
-  const bool quantized = c.type != ggml_type::ggml_f32 && c.type != ggml_type::ggml_f16;
   int compared = 0;
   for (size_t s = 0; s < ref.size(); ++s) {
     double max_abs = 0, max_ref = 0;
@@ -108,6 +109,13 @@ TEST_P(device_space_engine, generation_matches_the_cpu_backend) {
     }
   }
   EXPECT_GE(compared, 6) << "too few clear greedy choices to compare";
+}
+
+TEST_P(device_space_engine, generation_matches_the_cpu_backend) {
+  const space_case c = GetParam();
+  const model_weights w = write_and_load(tiny_hparams(c.tied, c.bias), c.type, 11);
+  test::device_space_backend dev;
+  expect_generation_matches_the_cpu(w, c.type != ggml_type::ggml_f32 && c.type != ggml_type::ggml_f16, dev, c.format);
   EXPECT_GT(dev.attention_calls, 0);
 }
 
@@ -119,7 +127,10 @@ INSTANTIATE_TEST_SUITE_P(
                       space_case{"q4_1_tied_kivi2", ggml_type::ggml_q4_1, true, false, cache_format::cache_kivi2},
                       space_case{"q8_0_untied_kivi4", ggml_type::ggml_q8_0, false, false, cache_format::cache_kivi4},
                       space_case{"q4_1_tied_nuq3_1pct", ggml_type::ggml_q4_1, true, false, cache_format::cache_nuq3_1pct},
-                      space_case{"q8_0_untied_nuq4", ggml_type::ggml_q8_0, false, false, cache_format::cache_nuq4}),
+                      space_case{"q8_0_untied_nuq4", ggml_type::ggml_q8_0, false, false, cache_format::cache_nuq4},
+                      space_case{"q4_1_tied_xquant4", ggml_type::ggml_q4_1, true, false, cache_format::cache_xquant4},
+                      space_case{"f32_bias_xquant3", ggml_type::ggml_f32, true, true, cache_format::cache_xquant3},
+                      space_case{"q8_0_untied_clkv", ggml_type::ggml_q8_0, false, false, cache_format::cache_clkv}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
@@ -159,6 +170,19 @@ TEST(cuda_engine, greedy_generation_matches_the_cpu_backend) {
   }
 }
 
+// The compressed caches on a real device (skipped without one): every quantized family's
+// generation against the CPU backend's, as on the device-space backend above (GEMMs in exact
+// fp32, XCTX_CUDA_TF32=0).
+TEST(cuda_engine, compressed_cache_generation_matches_the_cpu_backend) {
+  setenv("XCTX_CUDA_TF32", "0", 1);
+  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
+  auto gpu = make_backend(backend_kind::backend_cuda);
+  for (cache_format f : {cache_format::cache_kivi2, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
+                         cache_format::cache_clkv})
+    expect_generation_matches_the_cpu(w, true, *gpu, f);
+}
+
 // Weights go up once, when the engine is made; a decode step then moves a handful of small
 // arrays up (token id, positions for rope, the cache's slots and the queries' positions: the
 // same for every layer, so uploaded once) and only the logits down -- nothing per layer.
@@ -189,13 +213,13 @@ TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
 }
 
 // Formats that still need the exact accumulator (or host memory) are refused when the cache is
-// made, naming the format and the backend; fp, kivi and nuq (with or without outliers) are accepted.
+// made, naming the format and the backend; fp, kivi, nuq (with or without outliers), xquant and
+// clkv are accepted.
 TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
   test::device_space_backend dev;
   cache_geometry g;
   g.n_layer = 2, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 64;
-  for (cache_format f : {cache_format::cache_xquant2,
-                         cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
+  for (cache_format f : {cache_format::cache_xquant_cl2, cache_format::cache_xquant_cl3}) {
     std::string why;
     EXPECT_FALSE(cache_runs_on(f, dev, &why));
     test::expect_error_contains(
@@ -204,7 +228,8 @@ TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
   }
   for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32, cache_format::cache_kivi2,
                          cache_format::cache_kivi4, cache_format::cache_nuq3, cache_format::cache_nuq2,
-                         cache_format::cache_nuq3_1pct, cache_format::cache_nuq4_1pct})
+                         cache_format::cache_nuq3_1pct, cache_format::cache_nuq4_1pct, cache_format::cache_xquant2,
+                         cache_format::cache_xquant4, cache_format::cache_clkv})
     EXPECT_TRUE(cache_runs_on(f, dev));
 }
 

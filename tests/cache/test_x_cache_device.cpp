@@ -1,0 +1,245 @@
+// The windowed X caches (xquant2-4 with latents or X itself, clkv) on a backend whose memory is
+// not the host's (tests/device_space_backend.h): every stream array and the rebuild factors live
+// in that memory, written only by the backend's ops (xq_project, convert_rows, xq_encode) and
+// read only by attention_xq and downloads.
+// Against the same cache on the CPU backend (the same CPU kernels run behind the emulation): the
+// same bytes after an uneven append pattern, bitwise the same (o, lse) partials on both paths and
+// over ring blocks, snapshots crossing both ways, no transfer in a decode step.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cache/quant_test_util.h"
+#include "cache/x_test_util.h"
+#include "common/error.h"
+#include "cache/device_partials.h"
+#include "device_space_backend.h"
+#include "test_util.h"
+
+namespace xctx {
+namespace {
+
+constexpr int kWindow = 24;
+
+struct device_case {
+  cache_format format;
+  bool gqa;  // GQA: xquant stores the latents X·U_k, X·U_v; MHA: X itself (one stream)
+  bool ch0;  // xquant: the key-side latent's first channel kept fp16
+};
+std::string case_name(const device_case& c) {
+  return test::format_test_name(c.format) + (c.gqa ? "_gqa" : "_mha") + (c.ch0 ? "_ch0" : "");
+}
+void PrintTo(const device_case& c, std::ostream* os) { *os << case_name(c); }
+
+cache_spec spec_for(const device_case& c, const model_weights& w) {
+  cache_options o;
+  o.group_size = kWindow;
+  o.clkv_group = 8;
+  o.x_fp16_first_channel = c.ch0;
+  o.clkv_value_share_from = 2;  // layers 2-3 decode layer 1-2's value codes with their own scales
+  if (format_needs_x_factors(c.format)) o.factors = build_x_factors(w, x_factor_kind_for(c.format));
+  return cache_spec(c.format, o);
+}
+
+// A host cache and a device cache of one case, filled with the same layer inputs in uneven
+// chunks (windows completed mid-chunk, a partial window left), layers in the engine's order.
+struct twin_x_caches {
+  device_case c;
+  cache_geometry g;
+  test::x_model model;
+  cache_spec spec;
+  test::device_space_backend dev;
+  std::unique_ptr<backend> cpu = make_backend(backend_kind::backend_cpu);
+  std::unique_ptr<kv_cache> host, device;
+  std::vector<std::vector<float>> x, k, v;
+  std::vector<int32_t> pos;
+  int64_t n = 131;
+
+  explicit twin_x_caches(const device_case& dc) : c(dc), g(test::x_geometry(dc.gqa, 160)) {
+    model = test::make_x_model(g, 17, true);
+    spec = spec_for(c, model.w);
+    host = make_cache(spec, g, *cpu);
+    device = make_cache(spec, g, dev);
+    x = test::make_layer_inputs(g, n, 18);
+    k.resize(g.n_layer), v.resize(g.n_layer);
+    for (int l = 0; l < g.n_layer; ++l) test::project_kv(model, l, x[l], n, k[l], v[l]);
+    pos.resize(n);
+    for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(3 * i);
+    append_rows(0, n, {1, 7, 30, 1, 1, 64, 27});
+  }
+
+  // Rows [from, to) in chunks, every layer per chunk, on both caches.
+  void append_rows(int64_t from, int64_t to, const std::vector<int64_t>& chunks) {
+    const int d = g.n_embd, C = g.n_head_kv * g.head_dim;
+    backend_buffer dx(dev), dk(dev), dv(dev);
+    int64_t at = from;
+    for (size_t ci = 0; at < to; ++ci) {
+      const int64_t m = std::min(to - at, chunks[ci % chunks.size()]);
+      for (int l = 0; l < g.n_layer; ++l) {
+        const float *xs = x[l].data() + at * d, *ks = k[l].data() + at * C, *vs = v[l].data() + at * C;
+        host->append(l, layer_input{xs, ks, vs, pos.data() + at, m});
+        dev.upload(dx.reserve(m * d * 4), xs, m * d * 4);
+        dev.upload(dk.reserve(m * C * 4), ks, m * C * 4), dev.upload(dv.reserve(m * C * 4), vs, m * C * 4);
+        device->append(l, layer_input{dx.as<float>(), dk.as<float>(), dv.as<float>(), pos.data() + at, m});
+      }
+      at += m;
+    }
+  }
+  std::vector<uint8_t> block(const kv_cache& c, int layer) const { return test::exported_block(c, layer); }
+};
+
+using test::device_partial;
+using test::host_partial;
+using test::some_queries;
+using partial = test::attn_partial;
+
+class x_cache_device : public ::testing::TestWithParam<device_case> {};
+
+TEST_P(x_cache_device, stores_the_host_caches_bytes) {
+  twin_x_caches t(GetParam());
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    EXPECT_EQ(t.device->n_tokens(l), t.n);
+    EXPECT_EQ(t.block(*t.device, l), t.block(*t.host, l)) << "layer " << l;
+  }
+  EXPECT_EQ(t.device->bytes_used(), t.host->bytes_used());
+  EXPECT_EQ(t.device->bytes_allocated(), t.host->bytes_allocated());  // factors are model data, not counted
+}
+
+// The same kernels behind the emulation: the device's partials are the host's, bit for bit, on
+// both paths (K and V rebuilt per unit; V absorbed for a decode step), and over a ring block.
+TEST_P(x_cache_device, attends_as_the_host_cache) {
+  twin_x_caches t(GetParam());
+  const std::vector<int32_t> q_pos = {0, 40, 200, 390};  // from the first slot to past the last
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
+  const std::vector<int32_t> one = {390};
+  const std::vector<float> q1 = some_queries(1, t.g);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const partial hp = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill);
+    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
+    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
+    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
+    const partial hd = host_partial(*t.host, l, q1, one, attend_path::attend_decode);
+    const partial dd = device_partial(t.dev, *t.device, l, q1, one, attend_path::attend_decode);
+    EXPECT_EQ(dd.o, hd.o) << "layer " << l;
+    EXPECT_EQ(dd.lse, hd.lse) << "layer " << l;
+    const std::vector<uint8_t> block = t.block(*t.host, l);
+    const partial hb = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill, &block);
+    const partial db = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill, &block);
+    EXPECT_EQ(hb.o, hp.o) << "layer " << l;  // a block attends as the cache it came from
+    EXPECT_EQ(db.o, hp.o) << "layer " << l;
+    EXPECT_EQ(db.lse, hp.lse) << "layer " << l;
+  }
+}
+
+// The (o, lse) partial agrees with the exact accumulator's result on the CPU backend to float
+// rounding (a different summation order of the same softmax: o ~1, lse ~10).
+TEST_P(x_cache_device, partials_agree_with_the_exact_accumulator) {
+  twin_x_caches t(GetParam());
+  const std::vector<int32_t> q_pos = {2, 130, 390};
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
+    std::vector<float> o(q.size()), lse(dp.lse.size());
+    t.host->attend(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), o.data(), lse.data(), attend_path::attend_prefill);
+    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(dp.o[i], o[i], 2e-5 * (1.0 + std::fabs(o[i]))) << i;
+    for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(dp.lse[i], lse[i], 2e-5 * (1.0 + std::fabs(lse[i]))) << i;
+  }
+}
+
+// A host snapshot restores into an empty device cache (layers in order: clkv's shared codes are
+// compared with the layer below's, downloaded) and exports the same bytes; and the other way.
+TEST_P(x_cache_device, snapshots_cross_between_host_and_device) {
+  twin_x_caches t(GetParam());
+  auto dev2 = make_cache(spec_for(t.c, t.model.w), t.g, t.dev);
+  auto host2 = make_cache(spec_for(t.c, t.model.w), t.g, *t.cpu);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const std::vector<uint8_t> from_host = t.block(*t.host, l), from_dev = t.block(*t.device, l);
+    dev2->restore_layer(l, from_host.data(), from_host.size());
+    host2->restore_layer(l, from_dev.data(), from_dev.size());
+    EXPECT_EQ(t.block(*dev2, l), from_host) << "layer " << l;
+    EXPECT_EQ(t.block(*host2, l), from_dev) << "layer " << l;
+  }
+}
+
+// Decode steps (one token appended per layer, then a one-query partial per layer) move no
+// cache data: besides the caller's own uploads of each layer's x, k and v, one upload per step
+// of the new slot's position and one of the query position; no download.
+TEST_P(x_cache_device, decode_steps_move_no_cache_data) {
+  twin_x_caches t(GetParam());
+  const int d = t.g.n_embd, C = t.g.n_head_kv * t.g.head_dim;
+  const int64_t n_more = 29;  // to the capacity, across a window boundary (an encode on the device)
+  const std::vector<std::vector<float>> x = test::make_layer_inputs(t.g, n_more, 29);
+  backend_buffer dx(t.dev), dk(t.dev), dv(t.dev), dq(t.dev), dout(t.dev), dlse(t.dev);
+  const std::vector<float> q = some_queries(1, t.g);
+  t.dev.upload(dq.reserve(q.size() * 4), q.data(), q.size() * 4);
+  float* o = dout.reserve_as<float>(t.g.n_head * t.g.head_dim);
+  float* lse = dlse.reserve_as<float>(t.g.n_head);
+  std::vector<float> k, v;
+  for (int64_t s = 0; s < n_more; ++s) {
+    const int32_t p = (int32_t)(3 * (t.n + s));
+    const int64_t up = t.dev.uploads, down = t.dev.downloads;
+    for (int l = 0; l < t.g.n_layer; ++l) {
+      const std::vector<float> xs(x[l].begin() + s * d, x[l].begin() + (s + 1) * d);
+      test::project_kv(t.model, l, xs, 1, k, v);
+      t.dev.upload(dx.reserve(d * 4), xs.data(), d * 4);
+      t.dev.upload(dk.reserve(C * 4), k.data(), C * 4), t.dev.upload(dv.reserve(C * 4), v.data(), C * 4);
+      t.device->append(l, layer_input{dx.as<float>(), dk.as<float>(), dv.as<float>(), &p, 1});
+      t.device->attend_partial(l, dq.as<float>(), &p, 1, attend_path::attend_decode, o, lse);
+    }
+    EXPECT_EQ(t.dev.uploads - up, 3 * t.g.n_layer + 2) << "step " << s;  // x, k, v per layer; the two positions
+    EXPECT_EQ(t.dev.downloads - down, 0) << "step " << s;
+  }
+  EXPECT_EQ(t.device->n_tokens(0), t.n + n_more);
+}
+
+// The factors go up once per backend, however many caches (a rank's own, its star anchor and
+// block caches) are made from them, and again only after the last of those caches is gone.
+TEST(x_cache_device, caches_on_one_backend_share_one_upload_of_the_factors) {
+  const cache_geometry g = test::x_geometry(true, 48);
+  const test::x_model model = test::make_x_model(g, 3, true);
+  const cache_spec spec = spec_for({cache_format::cache_xquant2, true, false}, model.w);
+  test::device_space_backend dev, other;  // declared before the caches made on them
+  const auto uploads_of = [&](auto&& make) {
+    const int64_t before = dev.uploads;
+    make();
+    return dev.uploads - before;
+  };
+  const int per_layer = 6;  // u_k, u_v, m_k, m_v, b_k, b_v
+  std::unique_ptr<kv_cache> a, b;
+  EXPECT_EQ(uploads_of([&] { a = make_cache(spec, g, dev); }), per_layer * g.n_layer);
+  EXPECT_EQ(uploads_of([&] { b = make_cache(spec, g, dev); }), 0);
+  a.reset(), b.reset();
+  EXPECT_EQ(uploads_of([&] { a = make_cache(spec, g, dev); }), per_layer * g.n_layer);
+  const int64_t before = other.uploads;  // another backend gets its own
+  b = make_cache(spec, g, other);
+  EXPECT_EQ(other.uploads - before, per_layer * g.n_layer);
+}
+
+INSTANTIATE_TEST_SUITE_P(cases, x_cache_device,
+                         ::testing::Values(device_case{cache_format::cache_xquant2, true, false},
+                                           device_case{cache_format::cache_xquant3, true, true},
+                                           device_case{cache_format::cache_xquant4, false, false},
+                                           device_case{cache_format::cache_clkv, true, false},
+                                           device_case{cache_format::cache_clkv, false, false}),
+                         [](const auto& info) { return case_name(info.param); });
+
+// Formats whose arrays the host must read (xquant-cl's accumulators) are still refused on a
+// device backend, naming the format.
+TEST(x_cache_device, cross_layer_formats_are_refused_up_front) {
+  test::device_space_backend dev;
+  const cache_geometry g = test::x_geometry(true, 64);
+  for (cache_format f : {cache_format::cache_xquant_cl2, cache_format::cache_xquant_cl3}) {
+    std::string why;
+    EXPECT_FALSE(cache_runs_on(f, dev, &why));
+    test::expect_error_contains([&] { make_cache(cache_spec(f, cache_options{}), g, dev); },
+                                std::string("cache format ") + format_traits(f).name +
+                                    " does not run on the device-space backend yet");
+  }
+  for (cache_format f : {cache_format::cache_xquant2, cache_format::cache_xquant4, cache_format::cache_clkv})
+    EXPECT_TRUE(cache_runs_on(f, dev));
+}
+
+}  // namespace
+}  // namespace xctx
