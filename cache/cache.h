@@ -98,6 +98,10 @@ class kv_cache {
 // Throws, naming the format and backend, for a format that does not run on `be` (xquant-cl*
 // needs the exact accumulator and host memory so far: it runs on the cpu and ref backends).
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
+// Formats whose caches need a host-memory backend with the exact accumulator (ref, cpu): they
+// are refused on the others (cuda). Comma-separated names, for help texts and `xctx doctor`.
+bool cache_needs_host_backend(cache_format f);
+std::string formats_needing_host_backend();
 // Whether make_cache(spec, ., be) accepts the format; the reason when it does not.
 bool cache_runs_on(cache_format f, const backend& be, std::string* why = nullptr);
 

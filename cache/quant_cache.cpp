@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/block_on_backend.h"
 #include "cache/cache.h"
 #include "cache/slot_positions.h"
 #include "cache/calibration.h"
@@ -242,13 +243,7 @@ class quant_cache final : public kv_cache {
   void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
                                int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
     kvq_layer_view v = parse_block(layer, block, bytes);  // checked where the host reads it
-    if (!be_.host_memory()) {
-      if (block_on_backend == nullptr) {  // one upload of the whole block: every array keeps its offset
-        block_on_backend = block_.reserve(bytes);
-        be_.upload(const_cast<void*>(block_on_backend), block, bytes);
-      }
-      rebase(v, block, block_on_backend);
-    }
+    if (!be_.host_memory()) rebase(v, block, block_on(be_, block_, block, bytes, block_on_backend));
     kvq_attn_args a = attention_args(v, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
     a.o = o, a.lse = lse;
     be_.attention_kvq(a);
@@ -481,12 +476,7 @@ class quant_cache final : public kv_cache {
 
   // v's arrays, which point into the host block `host`, moved to the same offsets in `dev`.
   static void rebase(kvq_layer_view& v, const void* host, const void* dev) {
-    const auto move = [&](auto*& p) {
-      using T = std::remove_reference_t<decltype(*p)>;
-      if (p != nullptr)
-        p = reinterpret_cast<T*>(static_cast<const uint8_t*>(dev) +
-                                 (reinterpret_cast<const uint8_t*>(p) - static_cast<const uint8_t*>(host)));
-    };
+    const auto move = [&](auto*& p) { rebase_into(p, host, dev); };
     move(v.pos), move(v.k_sink), move(v.v_sink), move(v.k_tail), move(v.v_tail), move(v.k_codes), move(v.v_codes);
     move(v.k_group), move(v.v_group), move(v.v_tok);
     move(v.k_out_off), move(v.k_out_idx), move(v.k_out_val), move(v.v_out_idx), move(v.v_out_val);

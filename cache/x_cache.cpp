@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cache/x_cache.h"
+#include "cache/block_on_backend.h"
 #include "cache/slot_positions.h"
 #include "cache/x_factors.h"
 #include "common/error.h"
@@ -303,13 +304,7 @@ class x_window_cache final : public kv_cache {
   void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
                                int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
     parsed_block p = parse_block(layer, block, bytes);  // checked where the host reads it
-    if (!be_.host_memory()) {
-      if (block_on_backend == nullptr) {  // one upload of the whole block: every array keeps its offset
-        block_on_backend = block_.reserve(bytes);
-        be_.upload(const_cast<void*>(block_on_backend), block, bytes);
-      }
-      rebase(p, block, block_on_backend);
-    }
+    if (!be_.host_memory()) rebase(p, block, block_on(be_, block_, block, bytes, block_on_backend));
     xq_attn_args a = attention_args(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q,
                                     pos_.queries_on_backend(q_pos, n_q), n_q, path);
     a.o = o, a.lse = lse;
@@ -451,13 +446,10 @@ class x_window_cache final : public kv_cache {
 
   // Moves a parsed block's pointers from the host block to its copy in the backend's memory.
   static void rebase(parsed_block& p, const void* host, const void* dev) {
-    const auto move = [&](auto*& ptr) {
-      if (ptr == nullptr) return;
-      const auto off = reinterpret_cast<const uint8_t*>(ptr) - static_cast<const uint8_t*>(host);
-      ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(static_cast<const uint8_t*>(dev) + off);
-    };
-    move(p.pos);
-    for (xq_stream& v : p.v) move(v.codes), move(v.params), move(v.tail), move(v.ch0);
+    rebase_into(p.pos, host, dev);
+    for (xq_stream& v : p.v)
+      rebase_into(v.codes, host, dev), rebase_into(v.params, host, dev), rebase_into(v.tail, host, dev),
+          rebase_into(v.ch0, host, dev);
   }
 
   // A full residual window encoded from its fp16 rows (what attention read while they were

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 
+#include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/jobs.h"
@@ -73,7 +74,7 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--backend", cf.backend,
                   "cpu | cuda: where the forward, the cache and attention run (default: XCTX_BACKEND, else cpu); "
                   "cuda binds each rank to node-local rank mod the GPUs (XCTX_CUDA_DEVICE overrides) and runs "
-                  "the fp16/fp32 caches so far");
+                  "every cache format but " + formats_needing_host_backend() + " so far");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
   cmd->add_option("--decode-act", cf.decode_act,

@@ -239,6 +239,8 @@ TEST(x_cache_device, cross_layer_formats_are_refused_up_front) {
   }
   for (cache_format f : {cache_format::cache_xquant2, cache_format::cache_xquant4, cache_format::cache_clkv})
     EXPECT_TRUE(cache_runs_on(f, dev));
+  for (cache_format f : all_cache_formats()) EXPECT_EQ(cache_runs_on(f, dev), !cache_needs_host_backend(f));
+  EXPECT_EQ(formats_needing_host_backend(), "xquant-cl4, xquant-cl3, xquant-cl2");  // what doctor and --help name
 }
 
 }  // namespace
