@@ -95,15 +95,9 @@ class kv_cache {
   virtual size_t bytes_used() const = 0;  // for the tokens held now
 };
 
-// Throws, naming the format and backend, for a format that does not run on `be` (xquant-cl*
-// needs the exact accumulator and host memory so far: it runs on the cpu and ref backends).
+// A cache of spec's format on `be`. Every format runs on every backend: on those without the
+// exact accumulator (cuda) through attend_partial / attend_exported_partial.
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be);
-// Formats whose caches need a host-memory backend with the exact accumulator (ref, cpu): they
-// are refused on the others (cuda). Comma-separated names, for help texts and `xctx doctor`.
-bool cache_needs_host_backend(cache_format f);
-std::string formats_needing_host_backend();
-// Whether make_cache(spec, ., be) accepts the format; the reason when it does not.
-bool cache_runs_on(cache_format f, const backend& be, std::string* why = nullptr);
 
 // Rank boundaries of a shard plan must fall on multiples of this many positions for the format
 // to compress the same tokens the same way on any number of ranks (kivi: its group size).

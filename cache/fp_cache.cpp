@@ -193,29 +193,7 @@ class fp_cache final : public kv_cache {
 
 }  // namespace
 
-// kivi, nuq (with or without outliers), xquant and clkv have (o, lse) attention and keep every
-// array in the backend's memory; xquant-cl keeps its f32 accumulators in host vectors so far.
-bool cache_needs_host_backend(cache_format f) { return format_traits(f).family == cache_family::family_xquant_cl; }
-
-std::string formats_needing_host_backend() {
-  std::string s;
-  for (cache_format f : all_cache_formats())
-    if (cache_needs_host_backend(f)) s += (s.empty() ? "" : ", ") + std::string(format_traits(f).name);
-  return s;
-}
-
-bool cache_runs_on(cache_format f, const backend& be, std::string* why) {
-  const cache_format_traits t = format_traits(f);
-  if (be.exact_accumulator() || !cache_needs_host_backend(f)) return true;
-  if (why != nullptr)
-    *why = std::string("cache format ") + t.name + " does not run on the " + be.name() +
-           " backend yet: fp16, fp32, kivi2-4, nuq2-4 (with or without 1% outliers), xquant2-4 and clkv do; "
-           "xquant-cl* runs on --backend cpu";
-  return false;
-}
-
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
-  if (std::string why; !cache_runs_on(spec.format, be, &why)) fail(why);
   switch (spec.format) {
     case cache_format::cache_fp32:
     case cache_format::cache_fp16: return std::make_unique<fp_cache>(spec.format, g, be);

@@ -16,13 +16,9 @@
 // layout: its decode step on the CPU runs the quantized-KV fused kernel, kernels/cpu/xq.cpp
 // attend_decode_as_kvq.)
 #include <algorithm>
-#include <array>
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <iterator>
-#include <map>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -52,65 +48,6 @@ struct stream_store {
   kvq_affine* params = nullptr;     // [capacity / window * params_per_window]
   uint16_t* tail = nullptr;         // [window, C] fp16
   uint16_t* ch0_vals = nullptr;     // [capacity] fp16 (null unless ch0)
-};
-
-// The rebuild factors of one layer where the backend reads them.
-struct layer_factors {
-  const float *u_k = nullptr, *u_v = nullptr;  // [d, r] (latent mode)
-  const float *m_k = nullptr, *m_v = nullptr;  // [C, kv]
-  const float *b_k = nullptr, *b_v = nullptr;  // [kv] or null
-};
-
-// Every layer's factors in a backend's memory: the host arrays themselves on host-memory
-// backends; on the others one upload, shared by all the caches made on that backend from the
-// same factors (a rank's own cache and its star anchor / block caches), freed with the last.
-// They are model data, like the weights: not in a cache's bytes_allocated.
-class factors_on_backend {
- public:
-  factors_on_backend(backend& be, const x_factors& f) : copy_(be) {
-    size_t total = 0;
-    for (const x_layer_factors& F : f.layers)
-      for (const std::vector<float>* v : arrays(F)) total += v->size();
-    float* dev = be.host_memory() ? nullptr : copy_.reserve_as<float>((int64_t)std::max<size_t>(total, 1));
-    size_t at = 0;
-    layers_.resize(f.layers.size());
-    for (size_t l = 0; l < f.layers.size(); ++l) {
-      const auto src = arrays(f.layers[l]);
-      layer_factors& L = layers_[l];
-      const float** dst[6] = {&L.u_k, &L.u_v, &L.m_k, &L.m_v, &L.b_k, &L.b_v};
-      for (int i = 0; i < 6; ++i) {
-        if (src[i]->empty()) continue;
-        if (dev == nullptr) {
-          *dst[i] = src[i]->data();
-          continue;
-        }
-        *dst[i] = dev + at;
-        be.upload(dev + at, src[i]->data(), src[i]->size() * sizeof(float));
-        at += src[i]->size();
-      }
-    }
-  }
-  const layer_factors& layer(int l) const { return layers_.at(l); }
-  size_t backend_bytes() const { return copy_.bytes(); }
-
-  // The instance for (be, f), made on first use; the caller keeps it alive.
-  static std::shared_ptr<const factors_on_backend> get(backend& be, const x_factors& f) {
-    static std::mutex mu;
-    static std::map<std::pair<const backend*, const x_factors*>, std::weak_ptr<const factors_on_backend>> live;
-    std::lock_guard<std::mutex> lock(mu);
-    std::weak_ptr<const factors_on_backend>& slot = live[{&be, &f}];
-    std::shared_ptr<const factors_on_backend> p = slot.lock();
-    if (p == nullptr) slot = p = std::make_shared<const factors_on_backend>(be, f);
-    for (auto it = live.begin(); it != live.end();) it = it->second.expired() ? live.erase(it) : std::next(it);
-    return p;
-  }
-
- private:
-  static std::array<const std::vector<float>*, 6> arrays(const x_layer_factors& F) {
-    return {&F.u_k, &F.u_v, &F.m_k, &F.m_v, &F.b_k, &F.b_v};
-  }
-  backend_buffer copy_;
-  std::vector<layer_factors> layers_;
 };
 
 struct layer_store {
@@ -175,7 +112,7 @@ class x_window_cache final : public kv_cache {
       }
       carve(L, static_cast<uint8_t*>(L.arena.reserve(carve(L, nullptr))));
     }
-    if (xquant_) factors_on_be_ = factors_on_backend::get(be, *factors_);
+    if (xquant_) factors_on_be_ = x_factors_on_backend::get(be, *factors_);
   }
 
   cache_format format() const override { return spec_.format; }
@@ -228,7 +165,7 @@ class x_window_cache final : public kv_cache {
       if (latent_) {  // the latents X·U_k and X·U_v of the new rows
         for (int k = 0; k < 2; ++k) {
           float* out = proj_[k].reserve_as<float>(in.n * L.s[k].C);
-          const layer_factors& F = factors_on_be_->layer(layer);
+          const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
           be_.xq_project(in.x, k == 0 ? F.u_k : F.u_v, in.n, geo_.n_embd, L.s[k].C, out);
           rows[k] = out;
         }
@@ -476,7 +413,7 @@ class x_window_cache final : public kv_cache {
     a.n = n, a.pos = pos, a.zk = zk, a.zv = zv;
     a.same_stream = layers_[layer].n_streams == 1;
     if (xquant_) {
-      const layer_factors& F = factors_on_be_->layer(layer);
+      const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
       a.m_k = F.m_k, a.ld_mk = kv_, a.m_v = F.m_v, a.ld_mv = kv_;
       a.b_k = F.b_k, a.b_v = F.b_v;
     }
@@ -495,7 +432,7 @@ class x_window_cache final : public kv_cache {
   bool xquant_ = false, latent_ = false;
   int kv_ = 0, W_ = 0;
   std::shared_ptr<const x_factors> factors_;
-  std::shared_ptr<const factors_on_backend> factors_on_be_;  // xquant
+  std::shared_ptr<const x_factors_on_backend> factors_on_be_;  // xquant
   slot_position_store pos_;  // [capacity], shared by the layers
   std::vector<layer_store> layers_;
   backend_buffer proj_[2];   // [n, r] latents of the rows being appended

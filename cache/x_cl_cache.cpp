@@ -36,14 +36,21 @@
 // In both modes the result does not depend on the rank count. Deltas is the default: it is what
 // a compressed ring is for (latent moves 0.96 of fp16's bytes) and it is the paper's arithmetic;
 // latent is for lengths where n·n_embd·4 bytes per rank defeat sharding (164 GB at n_embd = 4096).
+//
+// Every array lives in the backend's memory (the device's on cuda): codes and parameters carved
+// per layer, the accumulator (grown by copies within that memory), foreign accumulators, the
+// latent a ring block carries; the host keeps counts, the layer each accumulator row holds and
+// positions. The steps are backend ops (xq_encode, xq_project, sub, xq_decode_rows,
+// xq_add_projected, add, convert_rows, attention_xq), the same on the host as before.
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "cache/x_cache.h"
+#include "cache/block_on_backend.h"
 #include "cache/slot_positions.h"
+#include "cache/x_cache.h"
 #include "cache/x_factors.h"
 #include "common/error.h"
 #include "common/half.h"
@@ -55,19 +62,22 @@ size_t pad8(size_t b) { return (b + 7) / 8 * 8; }
 constexpr int64_t kAccBlock = 1024;  // rows per accumulator update (bounds the decode scratch)
 
 struct cl_layer {
+  explicit cl_layer(backend& be) : arena(be) {}
   int64_t n = 0;
   int C = 0, bits = 0, n_g = 0;
   size_t rb = 0;
-  std::vector<uint8_t> codes;      // [capacity, rb]
-  std::vector<kvq_affine> params;  // [capacity, n_g]
+  backend_buffer arena;           // codes, then params
+  uint8_t* codes = nullptr;       // [capacity, rb]
+  kvq_affine* params = nullptr;   // [capacity, n_g]
 };
 
 // Deltas ring mode: the accumulator of one foreign source block. The ring prefill passes each
 // source rank's tokens as one block per layer with the same positions at every layer, so the
 // positions identify it; `layer` is the layer x holds (a block's layers arrive in order).
 struct foreign_acc {
-  std::vector<int32_t> pos;  // [n] the block's positions
-  std::vector<float> x;      // [n, n_embd] X̂_layer of the block's tokens
+  explicit foreign_acc(backend& be) : x(be) {}
+  std::vector<int32_t> pos;  // [n] the block's positions (host)
+  backend_buffer x;          // [n, n_embd] X̂_layer of the block's tokens
   int layer = -1;
 };
 
@@ -76,16 +86,20 @@ class x_cl_cache final : public kv_cache {
   x_cl_cache(const cache_spec& spec, const cache_geometry& g, backend& be)
       : spec_(spec),
         geo_(g),
+        be_(be),
         traits_(format_traits(spec.format)),
-        use_ref_(be.name() == "ref"),
         deltas_(spec.options.cl_ring != cl_ring_mode::cl_ring_latent),
-        pos_(be, g.capacity) {
+        pos_(be, g.capacity),
+        acc_(be),
+        scratch_(be),
+        delta_(be),
+        lat_(be),
+        latent16_(be),
+        block_(be) {
     XCTX_CHECK(g.n_layer > 0 && g.n_head_kv > 0 && g.head_dim > 0 && g.n_head % g.n_head_kv == 0 && g.n_embd > 0,
                "cache geometry invalid: n_layer=", g.n_layer, " n_head=", g.n_head, " n_head_kv=", g.n_head_kv,
                " head_dim=", g.head_dim, " n_embd=", g.n_embd);
     XCTX_CHECK(g.capacity > 0, "cache capacity must be positive, got ", g.capacity);
-    XCTX_CHECK(be.name() == "ref" || be.name() == "cpu", "cache ", traits_.name,
-               " runs on the host backends (ref, cpu), not on ", be.name());
     check_x_factors(spec.options.factors.get(), spec.format, g);
     factors_ = spec.options.factors;
     G_ = spec.options.group_size;
@@ -94,16 +108,19 @@ class x_cl_cache final : public kv_cache {
     XCTX_CHECK(g.n_embd % 8 == 0, "cache ", traits_.name, ": n_embd ", g.n_embd, " must be a multiple of 8");
     d_ = g.n_embd, kv_ = g.n_head_kv * g.head_dim, r_ = xquant_cl_rank(g);
     base_ = xquant_cl_hi_layers(spec.options, g.n_layer) - 1;
-    layers_.resize(g.n_layer);
+    layers_.reserve(g.n_layer);
     for (int l = 0; l < g.n_layer; ++l) {
-      cl_layer& L = layers_[l];
+      cl_layer& L = layers_.emplace_back(be);
       L.C = xquant_cl_channels(g, spec.options, l);
       L.bits = xquant_cl_bits(spec.format, spec.options, g.n_layer, l);
       L.n_g = (L.C + G_ - 1) / G_;
       L.rb = kvq_row_bytes(L.C, L.bits);
-      L.codes.resize((size_t)g.capacity * L.rb);
-      L.params.resize((size_t)g.capacity * L.n_g);
+      const size_t code_bytes = ((size_t)g.capacity * L.rb + 63) / 64 * 64;
+      auto* base = static_cast<uint8_t*>(L.arena.reserve(code_bytes + (size_t)g.capacity * L.n_g * sizeof(kvq_affine)));
+      L.codes = base;
+      L.params = reinterpret_cast<kvq_affine*>(base + code_bytes);
     }
+    factors_on_be_ = x_factors_on_backend::get(be, *factors_);
   }
 
   cache_format format() const override { return spec_.format; }
@@ -111,9 +128,9 @@ class x_cl_cache final : public kv_cache {
   int64_t n_tokens(int layer) const override { return layers_.at(layer).n; }
 
   size_t bytes_allocated() const override {
-    size_t b = pos_.bytes() + acc_.capacity() * 4 + acc_layer_.capacity() * 2;
-    for (const cl_layer& L : layers_) b += L.codes.capacity() + L.params.capacity() * sizeof(kvq_affine);
-    for (const foreign_acc& f : foreign_) b += f.pos.capacity() * 4 + f.x.capacity() * 4;
+    size_t b = pos_.bytes() + acc_.bytes() + acc_layer_.capacity() * 2;
+    for (const cl_layer& L : layers_) b += L.arena.bytes();
+    for (const foreign_acc& f : foreign_) b += f.pos.capacity() * 4 + f.x.bytes();
     return b;
   }
 
@@ -154,37 +171,29 @@ class x_cl_cache final : public kv_cache {
       return;
     }
     advance(a0, a0 + in.n, layer - 1);
-    delta_.resize((size_t)in.n * d_);
-    for (int64_t e = 0; e < in.n * d_; ++e) delta_[e] = in.x[e] - acc_[(size_t)a0 * d_ + e];
-    const float* rows = delta_.data();
-    const auto& F = factors_->layers[layer];
-    if (!F.u_kv.empty()) {
-      lat_.resize((size_t)in.n * r_);
-      if (use_ref_)
-        ref::xq_project(delta_.data(), F.u_kv.data(), in.n, d_, r_, lat_.data());
-      else
-        cpu::xq_project(delta_.data(), F.u_kv.data(), in.n, d_, r_, lat_.data());
-      rows = lat_.data();
+    float* delta = delta_.reserve_as<float>(in.n * d_);
+    be_.sub(delta, in.x, acc() + (size_t)a0 * d_, in.n * d_);
+    const float* rows = delta;
+    const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
+    if (F.u_kv != nullptr) {
+      float* lat = lat_.reserve_as<float>(in.n * r_);
+      be_.xq_project(delta, F.u_kv, in.n, d_, r_, lat);
+      rows = lat;
     }
     encode_rows(layer, a0, rows, in.n);
     advance(a0, a0 + in.n, layer);
   }
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
-    const cl_layer& L = layers_.at(layer);
-    if (layer < base_) {
-      run_w(layer, stream_view(layer), L.n, pos_.host(), q, q_pos, n_q, path, out);
-      return;
-    }
-    if (deltas_) {  // from the f32 accumulator, as foreign blocks (attend_exported)
-      advance(0, L.n, layer);
-      run_w(layer, dense_view(acc_.data()), L.n, pos_.host(), q, q_pos, n_q, path, out);
-      return;
-    }
-    // The own shard is attended through the same fp16 latent a ring block carries, so a token's
-    // keys and values are the same bits whichever rank attends it (rank-count invariance).
-    const std::vector<uint16_t> y = latent_fp16(layer, L.n);
-    run_latent(layer, y.data(), L.n, pos_.host(), q, q_pos, n_q, path, out);
+    xq_attn_args a = own_args(layer, pos_.host(), q, q_pos, n_q, path);
+    a.acc = &out;
+    be_.attention_xq(a);
+  }
+  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
+                      float* lse) override {
+    xq_attn_args a = own_args(layer, pos_.on_backend(), q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_xq(a);
   }
 
   // Block: int64 n | pos [n] int32 | codes [n, rb], params [n, n_g] of the layer (layers < base,
@@ -197,59 +206,32 @@ class x_cl_cache final : public kv_cache {
     auto* out = static_cast<uint8_t*>(dst);
     const int64_t n = L.n;
     std::memcpy(out, &n, 8);
-    size_t at = 8;
-    const auto put = [&](const void* p, size_t bytes) {
-      if (bytes) std::memcpy(out + at, p, bytes);
-      at += pad8(bytes);
-    };
-    put(pos_.host(), n * 4);
+    std::memcpy(out + 8, pos_.host(), (size_t)n * 4);
+    uint8_t* body = out + 8 + pad8(n * 4);
     if (layer < base_ || deltas_) {
-      put(L.codes.data(), n * L.rb);
-      put(L.params.data(), n * L.n_g * sizeof(kvq_affine));
+      download(body, L.codes, n * L.rb);
+      download(body + pad8(n * L.rb), L.params, n * L.n_g * sizeof(kvq_affine));
     } else {
-      const std::vector<uint16_t> h = latent_fp16(layer, n);
-      put(h.data(), h.size() * 2);
+      download(body, latent_fp16(layer, n), (size_t)n * r_ * 2);
     }
-    XCTX_ASSERT(at == exported_bytes(layer));
   }
 
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
                        attend_path path, softmax_acc& out) override {
-    const auto* in = static_cast<const uint8_t*>(block);
-    XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
-    int64_t n = 0;
-    std::memcpy(&n, in, 8);
-    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer, "cache block for layer ", layer, " of a ", geo_.n_layer,
-               "-layer cache");
-    XCTX_CHECK(n >= 0 && n <= (int64_t)(bytes / 2) && block_bytes(layer, n) == bytes, "cache block for layer ", layer,
-               " claims ", n, " tokens (", n >= 0 && n <= (int64_t)(bytes / 2) ? block_bytes(layer, n) : 0,
-               " bytes) but holds ", bytes, " bytes");
-    const auto* pos = reinterpret_cast<const int32_t*>(in + 8);
-    for (int64_t i = 1; i < n; ++i)
-      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at index ", i,
-                 " (", pos[i - 1], " then ", pos[i], ")");
-    const uint8_t* body = in + 8 + pad8(n * 4);
-    if (layer >= base_ && !deltas_) {
-      run_latent(layer, reinterpret_cast<const uint16_t*>(body), n, pos, q, q_pos, n_q, path, out);
-      return;
+    xq_attn_args a = exported_args(layer, block, bytes, block, q, q_pos, n_q, path);
+    a.acc = &out;
+    be_.attention_xq(a);
+  }
+  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
+    const void* on_be = block;
+    if (!be_.host_memory()) {
+      check_block(layer, block, bytes);  // before anything goes up
+      on_be = block_on(be_, block_, block, bytes, block_on_backend);
     }
-    const xq_stream s = block_stream(layer, body, n);
-    if (layer < base_) {
-      run_w(layer, s, n, pos, q, q_pos, n_q, path, out);
-      return;
-    }
-    if (n == 0) return;  // a source rank without tokens: nothing to accumulate or attend
-    foreign_acc& f = foreign_for(layer, pos, n);
-    if (f.layer != layer) {  // the layer's first query chunk advances it; later chunks reuse it
-      if (layer == base_) {
-        decode(s, 0, n, f.x.data());
-      } else {
-        for (int64_t t = 0; t < n; t += kAccBlock)
-          add_delta(layer, s, t, std::min(kAccBlock, n - t), f.x.data() + (size_t)t * d_);
-      }
-      f.layer = layer;
-    }
-    run_w(layer, dense_view(f.x.data()), n, pos, q, q_pos, n_q, path, out);
+    xq_attn_args a = exported_args(layer, block, bytes, on_be, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    a.o = o, a.lse = lse;
+    be_.attention_xq(a);
   }
 
   // Snapshot: the stored codes of every layer in either ring mode (the fp16 latent a latent-mode
@@ -262,9 +244,9 @@ class x_cl_cache final : public kv_cache {
     auto* out = static_cast<uint8_t*>(dst);
     const int64_t n = L.n;
     std::memcpy(out, &n, 8);
-    std::memcpy(out + 8, pos_.host(), n * 4);
-    std::memcpy(out + 8 + pad8(n * 4), L.codes.data(), n * L.rb);
-    std::memcpy(out + 8 + pad8(n * 4) + pad8(n * L.rb), L.params.data(), n * L.n_g * sizeof(kvq_affine));
+    std::memcpy(out + 8, pos_.host(), (size_t)n * 4);
+    download(out + 8 + pad8(n * 4), L.codes, n * L.rb);
+    download(out + 8 + pad8(n * 4) + pad8(n * L.rb), L.params, n * L.n_g * sizeof(kvq_affine));
   }
 
   void restore_layer(int layer, const void* block, size_t bytes) override {
@@ -284,71 +266,26 @@ class x_cl_cache final : public kv_cache {
     if (layer == 0) std::fill(acc_layer_.begin(), acc_layer_.end(), (int16_t)-1);
     pos_.restore(layer, reinterpret_cast<const int32_t*>(in + 8), n);
     cl_layer& L = layers_[layer];
-    std::memcpy(L.codes.data(), in + 8 + pad8(n * 4), n * L.rb);
-    std::memcpy(L.params.data(), in + 8 + pad8(n * 4) + pad8(n * L.rb), n * L.n_g * sizeof(kvq_affine));
+    upload(L.codes, in + 8 + pad8(n * 4), n * L.rb);
+    upload(L.params, in + 8 + pad8(n * 4) + pad8(n * L.rb), n * L.n_g * sizeof(kvq_affine));
     L.n = n;
-  }
-
-  // The accumulator of tokens [0, n) at `layer` in the [W_k | W_v] latent, rounded to fp16: what
-  // ring blocks carry and what every rank attends (own shard included).
-  std::vector<uint16_t> latent_fp16(int layer, int64_t n) const {
-    advance(0, n, layer);
-    const auto& F = factors_->layers[layer];
-    std::vector<float> y((size_t)n * r_);
-    if (F.u_kv.empty())
-      std::copy(acc_.begin(), acc_.begin() + n * d_, y.begin());
-    else if (use_ref_)
-      ref::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
-    else
-      cpu::xq_project(acc_.data(), F.u_kv.data(), n, d_, r_, y.data());
-    std::vector<uint16_t> h(y.size());
-    for (size_t e = 0; e < y.size(); ++e) h[e] = fp32_to_fp16(y[e]);
-    return h;
-  }
-
-  void run_latent(int layer, const uint16_t* y /*[n, r]*/, int64_t n, const int32_t* pos, const float* q,
-                  const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
-    xq_stream s;
-    s.axis = xq_axis::xq_per_token, s.channels = r_, s.bits = 4, s.group = G_, s.nq = 0;
-    s.tail = y;
-    const auto& F = factors_->layers[layer];
-    xq_attn_args a = args(layer, s, n, pos, q, q_pos, n_q, path, out);
-    a.m_k = F.m_kv.data(), a.ld_mk = 2 * kv_, a.m_v = F.m_kv.data() + kv_, a.ld_mv = 2 * kv_;
-    attention(a);
-  }
-
-  // The stored stream of a layer as it sits in a ring block of n tokens (body: after positions).
-  xq_stream block_stream(int layer, const uint8_t* body, int64_t n) const {
-    xq_stream s = stream_view(layer);
-    s.nq = n;
-    s.codes = body;
-    s.params = reinterpret_cast<const kvq_affine*>(body + pad8(n * layers_[layer].rb));
-    return s;
-  }
-
-  // Accumulator rows ([n, n_embd] f32) as the attention kernel's stream. bits/group are unused
-  // with dense rows; they are set so the stream stays valid when x is null (no rows yet).
-  xq_stream dense_view(const float* x /*[n, n_embd]*/) const {
-    xq_stream s;
-    s.axis = xq_axis::xq_per_token, s.channels = d_, s.bits = 4, s.group = G_, s.nq = 0;
-    s.dense = x;
-    return s;
   }
 
   xq_stream stream_view(int layer) const {
     const cl_layer& L = layers_.at(layer);
     xq_stream s;
     s.axis = xq_axis::xq_per_token, s.channels = L.C, s.bits = L.bits, s.group = G_;
-    s.nq = L.n, s.codes = L.codes.data(), s.params = L.params.data();
+    s.nq = L.n, s.codes = L.codes, s.params = L.params;
     return s;
   }
 
+  // For tests and tools: X̂_layer of every token the layer holds, into host memory.
   void accumulator(int layer, float* out) {
     XCTX_CHECK(layer >= base_ && layer < geo_.n_layer, "cache ", traits_.name, ": layer ", layer,
                " has no accumulator (base layer ", base_, ")");
     const int64_t n = layers_[layer].n;
     advance(0, n, layer);
-    std::copy(acc_.begin(), acc_.begin() + n * d_, out);
+    download(out, acc(), (size_t)n * d_ * 4);
   }
 
  private:
@@ -361,10 +298,23 @@ class x_cl_cache final : public kv_cache {
     return 8 + pad8(n * 4) + pad8(n * L.rb) + pad8(n * L.n_g * sizeof(kvq_affine));
   }
 
+  void download(void* dst_host, const void* src, size_t bytes) const {
+    if (bytes != 0) be_.download(dst_host, src, bytes);
+  }
+  void upload(void* dst, const void* src_host, size_t bytes) const {
+    if (bytes != 0) be_.upload(dst, src_host, bytes);
+  }
+  float* acc() const { return acc_.as<float>(); }
+
+  // The accumulator holds at least n rows (grown by doubling, what it held kept).
   void ensure_acc(int64_t n) const {
     if ((int64_t)acc_layer_.size() >= n) return;
-    const int64_t cap = std::min<int64_t>(geo_.capacity, std::max<int64_t>(n, 2 * (int64_t)acc_layer_.size()));
-    acc_.resize((size_t)cap * d_);
+    const int64_t rows = (int64_t)acc_layer_.size();
+    const int64_t cap = std::min<int64_t>(geo_.capacity, std::max<int64_t>(n, 2 * rows));
+    backend_buffer bigger(be_);
+    float* p = bigger.reserve_as<float>(cap * d_);
+    if (rows > 0) be_.copy(p, acc(), (size_t)rows * d_ * 4);
+    acc_.swap(bigger);
     acc_layer_.resize(cap, (int16_t)-1);
   }
 
@@ -372,40 +322,168 @@ class x_cl_cache final : public kv_cache {
     cl_layer& L = layers_[layer];
     xq_encode_job j;
     j.axis = xq_axis::xq_per_token, j.bits = L.bits, j.channels = L.C, j.group = G_, j.n = n, j.x = rows;
-    j.codes = L.codes.data() + (size_t)a0 * L.rb;
-    j.params = L.params.data() + (size_t)a0 * L.n_g;
-    if (use_ref_)
-      ref::xq_encode(j);
-    else
-      cpu::xq_encode(j);
+    j.codes = L.codes + (size_t)a0 * L.rb;
+    j.params = L.params + (size_t)a0 * L.n_g;
+    be_.xq_encode(j);
     L.n = a0 + n;
-  }
-
-  void decode(const xq_stream& s, int64_t t0, int64_t m, float* out) const {
-    if (use_ref_)
-      ref::xq_decode_rows(s, t0, m, out);
-    else
-      cpu::xq_decode_rows(s, t0, m, out);
   }
 
   // acc[r, :] += δ̂_j(t0 + r)·U_jᵀ for r < m, from rows [t0, t0 + m) of layer j's delta stream s
   // (acc [m, n_embd] holds X̂_{j-1} of those rows). The owner (advance) and a ring receiver
-  // (attend_exported) both come through here: same decode, same row-invariant product, so a
+  // (exported_args) both come through here: same decode, same row-invariant product, so a
   // token's X̂_j is the same bits on every rank.
   void add_delta(int j, const xq_stream& s, int64_t t0, int64_t m, float* acc /*[m, n_embd]*/) const {
-    const auto& F = factors_->layers[j];
-    if (F.u_kv.empty()) {  // MHA: the delta is in X space
-      scratch_.resize((size_t)m * d_);
-      decode(s, t0, m, scratch_.data());
-      for (int64_t k = 0; k < m * d_; ++k) acc[k] += scratch_[k];
+    const x_layer_factor_ptrs& F = factors_on_be_->layer(j);
+    if (F.u_kv == nullptr) {  // MHA: the delta is in X space
+      float* z = scratch_.reserve_as<float>(m * d_);
+      be_.xq_decode_rows(s, t0, m, z);
+      be_.add(acc, z, m * d_);
       return;
     }
-    scratch_.resize((size_t)m * r_);
-    decode(s, t0, m, scratch_.data());
-    if (use_ref_)
-      ref::xq_add_projected(scratch_.data(), F.u_kv.data(), m, r_, d_, acc);
-    else
-      cpu::xq_add_projected(scratch_.data(), F.u_kv.data(), m, r_, d_, acc);
+    float* z = scratch_.reserve_as<float>(m * r_);
+    be_.xq_decode_rows(s, t0, m, z);
+    be_.xq_add_projected(z, F.u_kv, m, r_, d_, acc);
+  }
+
+  // Brings accumulator rows [t0, t1) to layer `to` (>= base).
+  void advance(int64_t t0, int64_t t1, int to) const {
+    XCTX_ASSERT(to >= base_ && to < geo_.n_layer);
+    ensure_acc(t1);
+    int64_t t = t0;
+    while (t < t1) {
+      const int16_t at = acc_layer_[t];
+      int64_t e = t + 1;
+      while (e < t1 && acc_layer_[e] == at && e - t < kAccBlock) ++e;
+      int from = at;
+      float* rows = acc() + (size_t)t * d_;
+      if (from < base_ || from > to) {
+        be_.xq_decode_rows(stream_view(base_), t, e - t, rows);
+        from = base_;
+      }
+      for (int j = from + 1; j <= to; ++j) {
+        XCTX_ASSERT(layers_[j].n >= e, "accumulator row ", e - 1, " asked for layer ", j, " which holds ",
+                    layers_[j].n);
+        add_delta(j, stream_view(j), t, e - t, rows);
+      }
+      std::fill(acc_layer_.begin() + t, acc_layer_.begin() + e, (int16_t)to);
+      t = e;
+    }
+  }
+
+  // The accumulator of tokens [0, n) at `layer` in the [W_k | W_v] latent, rounded to fp16 (in
+  // the backend's memory): what ring blocks carry and what every rank attends (own shard too).
+  const uint16_t* latent_fp16(int layer, int64_t n) const {
+    advance(0, n, layer);
+    const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
+    uint16_t* h = latent16_.reserve_as<uint16_t>(std::max<int64_t>(n * r_, 1));
+    if (F.u_kv == nullptr) {  // MHA: the latent is X̂ itself
+      be_.convert_rows(h, kv_dtype::kv_f16, acc(), n * r_);
+      return h;
+    }
+    float* y = lat_.reserve_as<float>(std::max<int64_t>(n * r_, 1));
+    be_.xq_project(acc(), F.u_kv, n, d_, r_, y);
+    be_.convert_rows(h, kv_dtype::kv_f16, y, n * r_);
+    return h;
+  }
+
+  xq_attn_args base_args(int layer, const xq_stream& s, int64_t n, const int32_t* pos, const float* q,
+                         const int32_t* q_pos, int64_t n_q, attend_path path) const {
+    const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
+    xq_attn_args a;
+    a.n = n, a.pos = pos, a.zk = s, a.zv = s, a.same_stream = true;
+    a.m_k = F.w_kv, a.ld_mk = 2 * kv_, a.m_v = F.w_kv + kv_, a.ld_mv = 2 * kv_;
+    a.b_k = F.b_k, a.b_v = F.b_v;
+    a.q = q, a.q_pos = q_pos, a.n_q = n_q;
+    a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
+    a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
+    a.rope = geo_.rope;
+    a.absorb_v = path == attend_path::attend_decode;
+    return a;
+  }
+  // Over the fp16 latent [n, r]: K|V rebuilt through Σ_kv B_kvᵀ.
+  xq_attn_args latent_args(int layer, const uint16_t* y, int64_t n, const int32_t* pos, const float* q,
+                           const int32_t* q_pos, int64_t n_q, attend_path path) const {
+    xq_stream s;
+    s.axis = xq_axis::xq_per_token, s.channels = r_, s.bits = 4, s.group = G_, s.nq = 0;
+    s.tail = y;
+    xq_attn_args a = base_args(layer, s, n, pos, q, q_pos, n_q, path);
+    const x_layer_factor_ptrs& F = factors_on_be_->layer(layer);
+    a.m_k = F.m_kv, a.m_v = F.m_kv + kv_;
+    return a;
+  }
+  // Accumulator rows ([n, n_embd] f32) as the attention kernel's stream. bits/group are unused
+  // with dense rows; they are set so the stream stays valid when x is null (no rows yet).
+  xq_stream dense_view(const float* x /*[n, n_embd]*/) const {
+    xq_stream s;
+    s.axis = xq_axis::xq_per_token, s.channels = d_, s.bits = 4, s.group = G_, s.nq = 0;
+    s.dense = x;
+    return s;
+  }
+
+  // Attention over the own tokens of a layer (o/lse or acc left to the caller).
+  xq_attn_args own_args(int layer, const int32_t* pos, const float* q, const int32_t* q_pos, int64_t n_q,
+                        attend_path path) const {
+    const int64_t n = layers_.at(layer).n;
+    if (layer < base_) return base_args(layer, stream_view(layer), n, pos, q, q_pos, n_q, path);
+    if (deltas_) {  // from the f32 accumulator, as foreign blocks
+      advance(0, n, layer);
+      return base_args(layer, dense_view(acc()), n, pos, q, q_pos, n_q, path);
+    }
+    // The own shard is attended through the same fp16 latent a ring block carries, so a token's
+    // keys and values are the same bits whichever rank attends it (rank-count invariance).
+    return latent_args(layer, latent_fp16(layer, n), n, pos, q, q_pos, n_q, path);
+  }
+
+  // Checks a ring block's header and positions (host bytes); returns its token count.
+  int64_t check_block(int layer, const void* block, size_t bytes) const {
+    XCTX_CHECK(layer >= 0 && layer < geo_.n_layer, "cache block for layer ", layer, " of a ", geo_.n_layer,
+               "-layer cache");
+    const auto* in = static_cast<const uint8_t*>(block);
+    XCTX_CHECK(bytes >= 8, "cache block of ", bytes, " bytes is too short for its header");
+    int64_t n = 0;
+    std::memcpy(&n, in, 8);
+    XCTX_CHECK(n >= 0 && n <= (int64_t)(bytes / 2) && block_bytes(layer, n) == bytes, "cache block for layer ", layer,
+               " claims ", n, " tokens (", n >= 0 && n <= (int64_t)(bytes / 2) ? block_bytes(layer, n) : 0,
+               " bytes) but holds ", bytes, " bytes");
+    const auto* pos = reinterpret_cast<const int32_t*>(in + 8);
+    for (int64_t i = 1; i < n; ++i)
+      XCTX_CHECK(pos[i - 1] < pos[i], "cache block for layer ", layer, ": positions not increasing at index ", i,
+                 " (", pos[i - 1], " then ", pos[i], ")");
+    return n;
+  }
+
+  // The attention args over a ring block: `block` is the host bytes (checked, positions read
+  // there), `on_be` the same bytes where the backend reads them (block itself on host-memory
+  // backends). Deltas mode above the base: the foreign accumulator is advanced to the layer.
+  xq_attn_args exported_args(int layer, const void* block, size_t bytes, const void* on_be, const float* q,
+                             const int32_t* q_pos, int64_t n_q, attend_path path) {
+    const int64_t n = check_block(layer, block, bytes);
+    const auto* in = static_cast<const uint8_t*>(block);
+    const auto* pos_host = reinterpret_cast<const int32_t*>(in + 8);
+    const auto* be_bytes = static_cast<const uint8_t*>(on_be);
+    const auto* pos = reinterpret_cast<const int32_t*>(be_bytes + 8);
+    const uint8_t* body = be_bytes + 8 + pad8(n * 4);
+    if (layer >= base_ && !deltas_)
+      return latent_args(layer, reinterpret_cast<const uint16_t*>(body), n, pos, q, q_pos, n_q, path);
+    xq_stream s = stream_view(layer);
+    s.nq = n;
+    s.codes = body;
+    s.params = reinterpret_cast<const kvq_affine*>(body + pad8(n * layers_[layer].rb));
+    if (layer < base_) return base_args(layer, s, n, pos, q, q_pos, n_q, path);
+    // A source rank without tokens: nothing to accumulate; the attention sees no rows.
+    if (n == 0) return base_args(layer, dense_view(nullptr), 0, pos, q, q_pos, n_q, path);
+    foreign_acc& f = foreign_for(layer, pos_host, n);
+    float* x = f.x.as<float>();
+    if (f.layer != layer) {  // the layer's first query chunk advances it; later chunks reuse it
+      if (layer == base_) {
+        be_.xq_decode_rows(s, 0, n, x);
+      } else {
+        for (int64_t t = 0; t < n; t += kAccBlock)
+          add_delta(layer, s, t, std::min(kAccBlock, n - t), x + (size_t)t * d_);
+      }
+      f.layer = layer;
+    }
+    return base_args(layer, dense_view(x), n, pos, q, q_pos, n_q, path);
   }
 
   // Deltas mode: the accumulator of the foreign block at positions pos [n] for `layer`. At the
@@ -419,9 +497,12 @@ class x_cl_cache final : public kv_cache {
         std::equal(pos, pos + n, it->pos.begin()))
       return *it;
     if (layer == base_) {
-      if (it == foreign_.end()) it = foreign_.insert(foreign_.end(), foreign_acc{});
+      if (it == foreign_.end()) {
+        foreign_.emplace_back(be_);
+        it = foreign_.end() - 1;
+      }
       it->pos.assign(pos, pos + n);
-      it->x.resize((size_t)n * d_);  // [n, n_embd]
+      it->x.reserve_as<float>(n * d_);  // [n, n_embd]
       it->layer = -1;
       return *it;
     }
@@ -441,75 +522,23 @@ class x_cl_cache final : public kv_cache {
     return *it;
   }
 
-  // Brings accumulator rows [t0, t1) to layer `to` (>= base).
-  void advance(int64_t t0, int64_t t1, int to) const {
-    XCTX_ASSERT(to >= base_ && to < geo_.n_layer);
-    ensure_acc(t1);
-    int64_t t = t0;
-    while (t < t1) {
-      const int16_t at = acc_layer_[t];
-      int64_t e = t + 1;
-      while (e < t1 && acc_layer_[e] == at && e - t < kAccBlock) ++e;
-      int from = at;
-      float* acc = acc_.data() + (size_t)t * d_;
-      if (from < base_ || from > to) {
-        decode(stream_view(base_), t, e - t, acc);
-        from = base_;
-      }
-      for (int j = from + 1; j <= to; ++j) {
-        XCTX_ASSERT(layers_[j].n >= e, "accumulator row ", e - 1, " asked for layer ", j, " which holds ",
-                    layers_[j].n);
-        add_delta(j, stream_view(j), t, e - t, acc);
-      }
-      std::fill(acc_layer_.begin() + t, acc_layer_.begin() + e, (int16_t)to);
-      t = e;
-    }
-  }
-
-  xq_attn_args args(int layer, const xq_stream& s, int64_t n, const int32_t* pos, const float* q,
-                    const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) const {
-    const auto& F = factors_->layers[layer];
-    xq_attn_args a;
-    a.n = n, a.pos = pos, a.zk = s, a.zv = s, a.same_stream = true;
-    a.m_k = F.w_kv.data(), a.ld_mk = 2 * kv_, a.m_v = F.w_kv.data() + kv_, a.ld_mv = 2 * kv_;
-    a.b_k = F.b_k.empty() ? nullptr : F.b_k.data();
-    a.b_v = F.b_v.empty() ? nullptr : F.b_v.data();
-    a.q = q, a.q_pos = q_pos, a.n_q = n_q;
-    a.n_head = geo_.n_head, a.n_head_kv = geo_.n_head_kv, a.head_dim = geo_.head_dim;
-    a.scale = 1.0f / std::sqrt((float)geo_.head_dim);
-    a.rope = geo_.rope;
-    a.acc = &out;
-    a.absorb_v = path == attend_path::attend_decode;
-    return a;
-  }
-
-  // Attention over an X stream (or the accumulator) with K|V = X·[W_k | W_v] + b.
-  void run_w(int layer, const xq_stream& s, int64_t n, const int32_t* pos, const float* q, const int32_t* q_pos,
-             int64_t n_q, attend_path path, softmax_acc& out) const {
-    attention(args(layer, s, n, pos, q, q_pos, n_q, path, out));
-  }
-
-  void attention(const xq_attn_args& a) const {
-    if (use_ref_)
-      ref::attention_xq(a);
-    else
-      cpu::attention_xq(a);
-  }
-
-
   cache_spec spec_;
   cache_geometry geo_;
+  backend& be_;
   cache_format_traits traits_;
-  bool use_ref_ = false;
   bool deltas_ = true;  // cl_ring_mode::cl_ring_deltas
   std::shared_ptr<const x_factors> factors_;
+  std::shared_ptr<const x_factors_on_backend> factors_on_be_;
   int G_ = 0, d_ = 0, kv_ = 0, r_ = 0, base_ = 0;
-  slot_position_store pos_;  // [capacity], shared by the layers (host backends only)
+  slot_position_store pos_;  // [capacity], shared by the layers
   std::vector<cl_layer> layers_;
-  mutable std::vector<float> acc_;          // [rows, n_embd] the accumulator X̂
+  mutable backend_buffer acc_;              // [rows, n_embd] the accumulator X̂
   mutable std::vector<int16_t> acc_layer_;  // [rows] layer each accumulator row holds (-1: none)
-  mutable std::vector<float> scratch_;      // [block, r] decoded deltas
-  std::vector<float> delta_, lat_;          // [n, n_embd], [n, r] rows being appended
+  mutable backend_buffer scratch_;          // [block, r] decoded deltas
+  backend_buffer delta_;                    // [n, n_embd] rows being appended
+  mutable backend_buffer lat_;              // [n, r] their latents; the f32 latent of latent_fp16
+  mutable backend_buffer latent16_;         // [n, r] fp16: latent mode's own-shard latent
+  backend_buffer block_;                    // a ring block uploaded by attend_exported_partial
   std::vector<foreign_acc> foreign_;        // deltas mode: one per foreign source block (ring prefill)
 };
 

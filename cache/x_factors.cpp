@@ -4,7 +4,11 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <iterator>
+#include <map>
+#include <mutex>
 
 #include "common/error.h"
 #include "common/hash.h"
@@ -185,6 +189,50 @@ void check_x_factors(const x_factors* f, cache_format fmt, const cache_geometry&
              ")");
   const int want_rank = want == x_factor_kind::xf_latent ? xquant_rank(g) : xquant_cl_rank(g);
   XCTX_CHECK(f->rank == want_rank, "cache ", name, ": factor rank ", f->rank, " != ", want_rank);
+}
+
+namespace {
+// The arrays of a layer, in x_layer_factor_ptrs' order.
+std::array<const std::vector<float>*, 9> layer_arrays(const x_layer_factors& F) {
+  return {&F.u_k, &F.u_v, &F.m_k, &F.m_v, &F.u_kv, &F.m_kv, &F.w_kv, &F.b_k, &F.b_v};
+}
+std::array<const float**, 9> layer_slots(x_layer_factor_ptrs& P) {
+  return {&P.u_k, &P.u_v, &P.m_k, &P.m_v, &P.u_kv, &P.m_kv, &P.w_kv, &P.b_k, &P.b_v};
+}
+}  // namespace
+
+x_factors_on_backend::x_factors_on_backend(backend& be, const x_factors& f) : copy_(be) {
+  size_t total = 0;
+  for (const x_layer_factors& F : f.layers)
+    for (const std::vector<float>* v : layer_arrays(F)) total += v->size();
+  float* dev = be.host_memory() ? nullptr : copy_.reserve_as<float>((int64_t)std::max<size_t>(total, 1));
+  size_t at = 0;
+  layers_.resize(f.layers.size());
+  for (size_t l = 0; l < f.layers.size(); ++l) {
+    const auto src = layer_arrays(f.layers[l]);
+    const auto dst = layer_slots(layers_[l]);
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (src[i]->empty()) continue;
+      if (dev == nullptr) {
+        *dst[i] = src[i]->data();
+        continue;
+      }
+      *dst[i] = dev + at;
+      be.upload(dev + at, src[i]->data(), src[i]->size() * sizeof(float));
+      at += src[i]->size();
+    }
+  }
+}
+
+std::shared_ptr<const x_factors_on_backend> x_factors_on_backend::get(backend& be, const x_factors& f) {
+  static std::mutex mu;
+  static std::map<std::pair<const backend*, const x_factors*>, std::weak_ptr<const x_factors_on_backend>> live;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = live.begin(); it != live.end();) it = it->second.expired() ? live.erase(it) : std::next(it);
+  std::weak_ptr<const x_factors_on_backend>& slot = live[{&be, &f}];
+  std::shared_ptr<const x_factors_on_backend> p = slot.lock();
+  if (p == nullptr) slot = p = std::make_shared<const x_factors_on_backend>(be, f);
+  return p;
 }
 
 }  // namespace xctx

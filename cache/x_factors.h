@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cache/format.h"
+#include "kernels/ops.h"
 #include "model/weights.h"
 
 namespace xctx {
@@ -60,5 +61,29 @@ uint64_t x_factors_digest(const x_factors& f);
 
 // Throws unless the factors exist and fit the geometry (names the format and the mismatch).
 void check_x_factors(const x_factors* f, cache_format fmt, const cache_geometry& g);
+
+// One layer's factors where a backend's kernels read them (null for an empty array).
+struct x_layer_factor_ptrs {
+  const float *u_k = nullptr, *u_v = nullptr, *m_k = nullptr, *m_v = nullptr;
+  const float *u_kv = nullptr, *m_kv = nullptr, *w_kv = nullptr;
+  const float *b_k = nullptr, *b_v = nullptr;
+};
+
+// Every layer's factors in a backend's memory: the host arrays themselves on host-memory
+// backends; on the others one upload, shared by all the caches made on that backend from the
+// same factors (a rank's own cache and its star anchor / block caches) and freed with the last.
+// They are model data, like the weights: not in a cache's bytes_allocated.
+class x_factors_on_backend {
+ public:
+  x_factors_on_backend(backend& be, const x_factors& f);
+  const x_layer_factor_ptrs& layer(int l) const { return layers_.at(l); }
+  size_t backend_bytes() const { return copy_.bytes(); }
+  // The instance for (be, f), made on first use; callers keep it alive while they use it.
+  static std::shared_ptr<const x_factors_on_backend> get(backend& be, const x_factors& f);
+
+ private:
+  backend_buffer copy_;
+  std::vector<x_layer_factor_ptrs> layers_;
+};
 
 }  // namespace xctx

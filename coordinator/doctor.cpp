@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/jobs.h"
@@ -140,9 +139,9 @@ void print_report(const json& rep) {
   std::printf("build         %s, %s; backends: ref, cpu%s\n", b["type"].get<std::string>().c_str(),
               b["compiler"].get<std::string>().c_str(), b["cuda"].get<bool>() ? ", cuda" : " (CUDA not compiled in)");
   const char* env_backend = std::getenv("XCTX_BACKEND");
-  std::printf("jobs run on   --backend cpu (every cache format) or cuda (every format but %s; never run on a GPU so "
-              "far: README); default %s\n",
-              formats_needing_host_backend().c_str(), env_backend != nullptr && *env_backend != '\0' ? (std::string("XCTX_BACKEND=") + env_backend).c_str() : "cpu");
+  std::printf("jobs run on   --backend cpu or cuda (every cache format on both; cuda never run on a GPU so far: "
+              "README); default %s\n",
+              env_backend != nullptr && *env_backend != '\0' ? (std::string("XCTX_BACKEND=") + env_backend).c_str() : "cpu");
   std::printf("cpu           %s; kernels: %s\n", rep["cpu"]["model"].get<std::string>().c_str(),
               rep["cpu"]["kernels"].get<std::string>().c_str());
   std::printf("blas          %s\n", rep["blas"].get<std::string>().c_str());

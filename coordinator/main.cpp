@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <map>
 
-#include "cache/cache.h"
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/jobs.h"
@@ -73,8 +72,8 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--ctx", ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--backend", cf.backend,
                   "cpu | cuda: where the forward, the cache and attention run (default: XCTX_BACKEND, else cpu); "
-                  "cuda binds each rank to node-local rank mod the GPUs (XCTX_CUDA_DEVICE overrides) and runs "
-                  "every cache format but " + formats_needing_host_backend() + " so far");
+                  "cuda binds each rank to node-local rank mod the GPUs (XCTX_CUDA_DEVICE overrides); every cache "
+                  "format runs on both");
   cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
   cmd->add_option("--decode-act", cf.decode_act,

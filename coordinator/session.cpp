@@ -42,7 +42,6 @@ model_session open_session(const std::string& model_path, const std::string& tok
   XCTX_CHECK(s.tok->n_vocab() <= s.weights.hp.n_vocab, "tokenizer ", vocab_source, " has ", s.tok->n_vocab(),
              " tokens but the model's vocabulary has ", s.weights.hp.n_vocab);
   s.be = make_backend(rp.backend);
-  if (std::string why; !cache_runs_on(rp.cache, *s.be, &why)) fail(why);
   s.cache = resolve_cache_spec(rp, s.weights);
   return s;
 }

@@ -77,6 +77,19 @@ class host_backend final : public backend {
     k_.xq_project(x, u, n, d, r, out);
   }
   void attention_xq(const xq_attn_args& a) override { k_.attention_xq(a); }
+  void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) override {
+    k_.xq_decode_rows(s, t0, nt, out);
+  }
+  void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) override {
+    k_.xq_add_projected(z, u, n, r, d, acc);
+  }
+  void sub(float* y, const float* a, const float* b, int64_t n) override {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; ++i) y[i] = a[i] - b[i];
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
 
  private:
   host_kernels k_;

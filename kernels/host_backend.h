@@ -23,6 +23,8 @@ struct host_kernels {
   void (*xq_encode)(const xq_encode_job&);
   void (*xq_project)(const float*, const float*, int64_t, int, int, float*);
   void (*attention_xq)(const xq_attn_args&);
+  void (*xq_decode_rows)(const xq_stream&, int64_t, int64_t, float*);
+  void (*xq_add_projected)(const float*, const float*, int64_t, int, int, float*);
   // Optional (nullptr: one matmul call per weight).
   void (*matmul_n)(const weight_view*, int, const float*, int64_t, float* const*);
 };

@@ -77,6 +77,7 @@ struct kvq_attn_args;
 // X-cache kernels (encode a latent stream, attention rebuilding K and V): kernels/x_quant.h.
 struct xq_encode_job;
 struct xq_attn_args;
+struct xq_stream;
 class softmax_acc;  // kernels/softmax_acc.h
 
 // One attention call: queries against a set of cached tokens, producing a *partial* result
@@ -190,6 +191,15 @@ class backend {
   virtual void xq_project(const float* x /*[n, d]*/, const float* u /*[d, r]*/, int64_t n, int d, int r,
                           float* out /*[n, r]*/) = 0;
   virtual void attention_xq(const xq_attn_args& a) = 0;
+  // xquant-cl's accumulator (cache/x_cl_cache.cpp): rows [t0, t0 + nt) of a stream in f32, and
+  // acc[t, :] += z[t, :]·uᵀ (a decoded delta latent brought back to X space); both row-invariant.
+  virtual void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out /*[nt, C]*/) = 0;
+  virtual void xq_add_projected(const float* z /*[n, r]*/, const float* u /*[d, r]*/, int64_t n, int r, int d,
+                                float* acc /*[n, d]*/) = 0;
+  // y = a - b elementwise (y may alias a or b).
+  virtual void sub(float* y /*[n]*/, const float* a /*[n]*/, const float* b /*[n]*/, int64_t n) = 0;
+  // dst = src, both in this backend's memory (no overlap).
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
 };
 
 // One allocation in a backend's memory, freed with the object. reserve() grows it (what it held

@@ -220,8 +220,8 @@ class device_space_backend final : public backend {
     check(a.q, q_rows * a.head_dim * 4, "attention_xq", "q"), check(a.q_pos, a.n_q * 4, "attention_xq", "q_pos");
     check(a.o, q_rows * a.head_dim * 4, "attention_xq", "o"), check(a.lse, q_rows * 4, "attention_xq", "lse");
     check_some(a.pos, a.n * 4, "attention_xq", "pos");
-    check_stream(a.zk, a.n, "zk");
-    if (!a.same_stream) check_stream(a.zv, a.n, "zv");
+    check_stream(a.zk, a.n, "attention_xq zk");
+    if (!a.same_stream) check_stream(a.zv, a.n, "attention_xq zv");
     if (a.m_k != nullptr) check(a.m_k, (a.zk.channels - 1) * a.ld_mk * 4 + kv * 4, "attention_xq", "m_k");
     if (a.m_v != nullptr) check(a.m_v, (a.zv.channels - 1) * a.ld_mv * 4 + kv * 4, "attention_xq", "m_v");
     if (a.b_k != nullptr) check(a.b_k, kv * 4, "attention_xq", "b_k");
@@ -229,9 +229,27 @@ class device_space_backend final : public backend {
     ++attention_calls;
     with_memory_open([&] { cpu_->attention_xq(a); });
   }
-  void check_stream(const xq_stream& s, int64_t n, const char* which) {
+  void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) override {
+    check_stream(s, t0 + nt, "xq_decode_rows s");
+    check_some(out, nt * s.channels * 4, "xq_decode_rows", "out");
+    with_memory_open([&] { cpu_->xq_decode_rows(s, t0, nt, out); });
+  }
+  void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) override {
+    check_some(z, n * r * 4, "xq_add_projected", "z"), check(u, (int64_t)d * r * 4, "xq_add_projected", "u");
+    check_some(acc, n * d * 4, "xq_add_projected", "acc");
+    with_memory_open([&] { cpu_->xq_add_projected(z, u, n, r, d, acc); });
+  }
+  void sub(float* y, const float* a, const float* b, int64_t n) override {
+    check_some(y, n * 4, "sub", "y"), check_some(a, n * 4, "sub", "a"), check_some(b, n * 4, "sub", "b");
+    with_memory_open([&] { cpu_->sub(y, a, b, n); });
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    check_some(dst, (int64_t)bytes, "copy", "dst"), check_some(src, (int64_t)bytes, "copy", "src");
+    with_memory_open([&] { cpu_->copy(dst, src, bytes); });
+  }
+  // The arrays of stream s holding rows [0, n), for op `at`.
+  void check_stream(const xq_stream& s, int64_t n, const std::string& at) {
     const int64_t C = s.channels, nq = s.nq;
-    const std::string at = std::string("attention_xq ") + which;
     if (s.dense != nullptr) {
       check_some(s.dense, n * C * 4, at.c_str(), "dense");
       return;

@@ -8,7 +8,8 @@ namespace xctx {
 std::unique_ptr<backend> make_cpu_backend() {
   return make_host_backend({"cpu", cpu::matmul, cpu::get_rows, cpu::rms_norm, cpu::rope, cpu::swiglu, cpu::add,
                             cpu::attention_partial, cpu::merge_partials, cpu::kvq_encode, cpu::attention_kvq,
-                            cpu::xq_encode, cpu::xq_project, cpu::attention_xq, cpu::matmul_n});
+                            cpu::xq_encode, cpu::xq_project, cpu::attention_xq, cpu::xq_decode_rows,
+                            cpu::xq_add_projected, cpu::matmul_n});
 }
 
 }  // namespace xctx

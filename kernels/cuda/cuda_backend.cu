@@ -205,6 +205,23 @@ class cuda_backend final : public backend {
     use_device();
     cuda::attention_xq(ctx_, a);
   }
+  void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) override {
+    use_device();
+    cuda::xq_decode_rows(ctx_, s, t0, nt, out);
+  }
+  void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) override {
+    use_device();
+    cuda::xq_add_projected(ctx_, z, u, n, r, d, acc);
+  }
+  void sub(float* y, const float* a, const float* b, int64_t n) override {
+    use_device();
+    cuda::sub(ctx_, y, a, b, n);
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    use_device();
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_.stream));
+  }
 
  private:
   void init(int device) {

@@ -1,4 +1,4 @@
-// Elementwise and per-row kernels: rms_norm, rope, swiglu, add, add_rows, convert_rows. Same contracts (and the same
+// Elementwise and per-row kernels: rms_norm, rope, swiglu, add, sub, add_rows, convert_rows. Same contracts (and the same
 // argument checks) as kernels/ref/elementwise_ref.cpp.
 #include <climits>
 #include <cmath>
@@ -78,6 +78,11 @@ __global__ void __launch_bounds__(kBlock) add_kernel(float* y /*[n]*/, const flo
     y[i] += x[i];
 }
 
+__global__ void __launch_bounds__(kBlock) sub_kernel(float* y, const float* a, const float* b, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    y[i] = a[i] - b[i];
+}
+
 __global__ void __launch_bounds__(kBlock)
     add_rows_kernel(float* y /*[n_tok, dim]*/, const float* b /*[dim]*/, int64_t n_tok, int64_t dim) {
   const int64_t n = n_tok * dim;
@@ -152,6 +157,13 @@ void add(context& ctx, float* y, const float* x, int64_t n) {
   XCTX_CHECK(n >= 0, "cuda::add: negative n ", n);
   if (n == 0) return;
   add_kernel<<<grid_for(n, kBlock, ctx.n_sm), kBlock, 0, ctx.stream>>>(y, x, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void sub(context& ctx, float* y, const float* a, const float* b, int64_t n) {
+  XCTX_CHECK(n >= 0, "cuda::sub: negative n ", n);
+  if (n == 0) return;
+  sub_kernel<<<grid_for(n, kBlock, ctx.n_sm), kBlock, 0, ctx.stream>>>(y, a, b, n);
   CUDA_CHECK_LAUNCH();
 }
 

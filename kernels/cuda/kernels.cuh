@@ -53,6 +53,7 @@ void rope(context& ctx, float* x /*[n_tok, n_head, head_dim]*/, const int32_t* p
           int n_head, const rope_config& cfg);
 void swiglu(context& ctx, const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/);
 void add(context& ctx, float* y /*[n]*/, const float* x /*[n]*/, int64_t n);
+void sub(context& ctx, float* y /*[n]*/, const float* a /*[n]*/, const float* b /*[n]*/, int64_t n);
 void add_rows(context& ctx, float* y /*[n_tok, dim]*/, const float* b /*[dim]*/, int64_t n_tok, int64_t dim);
 void convert_rows(context& ctx, void* dst /*[n] of type*/, kv_dtype type, const float* src /*[n]*/, int64_t n);
 

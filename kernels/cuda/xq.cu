@@ -111,41 +111,63 @@ __global__ void __launch_bounds__(xq_threads) per_channel_kernel(const xq_encode
   }
 }
 
-// ---- latents of new rows: out = x·U ----------------------------------------------------------
+// ---- row products: latents x·U of new rows, and acc += z·Uᵀ ----------------------------------
 
-// Tiles of xq_lat_tile rows x xq_lat_tile latent channels; thread (tx, ty) owns channel tx of rows
-// ty, ty + 8, ... Each output is one FMA chain over d in order, so its bits depend on its own row
-// only (not on how many rows share the call: rank-count invariance), unlike a cuBLAS call whose
+// out[t, j] (+)= Σ_k a[t, k] B(k, j) for t < n, j < N, with B(k, j) = b[k * b_k + j * b_j] (U for
+// the latents, Uᵀ for xquant-cl's accumulator update). Tiles of xq_lat_tile rows x xq_lat_tile
+// columns; thread (tx, ty) owns column tx of rows ty, ty + 8, ... Each output is one FMA chain
+// over k in order (then added to out when accumulating), so its bits depend on its own row only
+// (not on how many rows share the call: rank-count invariance), unlike a cuBLAS call whose
 // algorithm may change with n.
 constexpr int xq_lat_tile = 32, xq_lat_ty = 8;
 
 __global__ void __launch_bounds__(xq_lat_tile* xq_lat_ty)
-    xq_latent_kernel(const float* __restrict__ x, const float* __restrict__ u, int64_t n, int d, int r,
-                     float* __restrict__ out) {
-  __shared__ float xs[xq_lat_tile][xq_lat_tile + 1], us[xq_lat_tile][xq_lat_tile + 1];
+    xq_rows_kernel(const float* __restrict__ a, int64_t n, int K, const float* __restrict__ b, int64_t b_k,
+                   int64_t b_j, int N, float* __restrict__ out, bool accumulate) {
+  __shared__ float as[xq_lat_tile][xq_lat_tile + 1], bs[xq_lat_tile][xq_lat_tile + 1];
   const int tx = (int)threadIdx.x, ty = (int)threadIdx.y;
   const int64_t t0 = (int64_t)blockIdx.x * xq_lat_tile;
   const int j = (int)blockIdx.y * xq_lat_tile + tx;
   float acc[xq_lat_tile / xq_lat_ty] = {};
-  for (int i0 = 0; i0 < d; i0 += xq_lat_tile) {
-    for (int k = ty; k < xq_lat_tile; k += xq_lat_ty) {
-      const int64_t t = t0 + k;
-      xs[k][tx] = (t < n && i0 + tx < d) ? x[t * d + i0 + tx] : 0.0f;
-      us[k][tx] = (i0 + k < d && j < r) ? u[(int64_t)(i0 + k) * r + j] : 0.0f;
+  for (int k0 = 0; k0 < K; k0 += xq_lat_tile) {
+    for (int r = ty; r < xq_lat_tile; r += xq_lat_ty) {
+      const int64_t t = t0 + r;
+      as[r][tx] = (t < n && k0 + tx < K) ? a[t * K + k0 + tx] : 0.0f;
+      bs[r][tx] = (k0 + r < K && j < N) ? b[(int64_t)(k0 + r) * b_k + (int64_t)j * b_j] : 0.0f;
     }
     __syncthreads();
-    const int m = min(xq_lat_tile, d - i0);  // padding never enters a chain
+    const int m = min(xq_lat_tile, K - k0);  // padding never enters a chain
 #pragma unroll
     for (int q = 0; q < xq_lat_tile / xq_lat_ty; ++q)
-      for (int i = 0; i < m; ++i) acc[q] = fmaf(xs[ty + q * xq_lat_ty][i], us[i][tx], acc[q]);
+      for (int k = 0; k < m; ++k) acc[q] = fmaf(as[ty + q * xq_lat_ty][k], bs[k][tx], acc[q]);
     __syncthreads();
   }
-  if (j >= r) return;
+  if (j >= N) return;
 #pragma unroll
   for (int q = 0; q < xq_lat_tile / xq_lat_ty; ++q) {
     const int64_t t = t0 + ty + q * xq_lat_ty;
-    if (t < n) out[t * r + j] = acc[q];
+    if (t < n) out[t * N + j] = accumulate ? out[t * N + j] + acc[q] : acc[q];
   }
+}
+
+void launch_rows(context& ctx, const float* a, int64_t n, int K, const float* b, int64_t b_k, int64_t b_j, int N,
+                 float* out, bool accumulate, const char* what) {
+  XCTX_CHECK(n >= 0 && K > 0 && N > 0, "cuda ", what, ": bad sizes n=", n, " K=", K, " N=", N);
+  if (n == 0) return;
+  const int64_t row_tiles = (n + xq_lat_tile - 1) / xq_lat_tile;
+  XCTX_CHECK(row_tiles <= INT_MAX && (N + xq_lat_tile - 1) / xq_lat_tile <= 65535, "cuda ", what, ": ", n,
+             " rows of ", N, " columns exceed one launch");
+  const dim3 grid((unsigned)row_tiles, (unsigned)((N + xq_lat_tile - 1) / xq_lat_tile));
+  xq_rows_kernel<<<grid, dim3(xq_lat_tile, xq_lat_ty), 0, ctx.stream>>>(a, n, K, b, b_k, b_j, N, out, accumulate);
+  CUDA_CHECK_LAUNCH();
+}
+
+// Element e of rows [t0, t0 + nt): xq_element, the per-element function the host decodes with.
+__global__ void __launch_bounds__(xq_threads)
+    xq_decode_kernel(const xq_stream s, int64_t t0, int64_t nt, float* __restrict__ out) {
+  const int64_t total = nt * s.channels;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x)
+    out[e] = xq_element(s, t0 + e / s.channels, (int)(e % s.channels));
 }
 
 void check_encode_job(const xq_encode_job& j) {
@@ -364,13 +386,20 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
 }
 
 void xq_project(context& ctx, const float* x, const float* u, int64_t n, int d, int r, float* out) {
-  XCTX_CHECK(n >= 0 && d > 0 && r > 0, "cuda xq_project: bad sizes n=", n, " d=", d, " r=", r);
-  if (n == 0) return;
-  const int64_t row_tiles = (n + xq_lat_tile - 1) / xq_lat_tile;
-  XCTX_CHECK(row_tiles <= INT_MAX && (r + xq_lat_tile - 1) / xq_lat_tile <= 65535, "cuda xq_project: ", n,
-             " rows of ", r, " latent channels exceed one launch");
-  const dim3 grid((unsigned)row_tiles, (unsigned)((r + xq_lat_tile - 1) / xq_lat_tile));
-  xq_latent_kernel<<<grid, dim3(xq_lat_tile, xq_lat_ty), 0, ctx.stream>>>(x, u, n, d, r, out);
+  launch_rows(ctx, x, n, d, u, r, 1, r, out, false, "xq_project");
+}
+
+void xq_add_projected(context& ctx, const float* z, const float* u, int64_t n, int r, int d, float* acc) {
+  launch_rows(ctx, z, n, r, u, 1, r, d, acc, true, "xq_add_projected");
+}
+
+void xq_decode_rows(context& ctx, const xq_stream& s, int64_t t0, int64_t nt, float* out) {
+  XCTX_CHECK(t0 >= 0 && nt >= 0 && s.channels > 0, "cuda xq_decode_rows: bad rows ", t0, " + ", nt, " of ",
+             s.channels, " channels");
+  if (nt == 0) return;
+  const int64_t total = nt * s.channels;
+  const unsigned blocks = (unsigned)std::min<int64_t>((total + xq_threads - 1) / xq_threads, 8 * (int64_t)ctx.n_sm);
+  xq_decode_kernel<<<blocks, xq_threads, 0, ctx.stream>>>(s, t0, nt, out);
   CUDA_CHECK_LAUNCH();
 }
 

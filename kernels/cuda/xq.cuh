@@ -41,9 +41,12 @@ struct context;  // kernels.cuh
 // Entry points (xq.cu); every pointer in the job/args is a device pointer.
 void xq_encode(context& ctx, const xq_encode_job& job);
 void attention_xq(context& ctx, const xq_attn_args& a);
-// out = x·u, the latents of n rows (x [n, d], u [d, r] row-major): one FMA chain per output in
-// channel order, so a row's latent does not depend on the rows beside it.
+// out = x·u, the latents of n rows (x [n, d], u [d, r] row-major), and acc += z·uᵀ (z [n, r]):
+// one FMA chain per output in channel order, so a row's result does not depend on the rows
+// beside it. Rows [t0, t0 + nt) of a stream in f32 (xq_element per element).
 void xq_project(context& ctx, const float* x, const float* u, int64_t n, int d, int r, float* out);
+void xq_add_projected(context& ctx, const float* z, const float* u, int64_t n, int r, int d, float* acc);
+void xq_decode_rows(context& ctx, const xq_stream& s, int64_t t0, int64_t nt, float* out);
 
 constexpr int xq_threads = 128;
 constexpr int xq_tile = 32;           // stream rows per attention tile

@@ -9,7 +9,7 @@ std::unique_ptr<backend> make_ref_backend() {
   return make_host_backend({"ref", ref::matmul, ref::get_rows, ref::rms_norm, ref::rope, ref::swiglu, ref::add,
                             ref::attention_partial, ref::merge_partials, ref::kvq_encode, ref::attention_kvq,
                             ref::xq_encode, ref::xq_project, [](const xq_attn_args& a) { ref::attention_xq(a); },
-                            nullptr});
+                            ref::xq_decode_rows, ref::xq_add_projected, nullptr});
 }
 
 }  // namespace xctx

@@ -1,7 +1,7 @@
-// The windowed X caches (xquant2-4 with latents or X itself, clkv) on a backend whose memory is
-// not the host's (tests/device_space_backend.h): every stream array and the rebuild factors live
-// in that memory, written only by the backend's ops (xq_project, convert_rows, xq_encode) and
-// read only by attention_xq and downloads.
+// The X caches (xquant2-4 with latents or X itself, clkv, xquant-cl2-4 in both ring modes) on a
+// backend whose memory is not the host's (tests/device_space_backend.h): every stream array, the
+// accumulators and the rebuild factors live in that memory, written only by the backend's ops
+// and read only by attention_xq and downloads.
 // Against the same cache on the CPU backend (the same CPU kernels run behind the emulation): the
 // same bytes after an uneven append pattern, bitwise the same (o, lse) partials on both paths and
 // over ring blocks, snapshots crossing both ways, no transfer in a decode step.
@@ -27,9 +27,12 @@ struct device_case {
   cache_format format;
   bool gqa;  // GQA: xquant stores the latents X·U_k, X·U_v; MHA: X itself (one stream)
   bool ch0;  // xquant: the key-side latent's first channel kept fp16
+  cl_ring_mode ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl: what its ring blocks carry
 };
 std::string case_name(const device_case& c) {
-  return test::format_test_name(c.format) + (c.gqa ? "_gqa" : "_mha") + (c.ch0 ? "_ch0" : "");
+  const bool cl = format_traits(c.format).family == cache_family::family_xquant_cl;
+  return test::format_test_name(c.format) + (c.gqa ? "_gqa" : "_mha") + (c.ch0 ? "_ch0" : "") +
+         (cl ? (c.ring == cl_ring_mode::cl_ring_latent ? "_latent" : "_deltas") : "");
 }
 void PrintTo(const device_case& c, std::ostream* os) { *os << case_name(c); }
 
@@ -39,6 +42,8 @@ cache_spec spec_for(const device_case& c, const model_weights& w) {
   o.clkv_group = 8;
   o.x_fp16_first_channel = c.ch0;
   o.clkv_value_share_from = 2;  // layers 2-3 decode layer 1-2's value codes with their own scales
+  o.cl_hi_layers = 2;           // xquant-cl: layers 0-1 X at 4 bits, base 1, deltas 2-3
+  o.cl_ring = c.ring;
   if (format_needs_x_factors(c.format)) o.factors = build_x_factors(w, x_factor_kind_for(c.format));
   return cache_spec(c.format, o);
 }
@@ -149,17 +154,32 @@ TEST_P(x_cache_device, partials_agree_with_the_exact_accumulator) {
 }
 
 // A host snapshot restores into an empty device cache (layers in order: clkv's shared codes are
-// compared with the layer below's, downloaded) and exports the same bytes; and the other way.
+// compared with the layer below's, downloaded) and snapshots the same bytes; and the other way.
+// The restored caches attend as the originals (xquant-cl rebuilds its accumulators from codes).
 TEST_P(x_cache_device, snapshots_cross_between_host_and_device) {
   twin_x_caches t(GetParam());
-  auto dev2 = make_cache(spec_for(t.c, t.model.w), t.g, t.dev);
-  auto host2 = make_cache(spec_for(t.c, t.model.w), t.g, *t.cpu);
+  auto dev2 = make_cache(t.spec, t.g, t.dev);
+  auto host2 = make_cache(t.spec, t.g, *t.cpu);
+  const auto snapshot = [](const kv_cache& c, int l) {
+    std::vector<uint8_t> b(c.snapshot_bytes(l));
+    c.snapshot_layer(l, b.data());
+    return b;
+  };
   for (int l = 0; l < t.g.n_layer; ++l) {
-    const std::vector<uint8_t> from_host = t.block(*t.host, l), from_dev = t.block(*t.device, l);
+    const std::vector<uint8_t> from_host = snapshot(*t.host, l), from_dev = snapshot(*t.device, l);
+    EXPECT_EQ(from_dev, from_host) << "layer " << l;
     dev2->restore_layer(l, from_host.data(), from_host.size());
     host2->restore_layer(l, from_dev.data(), from_dev.size());
-    EXPECT_EQ(t.block(*dev2, l), from_host) << "layer " << l;
-    EXPECT_EQ(t.block(*host2, l), from_dev) << "layer " << l;
+    EXPECT_EQ(snapshot(*dev2, l), from_host) << "layer " << l;
+    EXPECT_EQ(snapshot(*host2, l), from_dev) << "layer " << l;
+  }
+  const std::vector<int32_t> q_pos = {5, 390};
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
+  for (int l = 0; l < t.g.n_layer; ++l) {
+    const partial hp = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill);
+    const partial dp = device_partial(t.dev, *dev2, l, q, q_pos, attend_path::attend_prefill);
+    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
+    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
   }
 }
 
@@ -222,26 +242,14 @@ INSTANTIATE_TEST_SUITE_P(cases, x_cache_device,
                                            device_case{cache_format::cache_xquant3, true, true},
                                            device_case{cache_format::cache_xquant4, false, false},
                                            device_case{cache_format::cache_clkv, true, false},
-                                           device_case{cache_format::cache_clkv, false, false}),
+                                           device_case{cache_format::cache_clkv, false, false},
+                                           device_case{cache_format::cache_xquant_cl3, true, false},
+                                           device_case{cache_format::cache_xquant_cl2, true, false,
+                                                       cl_ring_mode::cl_ring_latent},
+                                           device_case{cache_format::cache_xquant_cl4, false, false},
+                                           device_case{cache_format::cache_xquant_cl3, false, false,
+                                                       cl_ring_mode::cl_ring_latent}),
                          [](const auto& info) { return case_name(info.param); });
-
-// Formats whose arrays the host must read (xquant-cl's accumulators) are still refused on a
-// device backend, naming the format.
-TEST(x_cache_device, cross_layer_formats_are_refused_up_front) {
-  test::device_space_backend dev;
-  const cache_geometry g = test::x_geometry(true, 64);
-  for (cache_format f : {cache_format::cache_xquant_cl2, cache_format::cache_xquant_cl3}) {
-    std::string why;
-    EXPECT_FALSE(cache_runs_on(f, dev, &why));
-    test::expect_error_contains([&] { make_cache(cache_spec(f, cache_options{}), g, dev); },
-                                std::string("cache format ") + format_traits(f).name +
-                                    " does not run on the device-space backend yet");
-  }
-  for (cache_format f : {cache_format::cache_xquant2, cache_format::cache_xquant4, cache_format::cache_clkv})
-    EXPECT_TRUE(cache_runs_on(f, dev));
-  for (cache_format f : all_cache_formats()) EXPECT_EQ(cache_runs_on(f, dev), !cache_needs_host_backend(f));
-  EXPECT_EQ(formats_needing_host_backend(), "xquant-cl4, xquant-cl3, xquant-cl2");  // what doctor and --help name
-}
 
 }  // namespace
 }  // namespace xctx

@@ -5,8 +5,10 @@
 // CPU phase by phase (every block of the grid, split partials merged by ref::merge_partials,
 // then the projection) against ref::attention_xq.
 // Device suites (XqCudaDevice*) GTEST_SKIP without a usable CUDA device: encode bytes equal to
-// ref::xq_encode for both axes, bits 1..4, with and without calibration and codes; attention
-// against ref::attention_xq for the cases of the host emulation.
+// ref::xq_encode for both axes, bits 1..4, with and without calibration and codes, from f32 or
+// fp16 rows, with the fp16 first channel; attention against ref::attention_xq for the cases of
+// the host emulation; the row products (latents x·U, acc += z·Uᵀ) and decoded rows against ref
+// with derived bounds.
 //
 // Tolerance of an attention output (eps = FLT_EPSILON; each term overestimates its error by the
 // factor 2 of eps vs the unit roundoff):
@@ -665,6 +667,65 @@ TEST_P(XqCudaDeviceAttention, matches_ref_attention_xq) {
   attention_xq(D.c, d);
   const std::vector<float> o = D.down(d.o, n_out * c.hd), lse = D.down(d.lse, n_out);
   expect_close(h, o, lse, o_ref, lse_ref);
+}
+
+// acc += z·uᵀ (xquant-cl's accumulator update) against the double-sum reference: the device adds
+// one f32 FMA chain over r terms to acc, so |err| <= (r + 1) eps Σ_j |z_j u_ij| + eps |acc_new|.
+TEST(XqCudaDeviceProject, add_projected_matches_ref) {
+  XCTX_REQUIRE_CUDA();
+  for (const auto& [n, r, d] : {std::tuple<int64_t, int, int>{1, 192, 576}, {70, 64, 96}, {33, 40, 72}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n << " r " << r << " d " << d);
+    std::mt19937 rng(91 + (uint32_t)n);
+    std::normal_distribution<float> nd;
+    std::vector<float> z((size_t)n * r), u((size_t)d * r), acc((size_t)n * d);
+    for (float& v : z) v = nd(rng);
+    for (float& v : u) v = nd(rng) / 8.0f;
+    for (float& v : acc) v = nd(rng) * 4.0f;
+    std::vector<float> ref_acc = acc;
+    ref::xq_add_projected(z.data(), u.data(), n, r, d, ref_acc.data());
+    device_ctx D;
+    float* d_acc = D.up(acc);
+    xq_add_projected(D.c, D.up(z), D.up(u), n, r, d, d_acc);
+    const std::vector<float> got = D.down(d_acc, acc.size());
+    for (int64_t t = 0; t < n; ++t)
+      for (int i = 0; i < d; ++i) {
+        double sa = 0;
+        for (int j = 0; j < r; ++j) sa += std::fabs((double)z[t * r + j] * u[(size_t)i * r + j]);
+        const float want = ref_acc[t * d + i];
+        ASSERT_NEAR(got[t * d + i], want, (r + 1) * kEps * sa + kEps * std::fabs(want)) << "row " << t << " col " << i;
+      }
+  }
+}
+
+// Rows of a stream decoded on the device against the host's: the device may fuse code·scale + zero
+// into one FMA, |err| <= eps ((2^b - 1) |scale| + |zero|) per element (exact for fp16 rows).
+TEST(XqCudaDeviceDecode, rows_match_ref) {
+  XCTX_REQUIRE_CUDA();
+  for (const xq_case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    const host_problem P = make_problem(c, 4242 + (uint32_t)c.n);
+    device_ctx D;
+    const xq_stream host = P.zk.view(), dev = D.up(P.zk);
+    for (const auto& [t0, nt] : {std::pair<int64_t, int64_t>{0, c.n}, {c.n / 3, c.n - c.n / 3}}) {
+      std::vector<float> want((size_t)nt * host.channels);
+      ref::xq_decode_rows(host, t0, nt, want.data());
+      float* d_out = D.up(std::vector<float>(want.size(), -7.0f));
+      xq_decode_rows(D.c, dev, t0, nt, d_out);
+      const std::vector<float> got = D.down(d_out, want.size());
+      for (int64_t t = 0; t < nt; ++t)
+        for (int ch = 0; ch < host.channels; ++ch) {
+          double bound = 0;
+          if (host.dense == nullptr && t0 + t < host.nq) {
+            const kvq_affine p = host.axis == xq_axis::xq_per_channel
+                                     ? host.params[(size_t)((t0 + t) / host.group) * host.channels + ch]
+                                     : host.params[(size_t)(t0 + t) * host.n_groups_per_row() + ch / host.group];
+            bound = kEps * (((1 << host.bits) - 1) * std::fabs(fp16_to_fp32(p.scale)) + std::fabs(fp16_to_fp32(p.zero)));
+          }
+          const size_t e = (size_t)t * host.channels + ch;
+          ASSERT_NEAR(got[e], want[e], bound) << "row " << t0 + t << " channel " << ch;
+        }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(cases, XqCudaDeviceAttention, ::testing::ValuesIn(kCases),

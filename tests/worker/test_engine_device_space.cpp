@@ -44,6 +44,7 @@ std::vector<std::vector<float>> run(const model_weights& w, backend& be, cache_f
   const cache_geometry g = engine.cache_geometry_for(n + (int64_t)forced.size());
   cache_options o;  // nuq: a calibration of the cache's shape (the same on both backends)
   o.group_size = 16, o.clkv_group = 8;  // kivi, xquant, clkv: windows encoded within the prompt
+  o.cl_hi_layers = 2;                   // xquant-cl on 3 layers: X at 4 bits below, one delta layer
   if (format_traits(fmt).needs_calibration) o.calib = test::make_synthetic_calibration(g, 11);
   if (format_needs_x_factors(fmt)) o.factors = build_x_factors(w, x_factor_kind_for(fmt));
   auto cache = make_cache(cache_spec(fmt, o), g, be);
@@ -130,7 +131,9 @@ INSTANTIATE_TEST_SUITE_P(
                       space_case{"q8_0_untied_nuq4", ggml_type::ggml_q8_0, false, false, cache_format::cache_nuq4},
                       space_case{"q4_1_tied_xquant4", ggml_type::ggml_q4_1, true, false, cache_format::cache_xquant4},
                       space_case{"f32_bias_xquant3", ggml_type::ggml_f32, true, true, cache_format::cache_xquant3},
-                      space_case{"q8_0_untied_clkv", ggml_type::ggml_q8_0, false, false, cache_format::cache_clkv}),
+                      space_case{"q8_0_untied_clkv", ggml_type::ggml_q8_0, false, false, cache_format::cache_clkv},
+                      space_case{"q4_1_tied_xquant_cl3", ggml_type::ggml_q4_1, true, false, cache_format::cache_xquant_cl3},
+                      space_case{"f32_bias_xquant_cl2", ggml_type::ggml_f32, true, true, cache_format::cache_xquant_cl2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
@@ -179,7 +182,7 @@ TEST(cuda_engine, compressed_cache_generation_matches_the_cpu_backend) {
   const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
   auto gpu = make_backend(backend_kind::backend_cuda);
   for (cache_format f : {cache_format::cache_kivi2, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
-                         cache_format::cache_clkv})
+                         cache_format::cache_clkv, cache_format::cache_xquant_cl3})
     expect_generation_matches_the_cpu(w, true, *gpu, f);
 }
 
@@ -210,27 +213,6 @@ TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
     EXPECT_EQ(dev.upload_bytes - up_bytes, 4u * sizeof(int32_t)) << "step " << s;
     EXPECT_EQ(dev.downloads - down, 1) << "step " << s;  // the logits
   }
-}
-
-// Formats that still need the exact accumulator (or host memory) are refused when the cache is
-// made, naming the format and the backend; fp, kivi, nuq (with or without outliers), xquant and
-// clkv are accepted.
-TEST(device_space, formats_without_a_device_path_are_refused_up_front) {
-  test::device_space_backend dev;
-  cache_geometry g;
-  g.n_layer = 2, g.n_head = 4, g.n_head_kv = 2, g.head_dim = 32, g.n_embd = 128, g.capacity = 64;
-  for (cache_format f : {cache_format::cache_xquant_cl2, cache_format::cache_xquant_cl3}) {
-    std::string why;
-    EXPECT_FALSE(cache_runs_on(f, dev, &why));
-    test::expect_error_contains(
-        [&] { make_cache(cache_spec(f, cache_options{}), g, dev); },
-        std::string("cache format ") + format_traits(f).name + " does not run on the device-space backend yet");
-  }
-  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32, cache_format::cache_kivi2,
-                         cache_format::cache_kivi4, cache_format::cache_nuq3, cache_format::cache_nuq2,
-                         cache_format::cache_nuq3_1pct, cache_format::cache_nuq4_1pct, cache_format::cache_xquant2,
-                         cache_format::cache_xquant4, cache_format::cache_clkv})
-    EXPECT_TRUE(cache_runs_on(f, dev));
 }
 
 // A layer exported from a device cache (ring block, snapshot) restores into another and attends
