@@ -61,4 +61,46 @@ inline std::vector<uint8_t> exported_block(const kv_cache& c, int layer) {
   return b;
 }
 
+// The device cache's partials equal the host twin's bit for bit (the same CPU kernels run behind
+// the emulation): on both attention paths, and over a ring block exported by the host cache.
+inline void expect_device_attends_as_host(device_space_backend& dev, kv_cache& host, kv_cache& device) {
+  const cache_geometry& g = host.geometry();
+  const std::vector<int32_t> q_pos = {0, 40, 200, 390};  // from the first slot to past the last
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), g);
+  const std::vector<int32_t> one = {390};
+  const std::vector<float> q1 = some_queries(1, g);
+  for (int l = 0; l < g.n_layer; ++l) {
+    const attn_partial hp = host_partial(host, l, q, q_pos, attend_path::attend_prefill);
+    const attn_partial dp = device_partial(dev, device, l, q, q_pos, attend_path::attend_prefill);
+    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
+    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
+    const attn_partial hd = host_partial(host, l, q1, one, attend_path::attend_decode);
+    const attn_partial dd = device_partial(dev, device, l, q1, one, attend_path::attend_decode);
+    EXPECT_EQ(dd.o, hd.o) << "layer " << l;
+    EXPECT_EQ(dd.lse, hd.lse) << "layer " << l;
+    const std::vector<uint8_t> block = exported_block(host, l);
+    const attn_partial hb = host_partial(host, l, q, q_pos, attend_path::attend_prefill, &block);
+    const attn_partial db = device_partial(dev, device, l, q, q_pos, attend_path::attend_prefill, &block);
+    EXPECT_EQ(hb.o, hp.o) << "layer " << l;  // a block attends as the cache it came from
+    EXPECT_EQ(db.o, hp.o) << "layer " << l;
+    EXPECT_EQ(db.lse, hp.lse) << "layer " << l;
+  }
+}
+
+// The device's (o, lse) partials agree with the host twin's exact accumulator to `rel` (a
+// different summation order of the same softmax; o of size ~1, lse ~10).
+inline void expect_partials_near_the_accumulator(device_space_backend& dev, kv_cache& host, kv_cache& device,
+                                                 double rel) {
+  const cache_geometry& g = host.geometry();
+  const std::vector<int32_t> q_pos = {2, 130, 390};
+  const std::vector<float> q = some_queries((int64_t)q_pos.size(), g);
+  for (int l = 0; l < g.n_layer; ++l) {
+    const attn_partial dp = device_partial(dev, device, l, q, q_pos, attend_path::attend_prefill);
+    std::vector<float> o(q.size()), lse(dp.lse.size());
+    host.attend(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), o.data(), lse.data(), attend_path::attend_prefill);
+    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(dp.o[i], o[i], rel * (1.0 + std::fabs(o[i]))) << i;
+    for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(dp.lse[i], lse[i], rel * (1.0 + std::fabs(lse[i]))) << i;
+  }
+}
+
 }  // namespace xctx::test

@@ -113,44 +113,17 @@ TEST_P(x_cache_device, stores_the_host_caches_bytes) {
 }
 
 // The same kernels behind the emulation: the device's partials are the host's, bit for bit, on
-// both paths (K and V rebuilt per unit; V absorbed for a decode step), and over a ring block.
+// both paths and over a ring block from the host cache.
 TEST_P(x_cache_device, attends_as_the_host_cache) {
   twin_x_caches t(GetParam());
-  const std::vector<int32_t> q_pos = {0, 40, 200, 390};  // from the first slot to past the last
-  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
-  const std::vector<int32_t> one = {390};
-  const std::vector<float> q1 = some_queries(1, t.g);
-  for (int l = 0; l < t.g.n_layer; ++l) {
-    const partial hp = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill);
-    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
-    EXPECT_EQ(dp.o, hp.o) << "layer " << l;
-    EXPECT_EQ(dp.lse, hp.lse) << "layer " << l;
-    const partial hd = host_partial(*t.host, l, q1, one, attend_path::attend_decode);
-    const partial dd = device_partial(t.dev, *t.device, l, q1, one, attend_path::attend_decode);
-    EXPECT_EQ(dd.o, hd.o) << "layer " << l;
-    EXPECT_EQ(dd.lse, hd.lse) << "layer " << l;
-    const std::vector<uint8_t> block = t.block(*t.host, l);
-    const partial hb = host_partial(*t.host, l, q, q_pos, attend_path::attend_prefill, &block);
-    const partial db = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill, &block);
-    EXPECT_EQ(hb.o, hp.o) << "layer " << l;  // a block attends as the cache it came from
-    EXPECT_EQ(db.o, hp.o) << "layer " << l;
-    EXPECT_EQ(db.lse, hp.lse) << "layer " << l;
-  }
+  test::expect_device_attends_as_host(t.dev, *t.host, *t.device);
 }
 
 // The (o, lse) partial agrees with the exact accumulator's result on the CPU backend to float
-// rounding (a different summation order of the same softmax: o ~1, lse ~10).
+// rounding: a different summation order of the same softmax.
 TEST_P(x_cache_device, partials_agree_with_the_exact_accumulator) {
   twin_x_caches t(GetParam());
-  const std::vector<int32_t> q_pos = {2, 130, 390};
-  const std::vector<float> q = some_queries((int64_t)q_pos.size(), t.g);
-  for (int l = 0; l < t.g.n_layer; ++l) {
-    const partial dp = device_partial(t.dev, *t.device, l, q, q_pos, attend_path::attend_prefill);
-    std::vector<float> o(q.size()), lse(dp.lse.size());
-    t.host->attend(l, q.data(), q_pos.data(), (int64_t)q_pos.size(), o.data(), lse.data(), attend_path::attend_prefill);
-    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(dp.o[i], o[i], 2e-5 * (1.0 + std::fabs(o[i]))) << i;
-    for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(dp.lse[i], lse[i], 2e-5 * (1.0 + std::fabs(lse[i]))) << i;
-  }
+  test::expect_partials_near_the_accumulator(t.dev, *t.host, *t.device, 2e-5);
 }
 
 // A host snapshot restores into an empty device cache (layers in order: clkv's shared codes are
