@@ -224,11 +224,8 @@ class x_cl_cache final : public kv_cache {
   }
   void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
                                int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
-    const void* on_be = block;
-    if (!be_.host_memory()) {
-      check_block(layer, block, bytes);  // before anything goes up
-      on_be = block_on(be_, block_, block, bytes, block_on_backend);
-    }
+    // The bytes go up unread; exported_args checks them on the host before any kernel reads them.
+    const void* on_be = be_.host_memory() ? block : block_on(be_, block_, block, bytes, block_on_backend);
     xq_attn_args a = exported_args(layer, block, bytes, on_be, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
     a.o = o, a.lse = lse;
     be_.attention_xq(a);
