@@ -105,8 +105,8 @@ struct attn_args {
   // ref backend as one deposit per row, the CUDA backend not at all (it throws).
   softmax_acc* acc = nullptr;
   // The rope the keys were rotated with. Only SelfExtend reads it (grouped side: keys turned by
-  // floor(p / G) - p, queries by their grouped shift); it needs acc on the CPU backend, and the
-  // CUDA backend (which has no acc) takes it on (o, lse) calls.
+  // floor(p / G) - p, queries by their grouped shift). Every backend takes it on (o, lse) calls;
+  // the CPU kernels run those through an accumulator of the call's own rows.
   rope_config rope;
 };
 

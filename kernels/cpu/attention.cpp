@@ -408,7 +408,8 @@ void attention_partial(isa v, const attn_args& a) {
     attend_units(qs, a.kv_pos, a.n_kv, [&] { return std::make_unique<plain_loader>(a); }, *a.acc);
     return;
   }
-  XCTX_CHECK(!self_extend_on(a.rope), "attention: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
+  if (self_extend_on(a.rope))
+    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [&](const attn_args& b) { attention_partial(v, b); });
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
              "attention: n_head=", a.n_head, " must be a positive multiple of n_head_kv=", a.n_head_kv);

@@ -31,6 +31,19 @@ struct unit_kv {
   int64_t ld = 0;
 };
 
+// An (o, lse) call with SelfExtend on (what a backend without the exact accumulator asks of
+// the CPU kernels: tests/device_space_backend.h): grouped positions live on the unit path, so
+// the call runs there into an accumulator of its own rows and o, lse come from the exact sum.
+// `attend` is the kernel itself, called again with args.acc set.
+template <typename Args, typename Attend>
+void attend_via_accumulator(const Args& a, int64_t rows, int width, Attend&& attend) {
+  softmax_acc acc(rows, width);
+  Args with_acc = a;
+  with_acc.acc = &acc;
+  attend(with_acc);
+  acc.finish(a.o, a.lse);
+}
+
 // Produces a unit's K/V, either pointing into the cache or decoded into the f32 buffers given
 // (kbuf, vbuf: [n, channels] each). One loader per thread, so it may keep state.
 class unit_loader {

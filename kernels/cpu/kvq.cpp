@@ -457,7 +457,8 @@ void attention_kvq(const kvq_attn_args& a) {
     attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
     return;
   }
-  XCTX_CHECK(!self_extend_on(a.rope), "attention_kvq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
+  if (self_extend_on(a.rope))
+    return attend_via_accumulator(a, a.n_q * a.n_head, L.head_dim, [](const kvq_attn_args& b) { attention_kvq(b); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]
   const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, L.pos, L.n, a.n_head, L.head_dim, a.o, a.lse, q_end);

@@ -649,7 +649,8 @@ void attention_xq(const xq_attn_args& a) {
     openblas_set_num_threads(blas_threads);
     return;
   }
-  XCTX_CHECK(!self_extend_on(a.rope), "attention_xq: SelfExtend runs on the unit path (an accumulator), not on (o, lse) calls");
+  if (self_extend_on(a.rope))
+    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [](const xq_attn_args& b) { attention_xq(b); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]
   const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, a.pos, a.n, a.n_head, a.head_dim, a.o, a.lse, q_end);

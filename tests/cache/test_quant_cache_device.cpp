@@ -46,7 +46,8 @@ struct twin_caches {
   int64_t n = 131;
   std::vector<int32_t> pos;
 
-  explicit twin_caches(cache_format f) {
+  explicit twin_caches(cache_format f, test::self_extend_case se = {1, 0}) {
+    g.rope = test::with_self_extend(g.rope, se);
     host = make_cache(device_spec(f, g), g, *cpu);
     device = make_cache(device_spec(f, g), g, dev);
     const test::synthetic_kv d = make_synthetic_kv(n, C, 5);
@@ -97,6 +98,16 @@ TEST_P(quant_cache_device, attends_as_the_host_cache) {
 TEST_P(quant_cache_device, partials_agree_with_the_exact_accumulator) {
   twin_caches t(GetParam());
   test::expect_partials_near_the_accumulator(t.dev, *t.host, *t.device, 1e-5);
+}
+
+// With SelfExtend the CPU kernels take (o, lse) calls through an accumulator of the call's rows
+// (attend_via_accumulator): the device's partials are then the exact sum's.
+TEST_P(quant_cache_device, self_extend_partials_agree_with_the_exact_accumulator) {
+  for (const test::self_extend_case se : {test::self_extend_case{4, 64}, test::self_extend_case{3, 77}}) {
+    SCOPED_TRACE("G " + std::to_string(se.group) + " W " + std::to_string(se.window));
+    twin_caches t(GetParam(), se);
+    test::expect_partials_near_the_accumulator(t.dev, *t.host, *t.device, 1e-6);
+  }
 }
 
 // A snapshot of the host cache restores into an empty device cache (uploaded array by array)

@@ -62,7 +62,9 @@ struct twin_x_caches {
   std::vector<int32_t> pos;
   int64_t n = 131;
 
-  explicit twin_x_caches(const device_case& dc) : c(dc), g(test::x_geometry(dc.gqa, 160)) {
+  explicit twin_x_caches(const device_case& dc, test::self_extend_case se = {1, 0})
+      : c(dc), g(test::x_geometry(dc.gqa, 160)) {
+    g.rope = test::with_self_extend(g.rope, se);
     model = test::make_x_model(g, 17, true);
     spec = spec_for(c, model.w);
     host = make_cache(spec, g, *cpu);
@@ -124,6 +126,16 @@ TEST_P(x_cache_device, attends_as_the_host_cache) {
 TEST_P(x_cache_device, partials_agree_with_the_exact_accumulator) {
   twin_x_caches t(GetParam());
   test::expect_partials_near_the_accumulator(t.dev, *t.host, *t.device, 2e-5);
+}
+
+// With SelfExtend the CPU kernels take (o, lse) calls through an accumulator of the call's rows
+// (attend_via_accumulator): the device's partials agree with the exact sum as without it.
+TEST_P(x_cache_device, self_extend_partials_agree_with_the_exact_accumulator) {
+  for (const test::self_extend_case se : {test::self_extend_case{4, 64}, test::self_extend_case{3, 77}}) {
+    SCOPED_TRACE("G " + std::to_string(se.group) + " W " + std::to_string(se.window));
+    twin_x_caches t(GetParam(), se);
+    test::expect_partials_near_the_accumulator(t.dev, *t.host, *t.device, 2e-5);
+  }
 }
 
 // A host snapshot restores into an empty device cache (layers in order: clkv's shared codes are

@@ -35,10 +35,12 @@ int32_t argmax(const std::vector<float>& v) { return (int32_t)(std::max_element(
 // with `forced` (the reference run's tokens, so both runs see the same inputs): one vector per
 // step, the prefill's first.
 std::vector<std::vector<float>> run(const model_weights& w, backend& be, cache_format fmt, int n_batch,
-                                    const std::vector<int32_t>& prompt, const std::vector<int32_t>& forced) {
+                                    const std::vector<int32_t>& prompt, const std::vector<int32_t>& forced,
+                                    test::self_extend_case se = {1, 0}) {
   run_params rp;
   rp.cache = fmt;
   rp.n_batch = n_batch;
+  rp.se_group = se.group, rp.se_window = se.window;
   llama_engine engine(w, be, rp);
   const int64_t n = (int64_t)prompt.size();
   const cache_geometry g = engine.cache_geometry_for(n + (int64_t)forced.size());
@@ -76,22 +78,23 @@ class device_space_engine : public ::testing::TestWithParam<space_case> {};
 // weights never round (measured on the device-space backend: ~1e-4 and ~1e-5 of logits of size
 // ~2). The greedy token must agree wherever the reference's top two are further apart than twice
 // the largest logit difference seen (closer, either may legitimately win).
-void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, backend& other, cache_format fmt) {
-  SCOPED_TRACE(format_traits(fmt).name);
+void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, backend& other, cache_format fmt,
+                                       test::self_extend_case se = {1, 0}) {
+  SCOPED_TRACE(format_traits(fmt).name + std::string(se.group > 1 ? " with SelfExtend" : ""));
   const auto prompt = some_tokens(45, w.hp.n_vocab);
   auto cpu = make_backend(backend_kind::backend_cpu);
   // The reference's own greedy continuation, fed to both runs.
   std::vector<int32_t> forced;
   {
-    const auto probe = run(w, *cpu, fmt, 16, prompt, {});
+    const auto probe = run(w, *cpu, fmt, 16, prompt, {}, se);
     forced.push_back(argmax(probe[0]));
     for (int s = 0; s < 11; ++s) {
-      const auto more = run(w, *cpu, fmt, 16, prompt, forced);
+      const auto more = run(w, *cpu, fmt, 16, prompt, forced, se);
       forced.push_back(argmax(more.back()));
     }
   }
-  const auto ref = run(w, *cpu, fmt, 16, prompt, forced);
-  const auto got = run(w, other, fmt, 16, prompt, forced);
+  const auto ref = run(w, *cpu, fmt, 16, prompt, forced, se);
+  const auto got = run(w, other, fmt, 16, prompt, forced, se);
   ASSERT_EQ(got.size(), ref.size());
   int compared = 0;
   for (size_t s = 0; s < ref.size(); ++s) {
@@ -135,6 +138,18 @@ INSTANTIATE_TEST_SUITE_P(
                       space_case{"q4_1_tied_xquant_cl3", ggml_type::ggml_q4_1, true, false, cache_format::cache_xquant_cl3},
                       space_case{"f32_bias_xquant_cl2", ggml_type::ggml_f32, true, true, cache_format::cache_xquant_cl2}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// SelfExtend (G 4, W 16: most of the 45-token prompt is grouped) on the device-space backend,
+// whose (o, lse) calls the CPU kernels run through an accumulator of the call's rows: generation
+// matches the CPU backend's exact path for a plain, a quantized and an X cache.
+TEST(device_space_engine_self_extend, generation_matches_the_cpu_backend) {
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2}) {
+    test::device_space_backend dev;
+    expect_generation_matches_the_cpu(w, true, dev, f, {4, 16});
+    EXPECT_GT(dev.attention_calls, 0);
+  }
+}
 
 // The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
 // generation, fp16 and fp32 caches, against the CPU backend's. GEMMs in exact fp32
