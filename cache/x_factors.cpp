@@ -152,6 +152,21 @@ std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_facto
   return f;
 }
 
+size_t x_factor_bytes(const model_hparams& hp, x_factor_kind kind) {
+  const size_t d = hp.n_embd, C = hp.kv_dim();
+  const bool identity = hp.n_head_kv == hp.n_head;
+  size_t per_layer = 0;  // floats, as build_x_factors fills them
+  if (kind == x_factor_kind::xf_latent) {
+    const size_t r = std::min(d, C);
+    per_layer = identity ? 2 * d * C : 2 * (d * r + r * C);  // m_k, m_v (+ u_k, u_v)
+  } else {
+    const size_t r2 = std::min(d, 2 * C);
+    per_layer = identity ? 4 * d * C : 2 * d * C + d * r2 + r2 * 2 * C;  // w_kv, m_kv (+ u_kv)
+  }
+  if (hp.qkv_bias) per_layer += 2 * C;  // b_k, b_v
+  return (size_t)hp.n_layer * per_layer * sizeof(float);
+}
+
 std::vector<std::vector<float>*> x_factor_arrays(x_factors& f) {
   std::vector<std::vector<float>*> out;
   for (x_layer_factors& L : f.layers)
@@ -224,10 +239,27 @@ x_factors_on_backend::x_factors_on_backend(backend& be, const x_factors& f) : co
   }
 }
 
-std::shared_ptr<const x_factors_on_backend> x_factors_on_backend::get(backend& be, const x_factors& f) {
+namespace {
+// The live uploads by (backend, factors), under their mutex.
+std::mutex& uploads_mutex() {
   static std::mutex mu;
+  return mu;
+}
+std::map<std::pair<const backend*, const x_factors*>, std::weak_ptr<const x_factors_on_backend>>& live_uploads() {
   static std::map<std::pair<const backend*, const x_factors*>, std::weak_ptr<const x_factors_on_backend>> live;
-  std::lock_guard<std::mutex> lock(mu);
+  return live;
+}
+}  // namespace
+
+bool x_factors_on_backend::resident(const backend& be, const x_factors& f) {
+  std::lock_guard<std::mutex> lock(uploads_mutex());
+  const auto it = live_uploads().find({&be, &f});
+  return it != live_uploads().end() && !it->second.expired();
+}
+
+std::shared_ptr<const x_factors_on_backend> x_factors_on_backend::get(backend& be, const x_factors& f) {
+  std::lock_guard<std::mutex> lock(uploads_mutex());
+  auto& live = live_uploads();
   for (auto it = live.begin(); it != live.end();) it = it->second.expired() ? live.erase(it) : std::next(it);
   std::weak_ptr<const x_factors_on_backend>& slot = live[{&be, &f}];
   std::shared_ptr<const x_factors_on_backend> p = slot.lock();

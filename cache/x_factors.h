@@ -53,6 +53,10 @@ bool format_needs_x_factors(cache_format f);
 // latent is used for GQA geometries (n_head_kv < n_head), identity factors for MHA.
 std::shared_ptr<const x_factors> build_x_factors(const model_weights& w, x_factor_kind kind);
 
+// The bytes build_x_factors(w, kind) holds for a model of these hyperparameters: what a device
+// backend's upload of them (x_factors_on_backend) allocates.
+size_t x_factor_bytes(const model_hparams& hp, x_factor_kind kind);
+
 // Every array of the factors (layer by layer, a fixed order; empty ones included): what a rank
 // receives when it takes another rank's factors.
 std::vector<std::vector<float>*> x_factor_arrays(x_factors& f);
@@ -80,6 +84,8 @@ class x_factors_on_backend {
   size_t backend_bytes() const { return copy_.bytes(); }
   // The instance for (be, f), made on first use; callers keep it alive while they use it.
   static std::shared_ptr<const x_factors_on_backend> get(backend& be, const x_factors& f);
+  // Whether such an instance is alive now (its memory is already taken on be).
+  static bool resident(const backend& be, const x_factors& f);
 
  private:
   backend_buffer copy_;

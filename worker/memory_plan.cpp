@@ -9,6 +9,7 @@
 #include <sstream>
 #include <vector>
 
+#include "cache/x_factors.h"
 #include "common/error.h"
 #include "common/sys.h"
 #include "kernels/cpu/workspace.h"
@@ -91,7 +92,7 @@ std::string rank_memory::describe() const {
                                                   {"scratch", scratch},       {"accumulators", accumulators},
                                                   {"ring blocks", ring_blocks}, {"foreign accumulators", foreign_acc},
                                                   {"anchor/block caches", star_caches}, {"xquant-cl accumulators", x_accumulator},
-                                                  {"kernel workspace", workspace}};
+                                                  {"kernel workspace", workspace}, {"rebuild factors", factors}};
   bool first = true;
   for (const auto& [name, bytes] : parts) {
     if (bytes == 0) continue;
@@ -200,11 +201,24 @@ cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, co
   return out;
 }
 
+size_t factor_upload_bytes(const model_hparams& hp, const cache_spec& spec, const backend* be) {
+  if (be == nullptr || be->memory_share_bytes() == 0 || !format_needs_x_factors(spec.format)) return 0;
+  const x_factors* f = spec.options.factors.get();
+  if (f != nullptr && f->kind == x_factor_kind_for(spec.format) && x_factors_on_backend::resident(*be, *f)) return 0;
+  return x_factor_bytes(hp, x_factor_kind_for(spec.format));
+}
+
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
                          const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
                          int64_t extra_on_tail, const backend* be) {
   const int P = comm.size();
-  const rank_memory need = estimate_rank_memory(hp, spec, opt, n_batch, n_threads, n_context, extra_on_tail, P);
+  // On a device, everything counts against the rank's share, the factors' upload included.
+  const auto needs = [&](const cache_spec& s, int n_rank) {
+    rank_memory m = estimate_rank_memory(hp, s, opt, n_batch, n_threads, n_context, extra_on_tail, n_rank);
+    m.factors = factor_upload_bytes(hp, s, be);
+    return m;
+  };
+  const rank_memory need = needs(spec, P);
   const uint64_t device_share = be != nullptr ? be->memory_share_bytes() : 0;
   const uint64_t available = device_share > 0 ? device_share : available_memory_bytes();
   const int local_ranks = device_share > 0 ? 1 : node_local_ranks();  // a device's share is per rank already
@@ -236,13 +250,13 @@ void check_sequence_fits(communicator& comm, const model_hparams& hp, const cach
   for (cache_format f : all_cache_formats()) {
     cache_spec other(f, spec.options);
     other.options.cl_ring = cl_ring_mode::cl_ring_latent;
-    const size_t b = estimate_rank_memory(hp, other, opt, n_batch, n_threads, n_context, extra_on_tail, P).total();
+    const size_t b = needs(other, P).total();
     if (b <= share) fitting += (fitting.empty() ? "" : ", ") + std::string(format_traits(f).name) + " (" + format_bytes((double)b) + ")";
   }
   msg << " Formats that fit at " << P << " rank(s): " << (fitting.empty() ? "none" : fitting) << ".";
   int fits_from = 0;
   for (int p = P + 1; p <= 4096 && fits_from == 0; p = p < 64 ? p + 1 : p * 2)
-    if (estimate_rank_memory(hp, spec, opt, n_batch, n_threads, n_context, extra_on_tail, p).total() <= share) fits_from = p;
+    if (needs(spec, p).total() <= share) fits_from = p;
   if (fits_from > 0)
     msg << " " << format_traits(spec.format).name << " fits from " << fits_from << " ranks with "
         << format_bytes((double)share) << " each";

@@ -13,6 +13,8 @@
 //                 ring holding all of the layer's blocks (own export + P−1 received)
 //   foreign_acc   xquant-cl deltas ring: (n − s)·(d + 1)·4
 //   star_caches   star: an anchor cache and a block view (cache_bytes_for of each)
+//   factors       X formats on a device backend: the rebuild factors' upload (x_factor_bytes),
+//                 unless already there; on the host they are resident model data, not counted
 #pragma once
 
 #include <cstddef>
@@ -26,10 +28,10 @@ namespace xctx {
 
 struct rank_memory {
   size_t cache = 0, residual = 0, scratch = 0, accumulators = 0, ring_blocks = 0, foreign_acc = 0,
-         star_caches = 0, x_accumulator = 0, workspace = 0;
+         star_caches = 0, x_accumulator = 0, workspace = 0, factors = 0;
   size_t total() const {
     return cache + residual + scratch + accumulators + ring_blocks + foreign_acc + star_caches + x_accumulator +
-           workspace;
+           workspace + factors;
   }
   std::string describe() const;  // "cache 1.2 GiB + residual ... = 2.0 GiB"
 };
@@ -51,6 +53,10 @@ size_t available_memory_bytes();
 inline constexpr size_t kClDeltasBudget = size_t{1} << 30;
 cache_spec resolve_ring_mode(const cache_spec& spec, const model_hparams& hp, const sequence_options& opt,
                              int64_t n_context, int n_rank);
+
+// The rebuild factors of spec's format that a device backend (memory_share_bytes() > 0) would
+// still have to upload for a cache; 0 on host backends, for other formats, or when be holds them.
+size_t factor_upload_bytes(const model_hparams& hp, const cache_spec& spec, const backend* be);
 
 // Collective: every rank passes its estimate and its share of the memory it allocates in -- the
 // node's, or on a device backend (be.memory_share_bytes() > 0) its device's free memory shared

@@ -20,6 +20,7 @@
 #include "test_util.h"
 #include "tiny_model.h"
 #include "worker/llama_engine.h"
+#include "worker/memory_plan.h"
 #include "worker/sequence_parallel.h"
 
 namespace xctx {
@@ -343,6 +344,33 @@ TEST(device_space, the_fit_check_uses_the_devices_memory) {
 
 // What the emulation itself must catch, or the tests above prove nothing: a host pointer handed
 // to a kernel, and host code reading backend memory.
+// On a device the X formats' rebuild factors are one more upload (host model data otherwise):
+// the fit check counts them until a cache on that backend holds them.
+TEST(device_space, the_fit_check_counts_the_factor_upload) {
+  const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_f16, 3);
+  test::device_space_backend dev;
+  auto comm = make_local_communicator();
+  sequence_options opt;
+  cache_spec spec(cache_format::cache_xquant2, cache_options{});
+  spec.options.factors = build_x_factors(w, x_factor_kind::xf_latent);
+  const int64_t n = 150, extra = 4;
+  const size_t without = estimate_rank_memory(w.hp, spec, opt, 512, 1, n, extra, 1).total();
+  const size_t factors = x_factor_bytes(w.hp, x_factor_kind::xf_latent);
+  ASSERT_GT(factors, 0u);
+  const auto check = [&] { check_sequence_fits(*comm, w.hp, spec, opt, 512, 1, n, extra, &dev); };
+  dev.memory_share = without + factors / 2;
+  test::expect_error_contains(check, "rebuild factors");
+  dev.memory_share = without + factors;
+  EXPECT_NO_THROW(check());
+  dev.memory_share = without;  // a cache on the device holds them: not counted again
+  run_params rp;
+  llama_engine engine(w, dev, rp);
+  auto cache = make_cache(spec, engine.cache_geometry_for(16), dev);
+  EXPECT_NO_THROW(check());
+  cache.reset();
+  EXPECT_THROW(check(), Error);
+}
+
 TEST(device_space, the_emulation_catches_host_pointers_and_host_access) {
   test::device_space_backend dev;
   std::vector<float> host(16, 1.0f);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "cache/quant_test_util.h"
+#include "cache/x_test_util.h"
 #include "cache/x_factors.h"
 #include "common/error.h"
 #include "kernels/softmax_acc.h"
@@ -45,6 +46,22 @@ TEST(memory_plan, cache_allocation_matches_the_caches) {
     // Exact up to the small fixed parts (kivi's residual window, per-layer tables).
     EXPECT_NEAR((double)predicted, (double)allocated, 0.02 * (double)allocated) << name;
   }
+}
+
+// What the fit check counts for the X factors' upload on a device is what build_x_factors holds,
+// for both kinds, GQA (SVD factors) and MHA (identity), with and without q/k/v biases.
+TEST(memory_plan, factor_bytes_match_the_built_factors) {
+  for (bool gqa : {true, false})
+    for (bool bias : {false, true}) {
+      const test::x_model m = test::make_x_model(test::x_geometry(gqa, 16), 3, bias);
+      for (x_factor_kind kind : {x_factor_kind::xf_latent, x_factor_kind::xf_cross_layer}) {
+        x_factors built = *build_x_factors(m.w, kind);
+        size_t floats = 0;
+        for (const std::vector<float>* a : x_factor_arrays(built)) floats += a->size();
+        EXPECT_EQ(x_factor_bytes(m.w.hp, kind), floats * sizeof(float))
+            << (gqa ? "GQA" : "MHA") << (bias ? " bias" : "") << " kind " << (int)kind;
+      }
+    }
 }
 
 TEST(memory_plan, exact_ring_parts_follow_the_formula) {
