@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -355,13 +357,20 @@ class device_space_communicator final : public communicator {
   void broadcast(void*, size_t, int) override { fail("device_space_communicator: broadcast not emulated"); }
   void send(const void*, size_t, int, int) override { fail("device_space_communicator: send not emulated"); }
   void recv(void*, size_t, int, int) override { fail("device_space_communicator: recv not emulated"); }
-  void sendrecv(const void*, size_t, int, void*, size_t, int, int) override {
-    fail("device_space_communicator: sendrecv not emulated");
+  void sendrecv(const void* send_buf, size_t send_bytes, int dst, void* recv_buf, size_t recv_bytes, int src,
+                int tag) override {
+    dev_.check_some(send_buf, (int64_t)send_bytes, "sendrecv", "send_buf");
+    dev_.check_some(recv_buf, (int64_t)recv_bytes, "sendrecv", "recv_buf");
+    ++sendrecvs;
+    dev_.with_memory_open([&] { host_.sendrecv(send_buf, send_bytes, dst, recv_buf, recv_bytes, src, tag); });
   }
   void barrier() override { host_.barrier(); }
-  [[noreturn]] void abort(const std::string& why) override { host_.abort(why); }
+  [[noreturn]] void abort(const std::string& why) override {
+    host_.abort(why);
+    std::abort();  // unreachable: a communicator's abort does not return
+  }
 
-  int64_t all_gathers = 0;
+  int64_t all_gathers = 0, sendrecvs = 0;
 
  private:
   device_space_backend& dev_;

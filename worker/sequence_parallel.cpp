@@ -62,8 +62,14 @@ size_t partial_bytes_per_token_layer(const model_hparams& hp) {
 
 // ---- ring (exact prefill) ----------------------------------------------------------------
 
-ring_attention::ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats)
-    : own_(own), comm_(comm), be_(be), stats_(stats), sum_(be) {}
+ring_attention::ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats,
+                               communicator* device_comm)
+    : own_(own), comm_(comm), be_(be), stats_(stats), device_comm_(device_comm), sum_(be) {
+  XCTX_CHECK(device_comm_ == nullptr || !sum_.exact(), "ring_attention: a device communicator on the ", be_.name(),
+             " backend, which attends through host memory");
+  XCTX_CHECK(device_comm_ == nullptr || device_comm_->size() == comm_.size(), "ring_attention: device communicator of ",
+             device_comm_ ? device_comm_->size() : 0, " ranks beside ", comm_.size());
+}
 
 void ring_attention::store(int layer, const layer_input& in) { own_.append(layer, in); }
 
@@ -75,6 +81,19 @@ void ring_attention::layer_stored(int layer) {
   const int next = (comm_.rank() + 1) % p, prev = (comm_.rank() + p - 1) % p;
   std::vector<uint8_t> own(own_.exported_bytes(layer));
   own_.export_layer(layer, own.data());
+  // Partials mode keeps every held block in backend memory too, uploaded once per layer for all
+  // of its query chunks. With a device communicator (NCCL) the blocks travel there: the own block
+  // goes up once and each received one comes down once (the caches parse a block's header and
+  // positions on the host), instead of host transfers plus an upload per received block.
+  const bool exact = sum_.exact();
+  if (!exact)
+    while (held_on_backend_.size() < held_.size() + 1) held_on_backend_.emplace_back(be_);
+  const void* out_dev = nullptr;
+  if (device_comm_ != nullptr) {
+    void* d = held_on_backend_.back().reserve(std::max<size_t>(own.size(), 1));  // the last slot: the own block
+    be_.upload(d, own.data(), own.size());
+    out_dev = d;
+  }
   // P-1 steps: pass on the block received last, so every block visits every rank once. Each is
   // kept until the layer's last query chunk has attended to it: the layer's foreign blocks in
   // the format's own bytes (a compressed format holds compressed bytes), instead of exact
@@ -86,18 +105,23 @@ void ring_attention::layer_stored(int layer) {
     comm_.sendrecv(&out_bytes, sizeof out_bytes, next, &in_bytes, sizeof in_bytes, prev, 2 * step);
     std::vector<uint8_t>& in = held_[step - 1];
     in.resize(in_bytes);
-    comm_.sendrecv(out->data(), out->size(), next, in.data(), in.size(), prev, 2 * step + 1);
+    if (device_comm_ != nullptr) {
+      void* in_dev = held_on_backend_[step - 1].reserve(std::max<size_t>(in_bytes, 1));
+      device_comm_->sendrecv(out_dev, out_bytes, next, in_dev, in_bytes, prev, 2 * step + 1);
+      be_.download(in.data(), in_dev, in_bytes);
+      out_dev = in_dev;
+    } else {
+      comm_.sendrecv(out->data(), out->size(), next, in.data(), in.size(), prev, 2 * step + 1);
+    }
     stats_.ring_bytes_sent += out_bytes;
     stats_.ring_seconds += clock.seconds();
     held_bytes_ += in_bytes;
     out = &in;
   }
   stats_.ring_held_bytes_peak = std::max<uint64_t>(stats_.ring_held_bytes_peak, own.size() + held_bytes_);
-  if (!sum_.exact()) {  // each block goes up once, however many query chunks attend to it
-    while (held_on_backend_.size() < held_.size()) held_on_backend_.emplace_back(be_);
+  if (!exact && device_comm_ == nullptr)  // each block goes up once, however many query chunks attend to it
     for (size_t i = 0; i < held_.size(); ++i)
       be_.upload(held_on_backend_[i].reserve(std::max<size_t>(held_[i].size(), 1)), held_[i].data(), held_[i].size());
-  }
 }
 
 void ring_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
@@ -319,7 +343,7 @@ void sequence_parallel_runner::prefill(const std::vector<int32_t>& context_in, c
   if (n > 0) {
     switch (mode_) {
       case prefill_mode::prefill_exact: {
-        ring_attention ring(*cache_, comm_, be_, stats_);
+        ring_attention ring(*cache_, comm_, be_, stats_, device_comm_);
         if (p == 1) {  // one rank: chunk-major keeps memory bounded for any length
           engine_.forward(mine.data(), pos.data(), (int64_t)mine.size(), ring, llama_engine::logits_for::logits_none,
                           nullptr, progress, cache_alignment(spec_));
@@ -412,7 +436,7 @@ std::pair<double, int64_t> sequence_parallel_runner::score(const std::vector<int
     targets[i] = t < n && t >= first_scored ? tokens[t] : -1;
   }
   std::vector<float> nll(pos.size());
-  ring_attention ring(*cache_, comm_, be_, stats_);
+  ring_attention ring(*cache_, comm_, be_, stats_, device_comm_);
   if (!mine.empty()) {
     engine_.forward_layer_major_scored(mine.data(), pos.data(), (int64_t)mine.size(), ring, targets.data(), nll.data(),
                                        progress);

@@ -126,9 +126,9 @@ class sequence_parallel_runner {
   // sequence_tokens_needed_per_rank for this runner's ranks, format and options.
   int64_t tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int64_t n_new) const;
   const sequence_options& options() const { return opt_; }
-  // Collectives on backend memory for the decode merge (the runner makes an NCCL one itself on
-  // a backend with device collectives and more than one rank); null: through the host. Ring
-  // blocks always travel through the host communicator. `c` must outlive the runner.
+  // Collectives on backend memory for the decode merge and the exact prefill's ring blocks (the
+  // runner makes an NCCL one itself on a backend with device collectives and more than one
+  // rank); null: through the host communicator. `c` must outlive the runner.
   void set_device_communicator(communicator* c) { device_comm_ = c; }
   const communicator* device_communicator() const { return device_comm_; }
 
@@ -170,7 +170,10 @@ class sequence_parallel_runner {
 // The exchanges, exposed for tests.
 class ring_attention final : public attention_exchange {
  public:
-  ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats);
+  // device_comm (partials mode only): ring blocks sent and received in backend memory (NCCL on
+  // the CUDA backend); null: through comm and the host.
+  ring_attention(kv_cache& own, communicator& comm, backend& be, sequence_comm_stats& stats,
+                 communicator* device_comm = nullptr);
   void store(int layer, const layer_input& in) override;
   // The ring pass of the layer's blocks; the P-1 foreign blocks are held for the attend calls.
   void layer_stored(int layer) override;
@@ -185,7 +188,9 @@ class ring_attention final : public attention_exchange {
   std::vector<std::vector<uint8_t>> held_;  // this layer's foreign blocks, in arrival order
   // partials mode (a backend without the exact accumulator): the held blocks in backend memory,
   // uploaded once per layer for all of its query chunks.
+  // With a device communicator one more slot, the last, holds the own block to send.
   std::vector<backend_buffer> held_on_backend_;
+  communicator* device_comm_;
   uint64_t held_bytes_ = 0;
   attention_sum sum_;  // rows n_q·n_head of one query chunk: the own shard and every held block
 };

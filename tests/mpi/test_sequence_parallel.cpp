@@ -6,7 +6,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 
 #include "coordinator/sampler.h"
@@ -298,10 +300,10 @@ TEST(star_blocks, match_the_papers_masks) {
 }
 
 // The exact ring and merged decode on a backend with its own memory space and no exact
-// accumulator (tests/device_space_backend.h, what --backend cuda runs): ring blocks go through
-// the host and attend as (o, lse) partials, decode partials are gathered from every rank and
-// merged in rank order -- through the host, or (device_collectives) gathered where they lie by
-// a communicator on the backend's memory, as NCCL on the CUDA backend. Every rank gets the same
+// accumulator (tests/device_space_backend.h, what --backend cuda runs): ring blocks attend as
+// (o, lse) partials, decode partials are gathered from every rank and merged in rank order --
+// both through the host, or (device_collectives) ring blocks sent and partials gathered where
+// they lie by a communicator on the backend's memory, as NCCL on the CUDA backend. Every rank gets the same
 // bits; against the exact single process, float merge order (~1e-6 relative) that an fp16 cache
 // can turn into one half step of a stored element: logit_tolerance, as star with a full anchor.
 class device_space_sequence_parallel : public ::testing::TestWithParam<bool> {};
@@ -345,10 +347,52 @@ TEST_P(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single
   }
   EXPECT_GT(dev.attention_calls, 0);
   // Two gathers (o, lse) per layer and merged token: the prefill's suffix token and each step.
-  if (device_collectives && comm.size() > 1)
+  if (device_collectives && comm.size() > 1) {
     EXPECT_EQ(dev_comm.all_gathers, 2 * w.hp.n_layer * (kGreedy + 1));
+    // The ring blocks travelled in backend memory: P-1 exchanges per layer.
+    EXPECT_EQ(dev_comm.sendrecvs, (int64_t)w.hp.n_layer * (comm.size() - 1));
+  }
   std::printf("[device-space] rank %d/%d%s: max |dlogit| vs single process %.2e\n", comm.rank(), comm.size(),
               device_collectives ? " (device collectives)" : "", worst);
+}
+
+// The same on the CUDA backend (skipped unless every rank has a device): the runner's own NCCL
+// communicator passes the ring blocks and gathers the decode partials device to device. GEMMs in
+// exact fp32 (XCTX_CUDA_TF32=0); the bound is the CUDA engine test's against the CPU backend
+// (whose decode activations are 8-bit), and every rank's decode logits are rank 0's bits.
+TEST(cuda_sequence_parallel, exact_ring_and_merged_decode_match_single_process) {
+  XCTX_REQUIRE_MODEL(path);
+  communicator& comm = mpi_test::world();
+  float missing = backend_available(backend_kind::backend_cuda) ? 0.0f : 1.0f;
+  comm.all_reduce_max(&missing, 1);  // every rank skips, or none: the test is collective
+  if (missing > 0) GTEST_SKIP() << "no usable CUDA device on some rank";
+  setenv("XCTX_CUDA_TF32", "0", 1);
+  const model_weights w = load_model(path);
+  const auto ids = golden_ids(600);
+  const reference_run& ref = shared_reference(w, ids, cache_format::cache_fp16);
+  auto gpu = make_backend(backend_kind::backend_cuda);
+  run_params rp;
+  rp.n_batch = 64;
+  llama_engine engine(w, *gpu, rp);
+  sequence_options opt;
+  opt.max_new_tokens = kGreedy + 1;
+  sequence_parallel_runner runner(engine, comm, *gpu, cache_format::cache_fp16, opt);
+  EXPECT_EQ(runner.device_communicator() != nullptr, comm.size() > 1);
+  std::vector<float> logits(w.hp.n_vocab);
+  runner.prefill(ids, {}, logits.data());
+  float worst = 0, largest = 0;
+  for (int i = 0; i < w.hp.n_vocab; ++i) {
+    worst = test::worse(worst, std::fabs(logits[i] - ref.logits[i]));
+    largest = std::max(largest, std::fabs(ref.logits[i]));
+  }
+  EXPECT_LE(worst, 0.05f * std::max(1.0f, largest)) << "rank " << comm.rank() << " of " << comm.size();
+  for (int t = 0; t < kGreedy; ++t) {
+    runner.step(&ref.greedy[t], 1, logits.data());
+    std::vector<float> rank0 = logits;
+    comm.broadcast(rank0.data(), rank0.size() * sizeof(float), 0);
+    ASSERT_EQ(rank0, logits) << "step " << t << " rank " << comm.rank();
+  }
+  std::printf("[cuda] rank %d/%d: max |dlogit| vs single process %.2e\n", comm.rank(), comm.size(), worst);
 }
 
 INSTANTIATE_TEST_SUITE_P(collectives, device_space_sequence_parallel, ::testing::Values(false, true),
