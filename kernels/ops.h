@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -200,6 +201,17 @@ class backend {
   virtual void sub(float* y /*[n]*/, const float* a /*[n]*/, const float* b /*[n]*/, int64_t n) = 0;
   // dst = src, both in this backend's memory (no overlap).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+
+  // A decode segment: `f` calls only this backend's kernel ops (no alloc, free, upload, download
+  // or synchronize), with the same arguments every time it runs under `key` (the key names its
+  // pointers and sizes; what the pointed-to memory holds may change). A backend may record the
+  // calls once and replay the record instead of calling f: cuda captures a CUDA graph at the
+  // key's second use (the first runs eagerly and warms lazily grown state) and launches it from
+  // then on. The others run f.
+  virtual void run_segment(uint64_t key, const std::function<void()>& f) {
+    (void)key;
+    f();
+  }
 };
 
 // One allocation in a backend's memory, freed with the object. reserve() grows it (what it held

@@ -45,6 +45,7 @@ class device_space_backend final : public backend {
   size_t memory_share_bytes() const override { return memory_share; }
 
   void* alloc(size_t bytes) override {
+    not_recording("alloc");
     const size_t mapped = std::max<size_t>(page_, (bytes + page_ - 1) / page_ * page_);
     void* p = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     XCTX_CHECK(p != MAP_FAILED, "device_space: cannot map ", bytes, " bytes");
@@ -54,17 +55,20 @@ class device_space_backend final : public backend {
   }
   void free(void* p) override {
     if (p == nullptr) return;
+    not_recording("free");
     const auto it = blocks_.find(reinterpret_cast<uintptr_t>(p));
     XCTX_CHECK(it != blocks_.end(), "device_space: free of ", p, ", which this backend did not allocate");
     munmap(p, it->second);
     blocks_.erase(it);
   }
   void upload(void* dst, const void* src_host, size_t bytes) override {
+    not_recording("upload");
     check(dst, bytes, "upload", "dst");
     ++uploads, upload_bytes += bytes;
     with_memory_open([&] { std::memcpy(dst, src_host, bytes); });
   }
   void download(void* dst_host, const void* src, size_t bytes) override {
+    not_recording("download");
     check(src, bytes, "download", "src");
     XCTX_CHECK(!in_space(dst_host, 1), "device_space: download into device memory");
     ++downloads, download_bytes += bytes;
@@ -73,41 +77,44 @@ class device_space_backend final : public backend {
 
   void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) override {
     check_matmul(w, x, n_tok, y, "matmul");
-    with_memory_open([&] { cpu_->matmul(w, x, n_tok, y); });
+    run_op([=, this] { cpu_->matmul(w, x, n_tok, y); });
   }
   void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y) override {
     for (int i = 0; i < n_w; ++i) check_matmul(w[i], x, n_tok, y[i], "matmul_n");
-    with_memory_open([&] { cpu_->matmul_n(w, n_w, x, n_tok, y); });
+    // The arrays are the caller's: a recorded call keeps copies, as a graph keeps launch arguments.
+    run_op([=, this, wv = std::vector<weight_view>(w, w + n_w), yv = std::vector<float*>(y, y + n_w)] {
+      cpu_->matmul_n(wv.data(), n_w, x, n_tok, yv.data());
+    });
   }
   void get_rows(const weight_view& w, const int32_t* ids, int64_t n, float* out) override {
     check(w.data, w.bytes(), "get_rows", "w"), check(ids, n * 4, "get_rows", "ids");
     check(out, n * w.n_cols * 4, "get_rows", "out");
-    with_memory_open([&] { cpu_->get_rows(w, ids, n, out); });
+    run_op([=, this] { cpu_->get_rows(w, ids, n, out); });
   }
   void rms_norm(const float* x, const float* weight, int64_t n_tok, int64_t dim, float eps, float* y) override {
     check(x, n_tok * dim * 4, "rms_norm", "x"), check(weight, dim * 4, "rms_norm", "weight");
     check(y, n_tok * dim * 4, "rms_norm", "y");
-    with_memory_open([&] { cpu_->rms_norm(x, weight, n_tok, dim, eps, y); });
+    run_op([=, this] { cpu_->rms_norm(x, weight, n_tok, dim, eps, y); });
   }
   void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_config& cfg) override {
     check(x, n_tok * n_head * cfg.head_dim * 4, "rope", "x"), check(pos, n_tok * 4, "rope", "pos");
-    with_memory_open([&] { cpu_->rope(x, pos, n_tok, n_head, cfg); });
+    run_op([=, this] { cpu_->rope(x, pos, n_tok, n_head, cfg); });
   }
   void swiglu(const float* gate, const float* up, int64_t n, float* out) override {
     check(gate, n * 4, "swiglu", "gate"), check(up, n * 4, "swiglu", "up"), check(out, n * 4, "swiglu", "out");
-    with_memory_open([&] { cpu_->swiglu(gate, up, n, out); });
+    run_op([=, this] { cpu_->swiglu(gate, up, n, out); });
   }
   void add(float* y, const float* x, int64_t n) override {
     check(y, n * 4, "add", "y"), check(x, n * 4, "add", "x");
-    with_memory_open([&] { cpu_->add(y, x, n); });
+    run_op([=, this] { cpu_->add(y, x, n); });
   }
   void add_rows(float* y, const float* b, int64_t n_tok, int64_t dim) override {
     check(y, n_tok * dim * 4, "add_rows", "y"), check(b, dim * 4, "add_rows", "b");
-    with_memory_open([&] { cpu_->add_rows(y, b, n_tok, dim); });
+    run_op([=, this] { cpu_->add_rows(y, b, n_tok, dim); });
   }
   void convert_rows(void* dst, kv_dtype type, const float* src, int64_t n) override {
     check(dst, n * (type == kv_dtype::kv_f32 ? 4 : 2), "convert_rows", "dst"), check(src, n * 4, "convert_rows", "src");
-    with_memory_open([&] { cpu_->convert_rows(dst, type, src, n); });
+    run_op([=, this] { cpu_->convert_rows(dst, type, src, n); });
   }
   void attention_partial(const attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
@@ -120,14 +127,14 @@ class device_space_backend final : public backend {
     }
     check(a.o, q_elems * 4, "attention", "o"), check(a.lse, a.n_q * a.n_head * 4, "attention", "lse");
     ++attention_calls;
-    with_memory_open([&] { cpu_->attention_partial(a); });
+    run_op([=, this] { cpu_->attention_partial(a); });
   }
   void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim, float* o,
                       float* lse) override {
     check(o_parts, n_part * n_row * head_dim * 4, "merge_partials", "o_parts");
     check(lse_parts, n_part * n_row * 4, "merge_partials", "lse_parts");
     check(o, n_row * head_dim * 4, "merge_partials", "o"), check(lse, n_row * 4, "merge_partials", "lse");
-    with_memory_open([&] { cpu_->merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse); });
+    run_op([=, this] { cpu_->merge_partials(o_parts, lse_parts, n_part, n_row, head_dim, o, lse); });
   }
   void kvq_encode(const kvq_encode_job& j) override {
     const int64_t C = j.channels, n = j.n, rb = (int64_t)kvq_row_bytes(j.channels, j.bits);
@@ -154,7 +161,7 @@ class device_space_backend final : public backend {
         check_some(j.out_val, n * 2 * j.v_out_side * 2, "kvq_encode", "out_val");
         break;
     }
-    with_memory_open([&] { cpu_->kvq_encode(j); });
+    run_op([=, this] { cpu_->kvq_encode(j); });
   }
   void kvq_append_outliers(const kvq_outlier_append& a) override {
     const int64_t n = a.n, C = a.channels, cap = (int64_t)a.capacity;
@@ -164,7 +171,7 @@ class device_space_backend final : public backend {
     check(a.off, (n + 1) * 4, "kvq_append_outliers", "off");
     check_some(a.idx, cap * 2, "kvq_append_outliers", "idx"), check_some(a.val, cap * 2, "kvq_append_outliers", "val");
     ++outlier_appends;
-    with_memory_open([&] { cpu_->kvq_append_outliers(a); });
+    run_op([=, this] { cpu_->kvq_append_outliers(a); });
   }
   void attention_kvq(const kvq_attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
@@ -197,7 +204,7 @@ class device_space_backend final : public backend {
       check_some(L.v_out_val, nq * L.v_out_per_tok * 2, "attention_kvq", "kv.v_out_val");
     }
     ++attention_calls;
-    with_memory_open([&] { cpu_->attention_kvq(a); });
+    run_op([=, this] { cpu_->attention_kvq(a); });
   }
 
   void xq_encode(const xq_encode_job& j) override {
@@ -209,12 +216,12 @@ class device_space_backend final : public backend {
                                                                 : n * ((C + j.group - 1) / std::max(j.group, 1));
     check_some(j.params, n_params * 4, "xq_encode", "params");
     if (j.ch0 != nullptr) check_some(j.ch0, n * 2, "xq_encode", "ch0");
-    with_memory_open([&] { cpu_->xq_encode(j); });
+    run_op([=, this] { cpu_->xq_encode(j); });
   }
   void xq_project(const float* x, const float* u, int64_t n, int d, int r, float* out) override {
     check_some(x, n * d * 4, "xq_project", "x"), check(u, (int64_t)d * r * 4, "xq_project", "u");
     check_some(out, n * r * 4, "xq_project", "out");
-    with_memory_open([&] { cpu_->xq_project(x, u, n, d, r, out); });
+    run_op([=, this] { cpu_->xq_project(x, u, n, d, r, out); });
   }
   void attention_xq(const xq_attn_args& a) override {
     XCTX_CHECK(a.acc == nullptr, "device_space: attention with the exact accumulator (a host object)");
@@ -229,25 +236,64 @@ class device_space_backend final : public backend {
     if (a.b_k != nullptr) check(a.b_k, kv * 4, "attention_xq", "b_k");
     if (a.b_v != nullptr) check(a.b_v, kv * 4, "attention_xq", "b_v");
     ++attention_calls;
-    with_memory_open([&] { cpu_->attention_xq(a); });
+    run_op([=, this] { cpu_->attention_xq(a); });
   }
   void xq_decode_rows(const xq_stream& s, int64_t t0, int64_t nt, float* out) override {
     check_stream(s, t0 + nt, "xq_decode_rows s");
     check_some(out, nt * s.channels * 4, "xq_decode_rows", "out");
-    with_memory_open([&] { cpu_->xq_decode_rows(s, t0, nt, out); });
+    run_op([=, this] { cpu_->xq_decode_rows(s, t0, nt, out); });
   }
   void xq_add_projected(const float* z, const float* u, int64_t n, int r, int d, float* acc) override {
     check_some(z, n * r * 4, "xq_add_projected", "z"), check(u, (int64_t)d * r * 4, "xq_add_projected", "u");
     check_some(acc, n * d * 4, "xq_add_projected", "acc");
-    with_memory_open([&] { cpu_->xq_add_projected(z, u, n, r, d, acc); });
+    run_op([=, this] { cpu_->xq_add_projected(z, u, n, r, d, acc); });
   }
   void sub(float* y, const float* a, const float* b, int64_t n) override {
     check_some(y, n * 4, "sub", "y"), check_some(a, n * 4, "sub", "a"), check_some(b, n * 4, "sub", "b");
-    with_memory_open([&] { cpu_->sub(y, a, b, n); });
+    run_op([=, this] { cpu_->sub(y, a, b, n); });
   }
+  void synchronize() override { not_recording("synchronize"); }
+
+  // Decode segments as the CUDA backend's graphs take them: eager at a key's first use; at its
+  // second the ops f calls are recorded (checked, not run) with their arguments, and from then
+  // on the record is replayed without calling f. A segment whose host code moves memory or
+  // changes its calls' arguments between uses then computes the wrong thing here, as a graph
+  // would on a GPU. Off unless record_segments is set.
+  void run_segment(uint64_t key, const std::function<void()>& f) override {
+    if (!record_segments) return f();
+    XCTX_CHECK(recording_ == nullptr, "device_space: a segment began inside the recording of another");
+    auto it = segments_.find(key);
+    if (it == segments_.end()) {
+      segments_.emplace(key, segment{});
+      f();
+      return;
+    }
+    segment& seg = it->second;
+    if (!seg.recorded) {
+      recording_ = &seg.ops;
+      try {
+        f();
+      } catch (...) {
+        recording_ = nullptr;
+        seg.ops.clear();
+        throw;
+      }
+      recording_ = nullptr;
+      seg.recorded = true;
+      ++segments_recorded;
+    }
+    for (const recorded_op& op : seg.ops) {
+      used_ = op.used;
+      with_memory_open(op.run);
+    }
+    ++segment_replays;
+  }
+  bool record_segments = false;
+  int64_t segments_recorded = 0, segment_replays = 0;
+
   void copy(void* dst, const void* src, size_t bytes) override {
     check_some(dst, (int64_t)bytes, "copy", "dst"), check_some(src, (int64_t)bytes, "copy", "src");
-    with_memory_open([&] { cpu_->copy(dst, src, bytes); });
+    run_op([=, this] { cpu_->copy(dst, src, bytes); });
   }
   // The arrays of stream s holding rows [0, n), for op `at`.
   void check_stream(const xq_stream& s, int64_t n, const std::string& at) {
@@ -312,6 +358,19 @@ class device_space_backend final : public backend {
       XCTX_CHECK(mprotect(reinterpret_cast<void*>(start), blocks_.at(start), prot) == 0, "device_space: mprotect failed");
   }
 
+  // Runs a kernel op, or records it while a segment is being recorded (run_segment).
+  template <typename F>
+  void run_op(F&& f) {
+    if (recording_ == nullptr) return with_memory_open(f);
+    std::sort(used_.begin(), used_.end());
+    used_.erase(std::unique(used_.begin(), used_.end()), used_.end());
+    recording_->push_back({std::move(used_), std::function<void()>(std::forward<F>(f))});
+    used_.clear();
+  }
+  void not_recording(const char* op) const {
+    XCTX_CHECK(recording_ == nullptr, "device_space: ", op, " inside a decode segment (a CUDA graph cannot hold it)");
+  }
+
  public:
   // Runs f with the allocations of the arguments checked since the last op readable and
   // writable (what a device-side kernel or library sees), then closes them again.
@@ -336,6 +395,16 @@ class device_space_backend final : public backend {
   size_t page_;
   std::map<uintptr_t, size_t> blocks_;  // start -> mapped bytes
   std::vector<uintptr_t> used_;         // allocations the pending op was checked against
+  struct recorded_op {
+    std::vector<uintptr_t> used;  // the allocations it opens
+    std::function<void()> run;    // the op with its arguments
+  };
+  struct segment {
+    bool recorded = false;
+    std::vector<recorded_op> ops;
+  };
+  std::map<uint64_t, segment> segments_;
+  std::vector<recorded_op>* recording_ = nullptr;  // the segment being recorded
 };
 
 // Collectives on a device_space_backend's memory, as NCCL's are on the CUDA backend's: buffers

@@ -3,8 +3,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "common/sys.h"
 #include "worker/shard_plan.h"
 
@@ -173,23 +175,37 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
   // the same normed input (one matmul_n over the three: one parallel region and one activation
   // quantization instead of two, and no second rms_norm). The same bits as computing it in pass 2.
   const bool q_with_kv = sb.size() == 2;
+  // A decode step (one token) runs its kernels between attention calls as segments a backend
+  // may record once and replay (CUDA graphs): two per layer, named by everything they are called
+  // with -- this engine, the layer, and every scratch pointer (a regrown buffer is a new segment).
+  const bool segments = n == 1;
+  const auto segment = [&](int layer, int which, const std::function<void()>& f) {
+    if (!segments) return f();
+    const void* const named[] = {this, xs, q, o, h, k, v, gate, up, tmp, pos_be};
+    hash64 key((uint64_t)layer * 2 + which);
+    key.update(named, sizeof named);
+    be_.run_segment(key.digest(), f);
+  };
   for (int l = 0; l < hp.n_layer; ++l) {
     const resident_layer& L = layers_[l];
     // Pass 1: every token's k, v stored before any query of the layer attends (the ring needs
     // the layer's complete shard).
     for (size_t bi = 0; bi + 1 < sb.size(); ++bi) {
       const int64_t s = sb[bi], m = sb[bi + 1] - s;
-      be_.rms_norm(xs + s * d, L.attn_norm, m, d, hp.rms_eps, h);
-      if (q_with_kv) {
-        const weight_view w[3] = {L.wq, L.wk, L.wv};
-        float* const y[3] = {q, k, v};
-        be_.matmul_n(w, 3, h, m, y);
-        bias(q, L.bq, m, L.wq.n_rows);
-      } else {
-        be_.matmul2(L.wk, L.wv, h, m, k, v);
-      }
-      bias(k, L.bk, m, L.wk.n_rows);
-      bias(v, L.bv, m, L.wv.n_rows);
+      segment(l, 0, [&] {
+        be_.rms_norm(xs + s * d, L.attn_norm, m, d, hp.rms_eps, h);
+        if (q_with_kv) {
+          const weight_view w[3] = {L.wq, L.wk, L.wv};
+          float* const y[3] = {q, k, v};
+          be_.matmul_n(w, 3, h, m, y);
+          bias(q, L.bq, m, L.wq.n_rows);
+          be_.rope(q, pos_be + s, m, hp.n_head, rope_);  // q only: keys are cached before RoPE
+        } else {
+          be_.matmul2(L.wk, L.wv, h, m, k, v);
+        }
+        bias(k, L.bk, m, L.wk.n_rows);
+        bias(v, L.bv, m, L.wv.n_rows);
+      });
       layer_input in;
       in.x = h;
       in.k = k;
@@ -209,16 +225,18 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
         be_.rms_norm(x, L.attn_norm, m, d, hp.rms_eps, h);
         be_.matmul(L.wq, h, m, q);
         bias(q, L.bq, m, L.wq.n_rows);
+        be_.rope(q, pos_be + s, m, hp.n_head, rope_);
       }
-      be_.rope(q, pos_be + s, m, hp.n_head, rope_);
       attn.attend(l, q, pos + s, m, o);
-      be_.matmul(L.wo, o, m, tmp);
-      be_.add(x, tmp, m * d);
-      be_.rms_norm(x, L.ffn_norm, m, d, hp.rms_eps, h);
-      be_.matmul2(L.w_gate, L.w_up, h, m, gate, up);
-      be_.swiglu(gate, up, m * hp.n_ff, gate);
-      be_.matmul(L.w_down, gate, m, tmp);
-      be_.add(x, tmp, m * d);
+      segment(l, 1, [&] {
+        be_.matmul(L.wo, o, m, tmp);
+        be_.add(x, tmp, m * d);
+        be_.rms_norm(x, L.ffn_norm, m, d, hp.rms_eps, h);
+        be_.matmul2(L.w_gate, L.w_up, h, m, gate, up);
+        be_.swiglu(gate, up, m * hp.n_ff, gate);
+        be_.matmul(L.w_down, gate, m, tmp);
+        be_.add(x, tmp, m * d);
+      });
     }
     if (layer_progress) layer_progress(l + 1, hp.n_layer);
   }

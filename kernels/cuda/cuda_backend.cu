@@ -4,6 +4,7 @@
 // launcher's node-local rank modulo the device count, else 0, so ranks sharing a node spread
 // over its GPUs without any configuration.
 // XCTX_CUDA_TF32=0 makes prefill GEMMs exact fp32 instead of TF32 tensor-core math.
+// XCTX_CUDA_GRAPHS=0 runs decode segments eagerly instead of replaying CUDA graphs (run_segment).
 //
 // Every op is enqueued on the backend's stream and returns at once; upload, download and
 // synchronize wait for the stream, and are where device-side input errors (out-of-range ids,
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "common/error.h"
 #include "common/sys.h"
@@ -223,6 +225,32 @@ class cuda_backend final : public backend {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_.stream));
   }
 
+  // CUDA graphs for decode segments: eager at a key's first use, captured at its second (the
+  // launch parameters of a step are fixed by then), replayed from the third. A capture that
+  // fails (f did something a graph cannot hold) leaves the key eager for good, with one note.
+  void run_segment(uint64_t key, const std::function<void()>& f) override {
+    if (!graphs_enabled_) {
+      f();
+      return;
+    }
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      if (graphs_.size() >= kMaxGraphs) drop_graphs();  // pointers moved many times: start over
+      graphs_.emplace(key, segment_graph{});
+      f();
+      return;
+    }
+    segment_graph& g = it->second;
+    use_device();
+    if (g.exec == nullptr && !g.eager_only) g.exec = capture(f);
+    if (g.exec == nullptr) {
+      g.eager_only = true;
+      f();
+      return;
+    }
+    CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream));
+  }
+
  private:
   void init(int device) {
     ctx_.device = device;
@@ -244,6 +272,8 @@ class cuda_backend final : public backend {
     ctx_.smem_optin = (size_t)std::max(v, 48 << 10);
     const char* tf32 = std::getenv("XCTX_CUDA_TF32");
     ctx_.tf32 = !(tf32 != nullptr && std::strcmp(tf32, "0") == 0);
+    const char* graphs = std::getenv("XCTX_CUDA_GRAPHS");
+    graphs_enabled_ = !(graphs != nullptr && std::strcmp(graphs, "0") == 0);
     // A blocking stream: it orders with the legacy default stream other libraries may use.
     CUDA_CHECK(cudaStreamCreate(&ctx_.stream));
     CUBLAS_CHECK(cublasCreate(&ctx_.blas));
@@ -258,6 +288,7 @@ class cuda_backend final : public backend {
   void release() noexcept {
     if (cudaSetDevice(ctx_.device) != cudaSuccess) (void)cudaGetLastError();
     if (ctx_.stream != nullptr && cudaStreamSynchronize(ctx_.stream) != cudaSuccess) (void)cudaGetLastError();
+    drop_graphs();
     if (ctx_.scratch_ptr != nullptr) (void)cudaFree(ctx_.scratch_ptr);
     if (ctx_.blas != nullptr) (void)cublasDestroy(ctx_.blas);
     if (ctx_.stream != nullptr) (void)cudaStreamDestroy(ctx_.stream);
@@ -268,6 +299,45 @@ class cuda_backend final : public backend {
   }
 
   void use_device() { CUDA_CHECK(cudaSetDevice(ctx_.device)); }
+
+  struct segment_graph {
+    cudaGraphExec_t exec = nullptr;
+    bool eager_only = false;
+  };
+  static constexpr size_t kMaxGraphs = 4096;  // 2 per layer and engine in use; far more means churn
+
+  // f's kernels captured into an executable graph (not run); null when the capture failed.
+  cudaGraphExec_t capture(const std::function<void()>& f) {
+    // Thread-local mode: only this thread's unsafe calls (a synchronize, a cudaMalloc) break it.
+    CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream, cudaStreamCaptureModeThreadLocal));
+    std::string why;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(ctx_.stream, &graph);
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t made = ended;
+    if (ended == cudaSuccess && why.empty()) made = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    if (made != cudaSuccess || !why.empty()) {
+      (void)cudaGetLastError();
+      if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+      if (!capture_failure_noted_)
+        std::fprintf(stderr, "xctx cuda: a decode segment could not be captured as a CUDA graph (%s); it runs "
+                             "eagerly\n", why.empty() ? cudaGetErrorString(made) : why.c_str());
+      capture_failure_noted_ = true;
+      return nullptr;
+    }
+    return exec;
+  }
+  void drop_graphs() noexcept {
+    for (auto& [key, g] : graphs_)
+      if (g.exec != nullptr) (void)cudaGraphExecDestroy(g.exec);
+    graphs_.clear();
+  }
 
   // Called after the stream has drained, so the kernels' writes to the mapped words are visible.
   void raise_device_errors() {
@@ -290,6 +360,9 @@ class cuda_backend final : public backend {
 
   context ctx_;
   int* err_host_ = nullptr;  // [device_error_words] mapped; ctx_.err is its device address
+  bool graphs_enabled_ = true;  // XCTX_CUDA_GRAPHS=0: every segment eager
+  bool capture_failure_noted_ = false;
+  std::unordered_map<uint64_t, segment_graph> graphs_;
 };
 
 }  // namespace

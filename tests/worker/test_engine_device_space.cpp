@@ -202,6 +202,27 @@ TEST(cuda_engine, compressed_cache_generation_matches_the_cpu_backend) {
     expect_generation_matches_the_cpu(w, true, *gpu, f);
 }
 
+// CUDA graphs replay the decode segments (skipped without a device): the same logits as eager
+// launches (XCTX_CUDA_GRAPHS=0) bit for bit -- the same kernels with the same arguments.
+TEST(cuda_engine, decode_graphs_match_eager_launches) {
+  setenv("XCTX_CUDA_TF32", "0", 1);
+  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  const model_weights w = write_and_load(tiny_hparams(true, true), ggml_type::ggml_q4_1, 11);
+  const auto prompt = some_tokens(45, w.hp.n_vocab);
+  std::vector<int32_t> forced;
+  for (int s = 0; s < 8; ++s) forced.push_back((int32_t)((7 + 13 * s) % w.hp.n_vocab));
+  setenv("XCTX_CUDA_GRAPHS", "0", 1);
+  auto eager = make_backend(backend_kind::backend_cuda);
+  unsetenv("XCTX_CUDA_GRAPHS");
+  auto graphs = make_backend(backend_kind::backend_cuda);
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2}) {
+    const auto want = run(w, *eager, f, 16, prompt, forced);
+    const auto got = run(w, *graphs, f, 16, prompt, forced);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t s = 0; s < want.size(); ++s) EXPECT_EQ(got[s], want[s]) << format_traits(f).name << " step " << s;
+  }
+}
+
 // Weights go up once, when the engine is made; a decode step then moves a handful of small
 // arrays up (token id, positions for rope, the cache's slots and the queries' positions: the
 // same for every layer, so uploaded once) and only the logits down -- nothing per layer.
@@ -228,6 +249,47 @@ TEST(device_space, a_decode_step_has_no_per_layer_transfers) {
     EXPECT_EQ(dev.uploads - up, 4) << "step " << s;  // id, rope positions, cache slot, query positions
     EXPECT_EQ(dev.upload_bytes - up_bytes, 4u * sizeof(int32_t)) << "step " << s;
     EXPECT_EQ(dev.downloads - down, 1) << "step " << s;  // the logits
+  }
+}
+
+// Decode steps with their segments recorded once and replayed (what CUDA graphs do on the CUDA
+// backend, emulated: tests/device_space_backend.h) compute the same bits as the eager steps, for
+// caches of every family: nothing a segment's calls read is moved between steps, and the host
+// work between segments (cache appends, attention) stays outside them.
+TEST(device_space, decode_segments_replayed_from_a_record_match_eager_steps) {
+  const model_weights w = write_and_load(tiny_hparams(true, true), ggml_type::ggml_q4_1, 11);
+  const auto prompt = some_tokens(45, w.hp.n_vocab);
+  std::vector<int32_t> forced;
+  for (int s = 0; s < 8; ++s) forced.push_back((int32_t)((7 + 13 * s) % w.hp.n_vocab));
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
+                         cache_format::cache_xquant_cl3}) {
+    SCOPED_TRACE(format_traits(f).name);
+    test::device_space_backend eager, replayed;
+    replayed.record_segments = true;
+    const auto want = run(w, eager, f, 16, prompt, forced);
+    const auto got = run(w, replayed, f, 16, prompt, forced);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t s = 0; s < want.size(); ++s) EXPECT_EQ(got[s], want[s]) << "step " << s;
+    // Two segments per layer, recorded at the second decode step and replayed from then on.
+    EXPECT_EQ(replayed.segments_recorded, 2 * w.hp.n_layer);
+    EXPECT_EQ(replayed.segment_replays, 2 * w.hp.n_layer * ((int64_t)forced.size() - 1));
+  }
+}
+
+// What a graph cannot hold is refused while a segment is recorded, naming the operation.
+TEST(device_space, a_segment_that_moves_memory_is_refused) {
+  test::device_space_backend dev;
+  dev.record_segments = true;
+  backend_buffer buf(dev);
+  float* p = buf.reserve_as<float>(4);
+  const float x[4] = {1, 2, 3, 4};
+  const auto f = [&] { dev.upload(p, x, sizeof x); };
+  dev.run_segment(7, f);  // the first use runs eagerly
+  try {
+    dev.run_segment(7, f);
+    FAIL() << "an upload was recorded into a segment";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("upload inside a decode segment"), std::string::npos) << e.what();
   }
 }
 
