@@ -8,7 +8,9 @@
 //    allocations: a host pointer passed to a kernel is an error naming the op and argument;
 //  - it has no exact accumulator (attn_args::acc is refused), so callers take the (o, lse)
 //    partials path the CUDA backend needs.
-// It counts uploads and downloads, so tests can bound host round trips per step.
+// With record_segments it replays decode segments from a record of their ops, as the CUDA
+// backend replays graphs (run_segment). It counts uploads and downloads, so tests can bound host
+// round trips per step.
 #pragma once
 
 #include <sys/mman.h>
