@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 
 #include "common/error.h"
@@ -58,8 +59,16 @@ int64_t rope_reach(const rope_config& r, int64_t n_ctx_train) {
   return room < 0 ? 0 : (room + 1) * r.se_group;
 }
 
+namespace {
+uint64_t next_instance() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
 llama_engine::llama_engine(const model_weights& w, backend& be, const run_params& rp)
-    : w_(w), be_(be), rp_(rp), rope_(make_rope_config(w.hp, rp)), weights_(be), x_(be), pos_(be), ids_(be),
+    : w_(w), be_(be), rp_(rp), rope_(make_rope_config(w.hp, rp)), instance_(next_instance()), weights_(be), x_(be),
+      pos_(be), ids_(be),
       q_(be), o_(be), h_(be), k_(be), v_(be), gate_(be), up_(be), tmp_(be), normed_(be), logits_(be) {
   XCTX_CHECK(rp_.n_batch > 0, "n_batch must be positive, got ", rp_.n_batch);
   if (rp_.n_threads <= 0) rp_.n_threads = default_threads();
@@ -177,12 +186,14 @@ void llama_engine::run_layers(const int32_t* pos, int64_t n, attention_exchange&
   const bool q_with_kv = sb.size() == 2;
   // A decode step (one token) runs its kernels between attention calls as segments a backend
   // may record once and replay (CUDA graphs): two per layer, named by everything they are called
-  // with -- this engine, the layer, and every scratch pointer (a regrown buffer is a new segment).
+  // with -- this engine (instance_), the layer, and every scratch pointer (a regrown buffer is a
+  // new segment).
   const bool segments = n == 1;
   const auto segment = [&](int layer, int which, const std::function<void()>& f) {
     if (!segments) return f();
-    const void* const named[] = {this, xs, q, o, h, k, v, gate, up, tmp, pos_be};
+    const void* const named[] = {xs, q, o, h, k, v, gate, up, tmp, pos_be};
     hash64 key((uint64_t)layer * 2 + which);
+    key.update(&instance_, sizeof instance_);
     key.update(named, sizeof named);
     be_.run_segment(key.digest(), f);
   };

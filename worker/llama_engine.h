@@ -86,6 +86,9 @@ class llama_engine {
   backend& be_;
   run_params rp_;
   rope_config rope_;
+  // Never reused by another engine of the process (an address can be): names this engine's decode
+  // segments, whose recorded calls hold its weights, shapes and rope (run_layers).
+  const uint64_t instance_;
   // The weights as the backend reads them: the model's own views on host-memory backends, views
   // into one upload (weights_) otherwise.
   backend_buffer weights_;

@@ -276,6 +276,22 @@ TEST(device_space, decode_segments_replayed_from_a_record_match_eager_steps) {
   }
 }
 
+// An engine made where an earlier one lived (the same address, scratch mapped at the same
+// places) does not replay the earlier engine's segments, whose calls hold the other weights.
+TEST(device_space, a_new_engine_does_not_replay_an_old_engines_segments) {
+  const model_weights a = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
+  const model_weights b = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 12);
+  const auto prompt = some_tokens(45, a.hp.n_vocab);
+  const std::vector<int32_t> forced = {3, 14, 15, 92, 65};
+  test::device_space_backend eager, replayed;
+  replayed.record_segments = true;
+  run(a, replayed, cache_format::cache_fp16, 16, prompt, forced);  // a's segments recorded
+  const auto want = run(b, eager, cache_format::cache_fp16, 16, prompt, forced);
+  const auto got = run(b, replayed, cache_format::cache_fp16, 16, prompt, forced);
+  for (size_t s = 0; s < want.size(); ++s) EXPECT_EQ(got[s], want[s]) << "step " << s;
+  EXPECT_EQ(replayed.segments_recorded, 2 * 2 * a.hp.n_layer);  // each engine its own
+}
+
 // What a graph cannot hold is refused while a segment is recorded, naming the operation.
 TEST(device_space, a_segment_that_moves_memory_is_refused) {
   test::device_space_backend dev;
