@@ -303,11 +303,14 @@ class x_cl_cache final : public kv_cache {
   }
   float* acc() const { return acc_.as<float>(); }
 
-  // The accumulator holds at least n rows (grown by doubling, what it held kept).
+  // The accumulator holds at least n rows: on first use it takes the whole capacity, which the
+  // memory plan counts. (Growing by doubling kept the old and the new buffer alive together: on
+  // the tail rank, whose capacity exceeds a power-of-two shard by the question and the answer
+  // budget, that was one more accumulator than planned, 1.29x the plan at 512K tokens.)
   void ensure_acc(int64_t n) const {
     if ((int64_t)acc_layer_.size() >= n) return;
     const int64_t rows = (int64_t)acc_layer_.size();
-    const int64_t cap = std::min<int64_t>(geo_.capacity, std::max<int64_t>(n, 2 * rows));
+    const int64_t cap = std::max<int64_t>(n, geo_.capacity);
     backend_buffer bigger(be_);
     float* p = bigger.reserve_as<float>(cap * d_);
     if (rows > 0) be_.copy(p, acc(), (size_t)rows * d_ * 4);
