@@ -38,7 +38,7 @@
 // latent is for lengths where n·n_embd·4 bytes per rank defeat sharding (164 GB at n_embd = 4096).
 //
 // Every array lives in the backend's memory (the device's on cuda): codes and parameters carved
-// per layer, the accumulator (grown by copies within that memory), foreign accumulators, the
+// per layer, the accumulator (allocated at capacity on first use), foreign accumulators, the
 // latent a ring block carries; the host keeps counts, the layer each accumulator row holds and
 // positions. The steps are backend ops (xq_encode, xq_project, sub, xq_decode_rows,
 // xq_add_projected, add, convert_rows, attention_xq), the same on the host as before.
