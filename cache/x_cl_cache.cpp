@@ -303,19 +303,16 @@ class x_cl_cache final : public kv_cache {
   }
   float* acc() const { return acc_.as<float>(); }
 
-  // The accumulator holds at least n rows: on first use it takes the whole capacity, which the
-  // memory plan counts. (Growing by doubling kept the old and the new buffer alive together: on
-  // the tail rank, whose capacity exceeds a power-of-two shard by the question and the answer
-  // budget, that was one more accumulator than planned, 1.29x the plan at 512K tokens.)
+  // The accumulator takes the whole capacity on first use, which is what the memory plan counts.
+  // (Growing it by doubling held the old and the new buffer together: on the tail rank, whose
+  // capacity exceeds a power-of-two shard by the question and the answer budget, that was one
+  // accumulator more than planned, 1.29x the plan at 512K tokens.) Every row index is below the
+  // capacity: append checks it before it gets here.
   void ensure_acc(int64_t n) const {
-    if ((int64_t)acc_layer_.size() >= n) return;
-    const int64_t rows = (int64_t)acc_layer_.size();
-    const int64_t cap = std::max<int64_t>(n, geo_.capacity);
-    backend_buffer bigger(be_);
-    float* p = bigger.reserve_as<float>(cap * d_);
-    if (rows > 0) be_.copy(p, acc(), (size_t)rows * d_ * 4);
-    acc_.swap(bigger);
-    acc_layer_.resize(cap, (int16_t)-1);
+    XCTX_ASSERT(n <= geo_.capacity);
+    if (!acc_layer_.empty()) return;
+    acc_.reserve_as<float>(geo_.capacity * d_);
+    acc_layer_.assign(geo_.capacity, (int16_t)-1);
   }
 
   void encode_rows(int layer, int64_t a0, const float* rows, int64_t n) {
