@@ -21,6 +21,14 @@ class stopwatch {
 
 size_t peak_rss_bytes();     // VmHWM of this process
 size_t current_rss_bytes();  // VmRSS
+// VmRSS by kind of page: anonymous (heap, stacks), file-backed (code, mapped model files) and
+// shared memory (an MPI transport's segments count here once a process has touched them).
+// malloc_free: bytes the allocator holds free (mallinfo2's fordblks; 0 off glibc): resident
+// pages that no allocation uses, which a peak can include.
+struct rss_parts {
+  size_t anon = 0, file = 0, shmem = 0, malloc_free = 0;
+};
+rss_parts current_rss_parts();
 std::string format_bytes(double bytes);  // "12.3 MiB"
 // "host gpu7 rank 3" (the world rank from the launcher's environment; omitted outside one):
 // where an error happened, which with many ranks on many nodes is the first question.

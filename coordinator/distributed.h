@@ -42,9 +42,10 @@ void broadcast_string(communicator& comm, std::string& text);
 // the rank moved. Collective.
 // Collective: the per-rank table (tokens, cache bytes, traffic) on rank 0's stderr. Returns, on
 // rank 0, per rank: tokens, cache_used/allocated bytes, peak_rss_bytes, base_rss_bytes (the
-// caller's RSS before the sequence: weights and code) and planned_bytes (the memory plan);
-// an empty array elsewhere.
+// caller's RSS before the sequence: weights and code), planned_bytes (the memory plan), and
+// rss_parts / base_rss_parts (anonymous, file-backed and shared-memory pages now and before the
+// sequence: where RSS beyond the plan went); an empty array elsewhere.
 nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt,
-                             size_t base_rss = 0);
+                             size_t base_rss = 0, const rss_parts& base_parts = {});
 
 }  // namespace xctx

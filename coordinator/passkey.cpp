@@ -434,6 +434,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
 
   llama_engine engine(s.weights, *s.be, opt.run);
   const size_t base_rss = current_rss_bytes();  // weights and code: what the memory plan leaves out
+  const rss_parts base_parts = current_rss_parts();
   // auto is decided once from --context, not per prompt: the prompts vary within the tolerance,
   // and a sweep's trials must all run the prefill its header names.
   sequence_options seq = with_mode_resolved(opt.seq, opt.context);
@@ -442,7 +443,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   if (!coordinator) {
     driver.follow();
-    report_shards(comm, runner, opt.run.cache, base_rss);
+    report_shards(comm, runner, opt.run.cache, base_rss, base_parts);
     return 0;
   }
 
@@ -494,7 +495,7 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   std::fflush(stdout);  // the table before the memory and shard lines on stderr
   std::fprintf(stderr, "[passkey] prefill %.2f s in all, %.2f s per trial | peak memory (RSS) of rank 0: %s\n",
                prefill_total_s, prefill_total_s / n_total, format_bytes((double)peak_rss_bytes()).c_str());
-  const nlohmann::json shards = report_shards(comm, runner, opt.run.cache, base_rss);
+  const nlohmann::json shards = report_shards(comm, runner, opt.run.cache, base_rss, base_parts);
   if (!opt.json_path.empty()) {
     const nlohmann::json out = {{"model", hp.name},
                                 {"context", opt.context},
