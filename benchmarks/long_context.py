@@ -179,7 +179,9 @@ def write_outputs(rows, out, cpu, args):
         f.write(f"# Long contexts: passkey over {args.np} ranks\n\n")
         f.write(f"This file was last written by `{' '.join(sys.argv)}` on {cpu}, {time.strftime('%Y-%m-%d')}; "
                 f"build: {args.build_note}. Rows kept from earlier runs (--append) keep their own command, commit "
-                f"and machine: the notes below name them.\n\n")
+                f"and machine: the notes below name them. \"over base\" is each rank's peak RSS less its RSS after "
+                f"loading the model and less the code and shared-memory pages it first touched during the run (rows "
+                f"whose passkey JSON reports page kinds; older rows include those 2-3 MiB), against the memory plan.\n\n")
         f.write("| context | format | passkey | 95% interval | prefill s | prefill tok/s | decode tok/s | "
                 "cache/rank | peak RSS/rank | over base / plan | prefill | rope | load |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
