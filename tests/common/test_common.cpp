@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -86,6 +88,22 @@ TEST(sys, memory_and_threads) {
   EXPECT_GE(default_threads(), 1);
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(1536), "1.5 KiB");
+}
+
+// The memory reports split VmRSS by page kind: a touched heap block shows as anonymous pages,
+// the test binary's own code as file-backed ones.
+TEST(sys, rss_parts_split_the_resident_set) {
+  const rss_parts before = current_rss_parts();
+  EXPECT_GT(before.file, 0u);
+  const size_t bytes = size_t{64} << 20;
+  std::unique_ptr<char[]> block(new char[bytes]);
+  std::memset(block.get(), 1, bytes);
+  const rss_parts after = current_rss_parts();
+  EXPECT_EQ(block[bytes - 1], 1);
+  EXPECT_GE(after.anon, before.anon + bytes * 9 / 10);
+  const size_t rss = current_rss_bytes();
+  const rss_parts now = current_rss_parts();
+  EXPECT_NEAR((double)(now.anon + now.file + now.shmem), (double)rss, double(size_t{1} << 20));
 }
 
 // The launcher variables the device binding reads, cleared for a test and restored after it
