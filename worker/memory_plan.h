@@ -13,6 +13,10 @@
 //                 ring holding all of the layer's blocks (own export + P−1 received)
 //   foreign_acc   xquant-cl deltas ring: (n − s)·(d + 1)·4
 //   star_caches   star: an anchor cache and a block view (cache_bytes_for of each)
+//   x_accumulator xquant-cl: (capacity + star's anchor and block rows)·(d·4 + 2), the f32 X̂
+//                 rows and a layer tag each, allocated whole on first use
+//   workspace     the CPU kernels' buffers (cpu::kernel_workspace_bytes) + nuq -1%'s per-row
+//                 outlier lists, one chunk per cache appended to
 //   factors       X formats on a device backend: the rebuild factors' upload (x_factor_bytes),
 //                 unless already there; on the host they are resident model data, not counted
 #pragma once
