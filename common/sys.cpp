@@ -35,13 +35,9 @@ size_t peak_rss_bytes() { return read_status_kib("VmHWM") * 1024; }
 size_t current_rss_bytes() { return read_status_kib("VmRSS") * 1024; }
 rss_parts current_rss_parts() {
   rss_parts p;
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const auto field = [&](const char* name, size_t& out) {
-    const size_t len = std::strlen(name);
-    if (line.compare(0, len, name) == 0) out = std::strtoull(line.c_str() + len + 1, nullptr, 10) * 1024;
-  };
-  while (std::getline(in, line)) field("RssAnon:", p.anon), field("RssFile:", p.file), field("RssShmem:", p.shmem);
+  p.anon = read_status_kib("RssAnon") * 1024;
+  p.file = read_status_kib("RssFile") * 1024;
+  p.shmem = read_status_kib("RssShmem") * 1024;
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   p.malloc_free = mallinfo2().fordblks;
 #endif

@@ -70,16 +70,16 @@ void broadcast_string(communicator& comm, std::string& text) {
 
 nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner& runner, cache_format fmt,
                              size_t base_rss, const rss_parts& base_parts) {
-  const rss_parts now = current_rss_parts();
   struct shard_report {
     int64_t tokens;
     uint64_t used, allocated, ring_sent, gather_sent, gather_recv, peak_rss, base_rss, planned;
-    uint64_t anon, file, shmem, malloc_free, base_anon, base_file, base_shmem, base_malloc_free;
+    rss_parts now, base;
   } mine{runner.cache().n_tokens(0), runner.cache().bytes_used(), runner.cache().bytes_allocated(),
          runner.stats().ring_bytes_sent, runner.stats().gather_bytes_sent, runner.stats().gather_bytes_recv,
-         peak_rss_bytes(), base_rss, runner.planned_bytes(),
-         now.anon, now.file, now.shmem, now.malloc_free,
-         base_parts.anon, base_parts.file, base_parts.shmem, base_parts.malloc_free};
+         peak_rss_bytes(), base_rss, runner.planned_bytes(), current_rss_parts(), base_parts};
+  const auto parts_json = [](const rss_parts& p) {
+    return nlohmann::json{{"anon", p.anon}, {"file", p.file}, {"shmem", p.shmem}, {"malloc_free", p.malloc_free}};
+  };
   std::vector<shard_report> all(comm.size());
   comm.all_gather(&mine, all.data(), sizeof mine);
   nlohmann::json out = nlohmann::json::array();
@@ -88,9 +88,7 @@ nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner&
     out.push_back({{"tokens", s.tokens}, {"cache_used", s.used}, {"cache_allocated", s.allocated},
                    {"ring_sent", s.ring_sent}, {"peak_rss_bytes", s.peak_rss}, {"base_rss_bytes", s.base_rss},
                    {"planned_bytes", s.planned},
-                   {"rss_parts", {{"anon", s.anon}, {"file", s.file}, {"shmem", s.shmem}, {"malloc_free", s.malloc_free}}},
-                   {"base_rss_parts",
-                    {{"anon", s.base_anon}, {"file", s.base_file}, {"shmem", s.base_shmem}, {"malloc_free", s.base_malloc_free}}}});
+                   {"rss_parts", parts_json(s.now)}, {"base_rss_parts", parts_json(s.base)}});
   std::fprintf(stderr, "[xctx] %-5s %10s %12s %12s %12s %14s\n", "rank", "tokens", "cache used", "allocated",
                "ring sent", "partials sent");
   uint64_t total = 0;
