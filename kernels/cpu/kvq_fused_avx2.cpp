@@ -238,8 +238,8 @@ struct ops {
   using f16_rows = f16_keys;
   template <int NV, int RB, class K>
   static void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-                        const int32_t* rot, float* s, const turned_block& tb) {
-    avx2::score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb);
+                        const int32_t* rot, float* s, const turned_block& tb, const key_tables&) {
+    avx2::score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb);  // 8 lanes: keys one at a time
   }
   template <int NV, int RB, class V>
   static void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {

@@ -20,7 +20,9 @@
 
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "kernels/cpu/kvq_fused_impl.h"
 
@@ -92,6 +94,7 @@ inline __m512 rotate16(__m512 x, const float* cos2, const float* sin2) {
 
 template <int BITS, int NV16>
 struct quant_keys {
+  static constexpr int kBits = BITS;
   const uint8_t* base;  // the run's first row at the head's first channel
   size_t rb;
   const float* sc;  // [hd]
@@ -241,9 +244,123 @@ inline void score_16(const K& keys, int j0, int r0, const float* q, const float*
   }
 }
 
+// ---- scores of 16 keys with the keys in the lanes -----------------------------------------
+// For 16 consecutive positions (the common case: a unit's keys at offsets o .. o + 15) the lanes
+// hold keys instead of channels, and a channel is one vector over the 16 keys: its codes are a
+// shift of the codes' 32-bit words transposed across the rows (vpermps reads the low 4 bits; the
+// bits above a code are the next codes', and the tables repeat with period 2^BITS), its value is
+// one vpermps from the channel's scaled level table (key_tables::ctab: lut·sc + zc, the FMA the
+// per-key path applies), the rotation of a pair two multiplies and two FMAs against the
+// pair-major angle rows of the 16 offsets, and each query row adds its two channels with two
+// FMAs from broadcast scalars. No horizontal sums: per 16 keys and 64 channels this is 64
+// shifts, 64 lookups and 320 FP operations, against the key-at-a-time path's 384 FP operations
+// and ~285 shuffles (kvq_attention_notes.md). The rotated keys are bitwise the per-key path's;
+// the dot products sum the channels in another order (four chains per query row: pairs by
+// parity, even and odd channels). nuq keys only (their channel scales are the layer's, so the
+// tables are built once per call: attend_unit); kivi keys change scales every group.
+
+// Channel C's codes of the 16 rows in the low bits of each lane; w: the rows' 32-bit code words.
+template <int BITS, int C>
+[[gnu::always_inline]] inline __m512i channel_codes(const __m512i* w) {
+  constexpr int bit = BITS * C, wi = bit / 32, sh = bit % 32;
+  if constexpr (sh + BITS <= 32)
+    return sh == 0 ? w[wi] : _mm512_srli_epi32(w[wi], sh);
+  else  // the code spans two words
+    return _mm512_or_si512(_mm512_srli_epi32(w[wi], sh), _mm512_slli_epi32(w[wi + 1], 32 - sh));
+}
+
+template <int BITS, int NV16, int RB, int P>
+[[gnu::always_inline]] inline void lanes_pair(const __m512i* w, const float* ctab, const float* cos_t,
+                                              const float* sin_t, int o, const float* q, __m512 (*acc)[4]) {
+  constexpr int hd = 16 * NV16;
+  const __m512 ka = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P>(w), _mm512_load_ps(ctab + 32 * P));
+  const __m512 kb = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P + 1>(w), _mm512_load_ps(ctab + 32 * P + 16));
+  const __m512 c = _mm512_loadu_ps(cos_t + P * kAttnUnit + o), sn = _mm512_loadu_ps(sin_t + P * kAttnUnit + o);
+  // rotate16's arithmetic per lane pair: even k·cos − k'·sin, odd k'·cos + k·sin.
+  const __m512 ra = _mm512_fmsub_ps(ka, c, _mm512_mul_ps(kb, sn));
+  const __m512 rb = _mm512_fmadd_ps(kb, c, _mm512_mul_ps(ka, sn));
+  for (int u = 0; u < RB; ++u) {
+    __m512& a0 = acc[u][2 * (P & 1)];
+    __m512& a1 = acc[u][2 * (P & 1) + 1];
+    a0 = _mm512_fmadd_ps(ra, _mm512_set1_ps(q[u * hd + 2 * P]), a0);
+    a1 = _mm512_fmadd_ps(rb, _mm512_set1_ps(q[u * hd + 2 * P + 1]), a1);
+  }
+}
+
+// w[i] = 32-bit word i (< W <= 8) of 16 rows' codes at row0 + r·rb, lane r = row r: rows r and
+// r + 8 loaded into the two halves of one register (masked: nothing past a row is read), then
+// an 8×8 transpose in each half (unpacks of dwords, then of qwords) and one two-source permute
+// per word puts the 128-bit pieces in row order. ~30 shuffles per 16 rows; vpgatherdd was
+// slower (microcoded on CPUs with the gather-data-sampling mitigation; measured 2026-11-29:
+// a third of the scores' time stalled on the gathers).
+template <int W>
+[[gnu::always_inline]] inline void row_words(const uint8_t* row0, size_t rb, __m512i* w) {
+  static_assert(W <= 8, "at most 8 words per row");
+  constexpr __mmask16 lo = (1u << W) - 1, hi = (__mmask16)(lo << 8);
+  __m512i z[8];
+  for (int k = 0; k < 8; ++k) {
+    z[k] = _mm512_maskz_loadu_epi32(lo, row0 + k * rb);
+    z[k] = _mm512_mask_loadu_epi32(z[k], hi, row0 + (k + 8) * rb - 32);  // lanes 8.. = row k + 8
+  }
+  __m512i t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);  // per 128-bit piece: (r_k, r_k+1) dwords 0, 1
+    t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);  // rows k..k+3 of dword 0 (piece 0), 4 (piece 1)
+    u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  // u[d] (d < 4) holds word d (pieces 0, 2) and d + 4 (pieces 1, 3) of rows 0-3 (pieces 0, 1)
+  // and 8-11 (2, 3); u[d + 4] the same of rows 4-7 and 12-15.
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);   // pieces 0 of u, 0 of u', 2, 2'
+  const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);  // pieces 1, 1', 3, 3'
+  for (int d = 0; d < W; ++d)
+    w[d] = _mm512_permutex2var_epi64(u[d % 4], d < 4 ? first : second, u[d % 4 + 4]);
+}
+
+// s[u * kSS + j0 + b] for the 16 keys b of run rows r0.. at offsets o .. o + 15 of the unit.
+template <int NV16, int RB, class K>
+inline void score_16_lanes(const K& keys, int j0, int r0, int o, const float* q, const key_tables& kt, float* s) {
+  constexpr int BITS = K::kBits, hd = 16 * NV16, W = hd * BITS / 32;
+  static_assert(hd * BITS % 32 == 0, "a head row's codes are whole 32-bit words");
+  __m512i w[W];
+  [&]<int... M>(std::integer_sequence<int, M...>) {  // 8 words at a time (hd 128: 12 or 16 words)
+    (row_words<(W - 8 * M < 8 ? W - 8 * M : 8)>(keys.row(r0) + 32 * M, keys.rb, w + 8 * M), ...);
+  }(std::make_integer_sequence<int, (W + 7) / 8>{});
+  __m512 acc[RB][4];  // four chains per query row: pairs by parity, even and odd channels
+  for (int u = 0; u < RB; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = _mm512_setzero_ps();
+  [&]<int... P>(std::integer_sequence<int, P...>) {
+    (lanes_pair<BITS, NV16, RB, P>(w, kt.ctab, kt.cos_t, kt.sin_t, o, q, acc), ...);
+  }(std::make_integer_sequence<int, hd / 2>{});
+  for (int u = 0; u < RB; ++u)
+    _mm512_storeu_ps(s + u * kSS + j0,
+                     _mm512_add_ps(_mm512_add_ps(acc[u][0], acc[u][1]), _mm512_add_ps(acc[u][2], acc[u][3])));
+}
+
+// XCTX_KVQ_KEY_LANES=0 (read once) scores every key one at a time: the baseline a benchmark
+// compares the keys-in-lanes path with in one run.
+bool keys_in_lanes() {
+  static const bool on = [] {
+    const char* e = std::getenv("XCTX_KVQ_KEY_LANES");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
+// Whether tile rows j .. j + 15 sit at 16 consecutive offsets of the unit (rot = offset · hd).
+inline bool consecutive16(const int32_t* rot, int j, int hd) {
+  const __m512i want = _mm512_add_epi32(
+      _mm512_set1_epi32(rot[j]),
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(hd)));
+  return _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(rot + j), want) == 0xFFFF;
+}
+
 template <int NV16, int RB, class K>
 void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-               const int32_t* rot, float* s, const turned_block& tb) {
+               const int32_t* rot, float* s, const turned_block& tb, const key_tables& kt) {
   constexpr int TB = kKeysPerBlock<RB>;
   int j = ja;
   if constexpr (K::kTurnable) {
@@ -259,6 +376,12 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
         }
         score_16<NV16, RB, true>(keys, j, j - ja, tb.q, cos2, sin2, rot, s, tb.z);
       } else {
+        if constexpr (hd * K::kBits % 32 == 0) {
+          if (kt.ctab != nullptr && consecutive16(rot, j, hd)) {
+            score_16_lanes<NV16, RB>(keys, j, j - ja, rot[j] / hd, q, kt, s);
+            continue;
+          }
+        }
         score_16<NV16, RB>(keys, j, j - ja, q, cos2, sin2, rot, s);
       }
     }
@@ -341,8 +464,8 @@ struct ops {
   using f16_rows = avx512::f16_rows;
   template <int NV16, int RB, class K>
   static void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2, const float* sin2,
-                        const int32_t* rot, float* s, const turned_block& tb) {
-    avx512::score_run<NV16, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb);
+                        const int32_t* rot, float* s, const turned_block& tb, const key_tables& kt) {
+    avx512::score_run<NV16, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb, kt);
   }
   template <int NV16, int RB, class V>
   static void pv_range(const V& vals, int ja, int jb, int da, int db, const float* w, float* o) {
@@ -355,7 +478,7 @@ struct ops {
 void kvq_attend_fused(const kvq_fused_args& a) {
   XCTX_ASSERT(kvq_fused_avx512_supported(*a.kv), "kvq fused avx512: value groups of ", a.kv->group,
               " channels do not hold whole 16-lane vectors");
-  attend_unit(a, pick_heads<ops>(*a.kv));
+  attend_unit(a, pick_heads<ops>(*a.kv), /*channel_tables=*/keys_in_lanes());
 }
 
 }  // namespace xctx::cpu::impl::avx512

@@ -53,6 +53,14 @@ struct turned_block {
   const float** sc;  // the key scales it was made with
 };
 
+// What scoring 16 keys with the keys in the lanes needs (AVX-512, nuq keys): the kv head's
+// channel level tables and the pair-major rotation tables; ctab null: keys one at a time.
+struct key_tables {
+  const float* ctab;   // [hd, 16]: channel c's 16-entry table, lut16[i]·sc_c + zc_c (one FMA, as per key)
+  const float* cos_t;  // [hd / 2, kAttnUnit]
+  const float* sin_t;
+};
+
 struct tile_ctx {
   const kvq_layer_view* L;
   int hd, C, g;
@@ -60,6 +68,9 @@ struct tile_ctx {
   const float* qr;    // [n_head, hd] the query rotated back by the unit's first position
   const float* cos2;  // [kAttnUnit, hd] rotation by an offset in the unit
   const float* sin2;
+  const float* cos_t;  // [hd / 2, kAttnUnit] (kvq_fused_args::off_cos_t)
+  const float* sin_t;
+  const float* ktab = nullptr;  // [C, 16] channel level tables (key_tables::ctab), null: not built
   int32_t rot[kFusedTile];  // tile row j: its offset in the unit times hd (a row of cos2/sin2)
   alignas(64) float lut_k[16], lut_v[16];  // the level tables (load_lut's layout)
   run runs[kMaxRuns];
@@ -479,8 +490,9 @@ using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* 
 //   quant_keys<BITS, LUT, NV>     {head row codes, row bytes, sc, zc, table}: key vectors d of row r
 //   quant_values<BITS, LUT, NV>   {head row codes, row bytes, table}: value levels
 //   f16_rows                      {first row, elements between rows}: fp16 sink / window rows
-//   score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb)   RB query rows' scores of tile rows
-//                                 [ja, jb); tb: the rows' turned_block (keys at a shared rotation)
+//   score_run<NV, RB>(keys, ja, jb, q, cos2, sin2, rot, s, tb, kt)   RB query rows' scores of tile
+//                                 rows [ja, jb); tb: the rows' turned_block (keys at a shared
+//                                 rotation); kt: the kv head's key_tables (ISAs may ignore them)
 //   pv_range<NV, RB>(vals, ja, jb, da, db, w, o)             o += Σ w·level over vectors [da, db)
 // (8-lane vector indices for da, db).
 
@@ -494,15 +506,16 @@ void head_scores(const tile_ctx& t, int h, int u0, float* s) {
   const float* q = t.qr + (size_t)row * hd;
   const turned_block tb{t.tq + (size_t)row * hd, t.tz + row, t.trot + row, t.tsc + row};
   const typename ISA::table lk = ISA::load_table(t.lut_k);
+  const key_tables kt{t.ktab != nullptr ? t.ktab + (size_t)h * hd * 16 : nullptr, t.cos_t, t.sin_t};
   for (int r = 0; r < t.n_runs; ++r) {
     const run& R = t.runs[r];
     if (R.quant) {
       const typename ISA::template quant_keys<KB, LUT, NV> k{
           L.k_codes + (size_t)R.first * rb + (size_t)h * hd / 8 * KB, rb, R.sc + h * hd, R.zc + h * hd, lk};
-      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb);
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb, kt);
     } else {
       const typename ISA::f16_rows k{R.k16 + (size_t)R.first * t.C + h * hd, t.C};
-      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb);
+      ISA::template score_run<NV, RB>(k, R.ja, R.jb, q, t.cos2, t.sin2, t.rot, s, tb, kt);
     }
   }
 }
@@ -609,7 +622,8 @@ heads_fn pick_heads(const kvq_layer_view& L) {
 }
 
 // The unit's tiles: runs, value parameters, outliers, then the instruction set's heads.
-inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
+// channel_tables: build key_tables' level tables for nuq keys (the ISA scores keys in lanes).
+inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channel_tables = false) {
   const kvq_layer_view& L = *a.kv;
   const int hd = L.head_dim, C = L.channels(), n_head = a.n_head;
   const int g = n_head / L.n_head_kv;
@@ -632,6 +646,8 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   int32_t* trot = reinterpret_cast<int32_t*>(tz + n_head);                     // [n_head]
   const float** tsc = reinterpret_cast<const float**>(  // [n_head], aligned up (the scratch has a float to spare)
       (reinterpret_cast<uintptr_t>(trot + n_head) + alignof(const float*) - 1) & ~(uintptr_t)(alignof(const float*) - 1));
+  float* ktab = reinterpret_cast<float*>(  // [C, 16], 64-byte aligned (16 floats to spare)
+      (reinterpret_cast<uintptr_t>(tsc + n_head) + 63) & ~(uintptr_t)63);
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
@@ -664,7 +680,18 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads) {
   tile_ctx t;
   t.L = &L, t.hd = hd, t.C = C, t.g = g;
   t.qr = qr, t.cos2 = a.off_cos2, t.sin2 = a.off_sin2;
+  t.cos_t = a.off_cos_t, t.sin_t = a.off_sin_t;
   fill_lut(lut ? L.lut_k : nullptr, L.bits, t.lut_k);
+  if (channel_tables && lut && a.off_cos_t != nullptr) {
+    // nuq keys share one channel scale/zero per layer: each channel's 16 levels scaled once per
+    // call, with the FMA the per-key path applies (same bits), so a key costs one lookup.
+    for (int c = 0; c < C; ++c) {
+      const __m256 sc8 = _mm256_set1_ps(L.k_ch_scale[c]), zc8 = _mm256_set1_ps(L.k_ch_zero[c]);
+      for (int i = 0; i < 16; i += 8)
+        _mm256_store_ps(ktab + (size_t)c * 16 + i, _mm256_fmadd_ps(_mm256_load_ps(t.lut_k + i), sc8, zc8));
+    }
+    t.ktab = ktab;
+  }
   fill_lut(lut ? L.lut_v : nullptr, L.value_bits(), t.lut_v);
   t.v_scale = vsz, t.v_zero = vsz + kT;
   t.vg = vg, t.n_vg = lut ? 0 : (C + L.group - 1) / L.group;

@@ -38,6 +38,10 @@ struct kvq_fused_args {
   // Rotation by an offset j < kAttnUnit from the unit's first position (rope_table::unit_cos2).
   const float* off_cos2 = nullptr;  // [kAttnUnit, head_dim]
   const float* off_sin2 = nullptr;
+  // The same angles pair-major (rope_table::unit_cos_t/unit_sin_t: [head_dim / 2, kAttnUnit],
+  // cos and +sin); null: the kernel scores keys one at a time.
+  const float* off_cos_t = nullptr;
+  const float* off_sin_t = nullptr;
   // cos/sin of pos·θ_i for every pair, a function of pos alone (rope_angles) and its table.
   void (*angles)(const void* table, int64_t pos, double* c /*[n_rot/2]*/, double* s /*[n_rot/2]*/) = nullptr;
   const void* angle_table = nullptr;
@@ -52,7 +56,8 @@ inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
          (size_t)kFusedTile * channels / 4 +  // uniform value parameters (groups of >= 8 channels)
          (size_t)kFusedTile * channels + 8 +  // the row of each key outlier of a tile (int32)
          2 * (size_t)n_head * head_dim +      // the query rows turned by a shared key rotation (twice)
-         4 * (size_t)n_head + 2;              // their zero sums, rotations and scale pointers
+         4 * (size_t)n_head + 2 +             // their zero sums, rotations and scale pointers
+         16 * (size_t)channels + 16;          // per channel its 16 scaled levels (AVX-512, nuq), 64-byte aligned
 }
 // The code widths the fused kernel is instantiated for (keys, values): 2..4 bits alike (the KV
 // formats; nuq or uniform), and uniform 1 or 2 bits in any mix (clkv's per-layer widths).

@@ -40,6 +40,8 @@ const rope_table& rope_table_for(const rope_config& cfg) {
     }
   t->unit_cos2.resize((size_t)kAttnUnit * cfg.n_rot);
   t->unit_sin2.resize(t->unit_cos2.size());
+  t->unit_cos_t.resize((size_t)t->n_pair * kAttnUnit);
+  t->unit_sin_t.resize(t->unit_cos_t.size());
   for (int j = 0; j < kAttnUnit; ++j)
     for (int i = 0; i < t->n_pair; ++i) {
       const float c = (float)std::cos(j * t->theta[i]), s = (float)std::sin(j * t->theta[i]);
@@ -47,6 +49,8 @@ const rope_table& rope_table_for(const rope_config& cfg) {
       float* s2 = t->unit_sin2.data() + (size_t)j * cfg.n_rot + 2 * i;
       c2[0] = c2[1] = c;
       s2[0] = -s, s2[1] = s;
+      t->unit_cos_t[(size_t)i * kAttnUnit + j] = c;
+      t->unit_sin_t[(size_t)i * kAttnUnit + j] = s;
     }
   t->byte_cos.resize((size_t)kPosBytes * 256 * t->n_pair);
   t->byte_sin.resize(t->byte_cos.size());

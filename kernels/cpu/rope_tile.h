@@ -29,6 +29,9 @@ struct rope_table {
   // Offsets inside an attention unit in the element order a rotation wants: [kAttnUnit, n_rot],
   // cos2[2i] = cos2[2i+1] = cos(j theta_i), sin2 = (-sin, +sin) (the fused decode kernel).
   std::vector<float> unit_cos2, unit_sin2;
+  // The same angles pair-major, [n_pair, kAttnUnit]: cos/sin(j theta_i) for consecutive offsets j
+  // side by side (the AVX-512 fused kernel's keys-in-lanes scores load 16 keys' angles at once).
+  std::vector<float> unit_cos_t, unit_sin_t;
   // [kPosBytes, 256, n_pair] cos/sin(b << (8 l) * theta_i), exactly rounded doubles.
   std::vector<double> byte_cos, byte_sin;
 };
