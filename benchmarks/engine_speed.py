@@ -65,6 +65,15 @@ o = json.loads(sys.argv[1])
 ids = json.load(open(o["ids_file"]))[:o["n_prompt"]]
 n_gen = o["n_gen"]
 extra = {}
+if not o["repack"]:
+    # Weights in the file's own layout: no extra buffer types (the repacked / AMX copies). Llama()
+    # has no argument for it, so the default model parameters it starts from are changed.
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+    def no_extra_bufts():
+        p = default_params()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_cpp.llama_model_default_params = no_extra_bufts
 if o["rope_factor"] > 1:
     extra = dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_LINEAR, rope_freq_scale=1.0 / o["rope_factor"])
 llm = Llama(model_path=o["model"], n_ctx=len(ids) + n_gen + 8, n_batch=512, n_ubatch=512, n_threads=o["threads"],
@@ -103,6 +112,14 @@ def llama_build_info(python):
     return {"llama_cpp_python": out[0], "cmake_args": "prebuilt wheel (not built here)", "system_info": out[1]}
 
 
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(l.split(":", 1)[1].split() for l in f if l.startswith("flags")))
+    except (OSError, StopIteration):
+        return set()
+
+
 def run_json(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -131,9 +148,13 @@ def main():
     ap.add_argument("--prefill-from-decode", action="store_true",
                     help="also report each decode run's prefill (64 tokens short of the prefill row's "
                          "prompt) as that length's prefill row, instead of a second long prefill")
+    ap.add_argument("--llama-repack", choices=("auto", "on", "off"), default="auto",
+                    help="llama.cpp's repacked weight copies (extra buffer types); auto: off on CPUs with AMX, "
+                         "where llama-cpp-python 0.3.36's AMX path crashes on Q4_1 weights (SIGSEGV, 2026-11-29)")
     ap.add_argument("--merge", nargs="*", default=[],
                     help="instead of measuring, write the results from the JSON rows in these logs")
     args = ap.parse_args()
+    args.repack = args.llama_repack == "on" or (args.llama_repack == "auto" and "amx_tile" not in cpu_flags())
     caches = [c for c in args.xctx_caches.split(",") if c]
     kvs = [k for k in args.llama_kv.split(",") if k]
     for k in kvs:
@@ -187,7 +208,8 @@ def main():
             else:
                 type_kv, fa = LLAMA_KV[variant]
                 opts = {"model": args.model, "ids_file": ids_file, "n_prompt": n_prompt, "n_gen": n_gen,
-                        "threads": args.threads, "type_kv": type_kv, "flash_attn": fa, "rope_factor": f}
+                        "threads": args.threads, "type_kv": type_kv, "flash_attn": fa, "rope_factor": f,
+                        "repack": args.repack}
                 cmd = [python, "-c", LLAMA_RUNNER, json.dumps(opts)]
             runs = [run_json(cmd) for _ in range(args.repeat)]
             row = {"config": label, "kind": kind, "prompt_tokens": n_prompt, "gen_tokens": n_gen, "engine": engine,
@@ -238,7 +260,8 @@ def write_results(rows, args, info):
         if info:
             f.write(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} (ggml {info.get('ggml', '?')}), "
                     f"{info['cmake_args']}; {info.get('compiler', '')}\n\n")
-            f.write(f"llama.cpp system info: `{info['system_info']}`\n\n")
+            f.write(f"llama.cpp system info: `{info['system_info']}`; weight repacking (extra buffer types) "
+                    f"{'on' if args.repack else 'off'} (`--llama-repack {args.llama_repack}`)\n\n")
         f.write("| config | engine | cache | tok/s | vs xctx fp16 | peak RSS |\n|---|---|---|---|---|---|\n")
         for r in rows:
             base = next((b["tok_s"] for b in rows if b["config"] == r["config"] and b["engine"] == "xctx"
