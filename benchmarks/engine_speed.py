@@ -120,6 +120,24 @@ def cpu_flags():
         return set()
 
 
+def source_commit():
+    """HEAD of this checkout, marked when tracked files differ from it (the binary may too)."""
+    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD") or "?"
+        return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except OSError:
+        return "?"
+
+
+def xctx_build_type():
+    try:
+        with open(os.path.join(ROOT, "build", "CMakeCache.txt")) as f:
+            return next((l.split("=", 1)[1].strip() for l in f if l.startswith("CMAKE_BUILD_TYPE:")), "?")
+    except OSError:
+        return "?"
+
+
 def run_json(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -257,6 +275,7 @@ def write_results(rows, args, info):
                 "over xctx's with its fp16 cache in the same configuration.\n\n"
                 % (args.threads, args.repeat, only, args.repeat))
         f.write(f"CPU: {cpu}, {os.cpu_count()} cores; ISA extensions: {isa} (xctx picks its kernels at run time).\n\n")
+        f.write(f"xctx: commit {source_commit()}, build {xctx_build_type()}.\n\n")
         if info:
             f.write(f"llama.cpp: llama-cpp-python {info['llama_cpp_python']} (ggml {info.get('ggml', '?')}), "
                     f"{info['cmake_args']}; {info.get('compiler', '')}\n\n")

@@ -257,6 +257,10 @@ def main():
     try:
         commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
+        # A binary built from uncommitted sources is not the commit's: say so.
+        if subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                          capture_output=True, text=True).stdout.strip():
+            commit += " + uncommitted changes"
     except OSError:
         commit = "?"
     info = {
