@@ -13,8 +13,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -326,13 +328,35 @@ void attention_prefill(isa v, const attn_args& a, const std::vector<int64_t>& q_
   if (sp.n_chunk > 1) merge_partials(v, o_parts.data(), lse_parts.data(), (int)sp.n_chunk, n_row, hd, a.o, a.lse);
 }
 
+// Rows per kv head from which the AVX-512 kernel takes a job: its key transpose per tile is
+// shared by the head's rows (the unit path's blocked queries have kQueryBlock x g of them; a
+// decode step g). Measured (bench_attention BM_units_rows, one 256-key unit, hd 64, f16, Xeon
+// Ice Lake, 2026-11-30): 3 rows per head 1.4x slower than AVX2, 6 even, 12 1.05-1.3x faster,
+// 48 1.3x faster.
+constexpr int kAvx512MinRowsPerHead = 12;
+
+// XCTX_ATTN_AVX512=0 (read once) keeps every job on the AVX2 kernel: the baseline a benchmark
+// compares with in one run (the results are the same bits either way).
+bool avx512_rows_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("XCTX_ATTN_AVX512");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
 }  // namespace
 
 void decode_block(isa v, const decode_job& jb) {
-  if (v == isa::isa_avx2 && jb.hd % 8 == 0 && (jb.v_width <= 0 || jb.v_width % 8 == 0))
-    avx2::decode_block(jb);
-  else
+  if (v == isa::isa_avx2 && jb.hd % 8 == 0 && (jb.v_width <= 0 || jb.v_width % 8 == 0)) {
+    if (jb.n_kvh > 0 && jb.R / jb.n_kvh >= kAvx512MinRowsPerHead && has_avx512() && avx512_rows_enabled() &&
+        avx512::decode_block_supported(jb))
+      avx512::decode_block(jb);
+    else
+      avx2::decode_block(jb);
+  } else {
     decode_block_scalar(jb);
+  }
 }
 
 // Plain caches need no decoding: a unit is a window of the cache itself.

@@ -66,10 +66,11 @@ struct decode_job {
   float* lse = nullptr;  // [R]
   float* scratch = nullptr;  // [decode_scratch_floats(R, hd)]
 };
-// Covers both kernels: scalar (f16 K/V tiles converted to f32, scores, m, l) and AVX2 (scores
-// of a 3-row block with row stride kDecodeTile + 8, m, l).
+// Covers the kernels: scalar (f16 K/V tiles converted to f32, scores, m, l), AVX2 (scores of a
+// 3-row block with row stride kDecodeTile + 8, m, l) and AVX-512 (a transposed key tile and an
+// f32 value tile in place of the scalar's two, 64-byte aligned: 16 floats to spare).
 inline int64_t decode_scratch_floats(int R, int hd) {
-  return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R;
+  return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R + 16;
 }
 
 // Runs one decode work item (AVX2 when v says so and hd and v_width are multiples of 8, else scalar).
@@ -126,5 +127,12 @@ const row_ops& prefill_row_ops();
 void merge_row(const float* parts, int64_t part_stride, const float* coef /*[n_part]*/, int n_part, int hd,
                float* o /*[hd]*/);
 }  // namespace avx2
+
+// decode_block for many rows per kv head, bitwise avx2::decode_block's results
+// (attention_avx512.cpp); only callable when cpu::has_avx512().
+namespace avx512 {
+bool decode_block_supported(const decode_job& job);  // plain value layout, hd 32, 64 or 128
+void decode_block(const decode_job& job);
+}  // namespace avx512
 
 }  // namespace xctx::cpu::impl

@@ -455,6 +455,69 @@ TEST(MergePartials, ExtremeAndEmptyParts) {
   }
 }
 
+// ---- the AVX-512 many-row decode kernel: bitwise the AVX2 kernel's results -------------------
+// The unit path's invariance needs every row's arithmetic to be the same whichever kernel runs
+// it (attention_avx512.cpp): compared bit for bit over row counts that leave every row-block
+// remainder, every head_dim it takes, both key types, ragged causal ends (tails of every
+// length mod the key blocks), a job starting mid-cache, and large scores (softmax rescaling).
+struct avx512_case {
+  int rows_per_head, n_kvh, hd;
+  kv_dtype type;
+  int64_t j0, j1;
+  float q_scale;
+};
+
+TEST(AttentionAvx512, ManyRowKernelGivesTheAvx2KernelsBits) {
+  if (!cpu::has_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const std::vector<avx512_case> cases = {
+      {48, 3, 64, kv_dtype::kv_f16, 0, 256, 1.0f},   {48, 3, 64, kv_dtype::kv_f32, 0, 256, 1.0f},
+      {7, 2, 64, kv_dtype::kv_f16, 0, 100, 1.0f},    {8, 1, 32, kv_dtype::kv_f32, 5, 77, 1.0f},
+      {6, 3, 128, kv_dtype::kv_f16, 0, 200, 1.0f},   {10, 2, 128, kv_dtype::kv_f32, 32, 190, 1.0f},
+      {12, 3, 64, kv_dtype::kv_f16, 0, 256, 30.0f},  {16, 2, 32, kv_dtype::kv_f16, 3, 41, 1.0f},
+      {9, 1, 64, kv_dtype::kv_f16, 0, 33, 1.0f},     {24, 3, 64, kv_dtype::kv_f16, 17, 18, 1.0f},
+  };
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const avx512_case& c : cases) {
+    const int R = c.rows_per_head * c.n_kvh, hd = c.hd;
+    const int64_t ld = (int64_t)c.n_kvh * hd, n_tok = c.j1 + 8;
+    std::vector<float> q((size_t)R * hd), kf((size_t)(n_tok * ld)), vf(kf.size());
+    std::vector<uint16_t> kh(kf.size()), vh(kf.size());
+    for (float& x : q) x = c.q_scale * u(rng);
+    for (size_t e = 0; e < kf.size(); ++e) {
+      kh[e] = fp32_to_fp16(u(rng)), vh[e] = fp32_to_fp16(u(rng));
+      kf[e] = fp16_to_fp32(kh[e]), vf[e] = fp16_to_fp32(vh[e]);
+    }
+    std::vector<int64_t> row_end((size_t)R);
+    for (int r = 0; r < R; ++r) {  // ragged: every end in [j0 - 1, j1 + 2], some rows seeing nothing
+      const int64_t span = c.j1 - c.j0 + 4;
+      row_end[(size_t)r] = c.j0 - 1 + (int64_t)(rng() % (uint64_t)span);
+    }
+    row_end[0] = c.j1;  // one row sees the whole job
+    cpu::impl::decode_job jb;
+    jb.q = q.data(), jb.row_end = row_end.data(), jb.R = R, jb.n_kvh = c.n_kvh, jb.hd = hd;
+    jb.k = c.type == kv_dtype::kv_f16 ? (const void*)kh.data() : (const void*)kf.data();
+    jb.v = c.type == kv_dtype::kv_f16 ? (const void*)vh.data() : (const void*)vf.data();
+    jb.type = c.type, jb.ld = ld, jb.j0 = c.j0, jb.j1 = c.j1;
+    ASSERT_TRUE(cpu::impl::avx512::decode_block_supported(jb));
+    std::vector<float> o2((size_t)R * hd, NAN), l2((size_t)R, NAN), o5 = o2, l5 = l2;
+    std::vector<float> scratch((size_t)cpu::impl::decode_scratch_floats(R, hd) + 1);
+    jb.scratch = scratch.data() + 1;  // misaligned on purpose: the kernel aligns its tiles itself
+    jb.o = o2.data(), jb.lse = l2.data();
+    cpu::impl::avx2::decode_block(jb);
+    jb.o = o5.data(), jb.lse = l5.data();
+    cpu::impl::avx512::decode_block(jb);
+    const std::string what = "rows/head " + std::to_string(c.rows_per_head) + ", kv heads " +
+                             std::to_string(c.n_kvh) + ", hd " + std::to_string(hd) +
+                             (c.type == kv_dtype::kv_f16 ? ", f16" : ", f32");
+    EXPECT_EQ(std::memcmp(o2.data(), o5.data(), o2.size() * sizeof(float)), 0) << what;
+    EXPECT_EQ(std::memcmp(l2.data(), l5.data(), l2.size() * sizeof(float)), 0) << what;
+    for (int r = 0; r < R && !HasFailure(); ++r)
+      for (int d = 0; d < hd; ++d)
+        ASSERT_EQ(o2[(size_t)r * hd + d], o5[(size_t)r * hd + d]) << what << ", row " << r << " d " << d;
+  }
+}
+
 // ---- the unit path (args.acc: exact per-unit deposits) ---------------------------------------
 
 attn_out run_units(const attn_inputs& in, int64_t j0 = 0, int64_t j1 = -1, softmax_acc* shared = nullptr) {
