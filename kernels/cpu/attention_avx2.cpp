@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "kernels/cpu/decode_rows_impl.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/fast_exp_avx2.h"
 
@@ -216,14 +217,7 @@ void decode_block(const decode_job& jb) {
   float* s = jb.scratch;          // [kRowBlock, kSS] scores, then probabilities
   float* m = s + kRowBlock * kSS;  // [R] running max
   float* l = m + R;                // [R] running sum
-  int64_t j_end = jb.j0;
-  for (int r = 0; r < R; ++r) {
-    m[r] = -__builtin_inff();
-    l[r] = 0.0f;
-    for (int d = 0; d < vw; ++d) jb.o[(int64_t)r * vw + d] = 0.0f;
-    const int64_t e = jb.row_end[r] < jb.j1 ? jb.row_end[r] : jb.j1;
-    j_end = e > j_end ? e : j_end;
-  }
+  const int64_t j_end = decode_rows::start(jb, vw, m, l);
   const size_t elt = jb.type == kv_dtype::kv_f16 ? 2 : 4;
   const int rows_per_head = R / jb.n_kvh;
   // Tile-major over all heads: the item walks its slab of the cache once, front to back.
@@ -234,10 +228,8 @@ void decode_block(const decode_job& jb) {
       const char* kb = (const char*)jb.k + (t0 * jb.ld + (int64_t)h * hd) * elt;
       const char* vb = (const char*)jb.v + (t0 * vld + (int64_t)h * vstride) * elt;
       // The next tile of this head is requested now, so it is in cache when its turn comes.
-      for (int j = 0; j < n_next; ++j) {
-        for (size_t b = 0; b < (size_t)hd * elt; b += 64) _mm_prefetch(kb + (size_t)(nt + j) * jb.ld * elt + b, _MM_HINT_T0);
-        for (size_t b = 0; b < (size_t)vw * elt; b += 64) _mm_prefetch(vb + (size_t)(nt + j) * vld * elt + b, _MM_HINT_T0);
-      }
+      decode_rows::prefetch_next(kb, (size_t)jb.ld * elt, (size_t)hd * elt, vb, (size_t)vld * elt, (size_t)vw * elt, nt,
+                                 n_next);
       for (int r0 = h * rows_per_head; r0 < (h + 1) * rows_per_head; r0 += kRowBlock) {
         const int rb = (h + 1) * rows_per_head - r0 < kRowBlock ? (h + 1) * rows_per_head - r0 : kRowBlock;
         switch (jb.type) {
@@ -253,14 +245,7 @@ void decode_block(const decode_job& jb) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (l[r] == 0.0f) {
-      jb.lse[r] = -__builtin_inff();
-      continue;  // o row is already 0
-    }
-    scale(jb.o + (int64_t)r * vw, vw, 1.0f / l[r]);
-    jb.lse[r] = m[r] + std::log(l[r]);
-  }
+  decode_rows::finish(jb, vw, m, l);
 }
 
 void merge_row(const float* parts, int64_t part_stride, const float* coef /*[n_part]*/, int n_part, int hd,

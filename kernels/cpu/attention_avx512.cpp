@@ -32,6 +32,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "kernels/cpu/decode_rows_impl.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/fast_exp_avx2.h"
 
@@ -297,14 +298,7 @@ void run_job(const decode_job& jb) {
   float* s = vf + (size_t)kT * HD;
   float* m = s + kRowBlock * kSS;
   float* l = m + R;
-  int64_t j_end = jb.j0;
-  for (int r = 0; r < R; ++r) {
-    m[r] = -__builtin_inff();
-    l[r] = 0.0f;
-    for (int d = 0; d < HD; ++d) jb.o[(int64_t)r * HD + d] = 0.0f;
-    const int64_t e = jb.row_end[r] < jb.j1 ? jb.row_end[r] : jb.j1;
-    j_end = e > j_end ? e : j_end;
-  }
+  const int64_t j_end = decode_rows::start(jb, HD, m, l);
   const int rows_per_head = R / jb.n_kvh;
   alignas(64) float parts[8 * kRowBlock * kKeyVecs * 16];
   for (int64_t t0 = jb.j0; t0 < j_end; t0 += kT) {
@@ -313,12 +307,8 @@ void run_job(const decode_job& jb) {
     for (int h = 0; h < jb.n_kvh; ++h) {
       const T* kp = static_cast<const T*>(jb.k) + t0 * jb.ld + (int64_t)h * HD;
       const T* vsrc = static_cast<const T*>(jb.v) + t0 * jb.ld + (int64_t)h * HD;
-      for (int j = 0; j < n_next; ++j) {
-        for (size_t b = 0; b < HD * sizeof(T); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kp + (nt + j) * jb.ld) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vsrc + (nt + j) * jb.ld) + b, _MM_HINT_T0);
-        }
-      }
+      decode_rows::prefetch_next(reinterpret_cast<const char*>(kp), jb.ld * sizeof(T), HD * sizeof(T),
+                                 reinterpret_cast<const char*>(vsrc), jb.ld * sizeof(T), HD * sizeof(T), nt, n_next);
       const int r_head = h * rows_per_head;
       int n_head_max = 0;  // keys any row of the head sees in this tile
       for (int r = r_head; r < r_head + rows_per_head; ++r) {
@@ -347,16 +337,7 @@ void run_job(const decode_job& jb) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (l[r] == 0.0f) {
-      jb.lse[r] = -__builtin_inff();
-      continue;  // o row is already 0
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);  // the AVX2 kernel's scale(): o * (1 / l)
-    for (int d = 0; d < HD; d += 16)
-      _mm512_storeu_ps(jb.o + (int64_t)r * HD + d, _mm512_mul_ps(_mm512_loadu_ps(jb.o + (int64_t)r * HD + d), inv));
-    jb.lse[r] = m[r] + std::log(l[r]);
-  }
+  decode_rows::finish(jb, HD, m, l);
 }
 
 template <typename T>
