@@ -73,7 +73,8 @@ inline int64_t decode_scratch_floats(int R, int hd) {
   return 2 * (int64_t)kDecodeTile * hd + 3 * (kDecodeTile + 8) + 2 * R + 16;
 }
 
-// Runs one decode work item (AVX2 when v says so and hd and v_width are multiples of 8, else scalar).
+// Runs one decode work item (AVX2 when v says so and hd and v_width are multiples of 8, else scalar;
+// on AVX-512 CPUs jobs with many rows per kv head take the AVX-512 kernel, same bits as AVX2).
 void decode_block(isa v, const decode_job& job);
 // Up to this many queries the attention kernels take the decode path.
 inline constexpr int64_t kDecodeMaxQueries = 8;
