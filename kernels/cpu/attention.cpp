@@ -14,9 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -340,7 +340,7 @@ constexpr int kAvx512MinRowsPerHead = 12;
 bool avx512_rows_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("XCTX_ATTN_AVX512");
-    return e == nullptr || std::string(e) != "0";
+    return e == nullptr || std::strcmp(e, "0") != 0;
   }();
   return on;
 }

@@ -164,8 +164,7 @@ void decode_rows(const float* q /*[RB, hd]*/, const int64_t* row_end /*[RB]*/, c
   int n_r[RB];
   int n_max = 0;
   for (int r = 0; r < RB; ++r) {
-    const int64_t vis = row_end[r] - t0;
-    n_r[r] = vis <= 0 ? 0 : vis < nt ? (int)vis : nt;
+    n_r[r] = decode_rows::visible_in_tile(row_end[r], t0, nt);
     n_max = n_r[r] > n_max ? n_r[r] : n_max;
   }
   if (n_max == 0) return;

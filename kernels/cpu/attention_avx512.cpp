@@ -28,8 +28,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/error.h"
 #include "kernels/cpu/decode_rows_impl.h"
@@ -254,8 +252,6 @@ void pv_rows(float* o, const float* p, const float* alpha, const float* vp, int6
   for (int d0 = 0; d0 < HD; d0 += 16 * W) pv<RB, W>(o, HD, p, alpha, vp, vld, n, d0);
 }
 
-// One block of rb rows of one kv head against the tile (keys transposed in kt; rows of the
-// source at kp + j * ld, values f32 at vp + j * vld): the AVX2 decode_rows' arithmetic.
 // One block of RB rows of one kv head against the tile (keys transposed in kt; values f32 at
 // vp + j * vld): the AVX2 decode_rows' arithmetic. parts: [8, kRowBlock, kKeyVecs, 16] scratch.
 template <int RB, int HD>
@@ -264,8 +260,7 @@ void block_rows(const float* q, const int64_t* row_end, const float* kt, const f
   int n_r[RB];
   int n_max = 0;
   for (int r = 0; r < RB; ++r) {
-    const int64_t vis = row_end[r] - t0;
-    n_r[r] = vis <= 0 ? 0 : vis < nt ? (int)vis : nt;
+    n_r[r] = decode_rows::visible_in_tile(row_end[r], t0, nt);
     n_max = n_r[r] > n_max ? n_r[r] : n_max;
   }
   if (n_max == 0) return;
@@ -312,8 +307,7 @@ void run_job(const decode_job& jb) {
       const int r_head = h * rows_per_head;
       int n_head_max = 0;  // keys any row of the head sees in this tile
       for (int r = r_head; r < r_head + rows_per_head; ++r) {
-        const int64_t vis = jb.row_end[r] - t0;
-        const int n = vis <= 0 ? 0 : vis < nt ? (int)vis : nt;
+        const int n = decode_rows::visible_in_tile(jb.row_end[r], t0, nt);
         n_head_max = n > n_head_max ? n : n_head_max;
       }
       if (n_head_max == 0) continue;

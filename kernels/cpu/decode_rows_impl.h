@@ -28,6 +28,12 @@ inline int64_t start(const decode_job& jb, int vw, float* m, float* l) {
   return j_end;
 }
 
+// Keys of the tile [t0, t0 + nt) that a row ending at row_end sees (a prefix).
+inline int visible_in_tile(int64_t row_end, int64_t t0, int nt) {
+  const int64_t vis = row_end - t0;
+  return vis <= 0 ? 0 : vis < nt ? (int)vis : nt;
+}
+
 // Requests rows [nt, nt + n_next) of one kv head's keys and values (row r at k + r·k_stride
 // bytes, k_bytes long; values alike) while the current tile computes.
 inline void prefetch_next(const char* k, size_t k_stride, size_t k_bytes, const char* v, size_t v_stride,
