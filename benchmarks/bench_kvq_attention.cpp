@@ -336,7 +336,8 @@ double seconds(F&& f) {
   return sw.seconds();
 }
 
-double median(std::vector<double> x) {
+double median(std::vector<double> x) {  // NaN when nothing was timed (--attend-only)
+  if (x.empty()) return std::nan("");
   std::sort(x.begin(), x.end());
   const size_t n = x.size();
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
@@ -360,6 +361,7 @@ struct options {
   int rounds = 0;  // 0: by length
   int se_group = 1;  // SelfExtend: keys past the window at floor(pos / G) (1: off)
   int se_window = 1024;
+  bool attend_only = false;  // time the decode step alone (the tiled, decode and math columns stay empty)
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -395,10 +397,12 @@ options parse_args(int argc, char** argv) {
       o.se_group = (int)parse_count(value(), "--selfextend");
     } else if (a == "--window") {
       o.se_window = (int)parse_count(value(), "--window");
+    } else if (a == "--attend-only") {
+      o.attend_only = true;
     } else {
       fail("bench_kvq_attention: unknown argument '", a,
            "' (known: --quick, --lengths 8K,64K,512K, --formats fp16,kivi3,..., --threads 2,1, --rounds N, "
-           "--selfextend G, --window W)");
+           "--selfextend G, --window W, --attend-only)");
     }
   }
   XCTX_CHECK(!o.formats.empty() && o.formats[0] == "fp16", "bench_kvq_attention: --formats must start with fp16 (the baseline)");
@@ -501,6 +505,7 @@ void run(const options& opt) {
           g_sink = flush_caches(flush_buf);
           const double ta = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data(), attend_path::attend_decode); });
           if (r > 0) t_att[fi].push_back(ta);
+          if (opt.attend_only) continue;
           g_sink = flush_caches(flush_buf);
           const double tt = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data(), attend_path::attend_prefill); });
           if (r > 0) t_tile[fi].push_back(tt);
@@ -513,6 +518,7 @@ void run(const options& opt) {
             if (r > 0) t_dec[fi].push_back(td);
           }
         }
+        if (opt.attend_only) continue;
         double chk = 0.0;
         const double tm = seconds([&] { chk = run_math_only(n, tile_k.data(), tile_v.data(), qs.data()); });
         g_sink = chk;

@@ -414,7 +414,7 @@ class kvq_fused_kernel final : public unit_kernel {
     f.s0 = s0, f.n = n;
     f.pos_group = grouped ? a_.rope.se_group : 1;
     f.off_cos2 = tab_.unit_cos2.data(), f.off_sin2 = tab_.unit_sin2.data();
-    f.off_cos_t = tab_.unit_cos_t.data(), f.off_sin_t = tab_.unit_sin_t.data();
+    f.off_cos_t = tab_.unit_cos_t(), f.off_sin_t = tab_.unit_sin_t();
     f.angles = angles_of, f.angle_table = &tab_;
     f.scratch = scratch_.data(), f.angle_scratch = angles_.data();
     f.o = o, f.lse = lse;

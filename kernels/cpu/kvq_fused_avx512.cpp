@@ -275,7 +275,9 @@ template <int BITS, int NV16, int RB, int P>
   constexpr int hd = 16 * NV16;
   const __m512 ka = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P>(w), _mm512_load_ps(ctab + 32 * P));
   const __m512 kb = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P + 1>(w), _mm512_load_ps(ctab + 32 * P + 16));
-  const __m512 c = _mm512_loadu_ps(cos_t + P * kAttnUnit + o), sn = _mm512_loadu_ps(sin_t + P * kAttnUnit + o);
+  __m512 c = _mm512_loadu_ps(cos_t + P * kUnitAngleStride + o);
+  __m512 sn = _mm512_loadu_ps(sin_t + P * kUnitAngleStride + o);
+  asm("" : "+v"(c), "+v"(sn));  // one load each (GCC otherwise reads both twice as memory operands)
   // rotate16's arithmetic per lane pair: even k·cos − k'·sin, odd k'·cos + k·sin.
   const __m512 ra = _mm512_fmsub_ps(ka, c, _mm512_mul_ps(kb, sn));
   const __m512 rb = _mm512_fmadd_ps(kb, c, _mm512_mul_ps(ka, sn));
@@ -327,12 +329,13 @@ inline void score_16_lanes(const K& keys, int j0, int r0, int o, const float* q,
   constexpr int BITS = K::kBits, hd = 16 * NV16, W = hd * BITS / 32;
   static_assert(hd * BITS % 32 == 0, "a head row's codes are whole 32-bit words");
   __m512i w[W];
-  [&]<int... M>(std::integer_sequence<int, M...>) {  // 8 words at a time (hd 128: 12 or 16 words)
+  // (The index-sequence lambdas are always inlined: called out of line, acc lives in memory.)
+  [&]<int... M>(std::integer_sequence<int, M...>) __attribute__((always_inline)) {  // 8 words at a time (hd 128: 12 or 16)
     (row_words<(W - 8 * M < 8 ? W - 8 * M : 8)>(keys.row(r0) + 32 * M, keys.rb, w + 8 * M), ...);
   }(std::make_integer_sequence<int, (W + 7) / 8>{});
   __m512 acc[RB][4];  // four chains per query row: pairs by parity, even and odd channels
   for (int u = 0; u < RB; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = _mm512_setzero_ps();
-  [&]<int... P>(std::integer_sequence<int, P...>) {
+  [&]<int... P>(std::integer_sequence<int, P...>) __attribute__((always_inline)) {
     (lanes_pair<BITS, NV16, RB, P>(w, kt.ctab, kt.cos_t, kt.sin_t, o, q, acc), ...);
   }(std::make_integer_sequence<int, hd / 2>{});
   for (int u = 0; u < RB; ++u)

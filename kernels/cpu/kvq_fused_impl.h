@@ -57,7 +57,7 @@ struct turned_block {
 // channel level tables and the pair-major rotation tables; ctab null: keys one at a time.
 struct key_tables {
   const float* ctab;   // [hd, 16]: channel c's 16-entry table, lut16[i]·sc_c + zc_c (one FMA, as per key)
-  const float* cos_t;  // [hd / 2, kAttnUnit]
+  const float* cos_t;  // [hd / 2, kUnitAngleStride]
   const float* sin_t;
 };
 
@@ -68,7 +68,7 @@ struct tile_ctx {
   const float* qr;    // [n_head, hd] the query rotated back by the unit's first position
   const float* cos2;  // [kAttnUnit, hd] rotation by an offset in the unit
   const float* sin2;
-  const float* cos_t;  // [hd / 2, kAttnUnit] (kvq_fused_args::off_cos_t)
+  const float* cos_t;  // [hd / 2, kUnitAngleStride] (kvq_fused_args::off_cos_t)
   const float* sin_t;
   const float* ktab = nullptr;  // [C, 16] channel level tables (key_tables::ctab), null: not built
   int32_t rot[kFusedTile];  // tile row j: its offset in the unit times hd (a row of cos2/sin2)
@@ -309,19 +309,36 @@ inline void turn_query(int hd, const float* q /*[RB, hd]*/, const float* cos2, c
 #if defined(__AVX512F__)
 inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
+// The tile's maximum of row u's scores and the factor alpha = exp(m_old − m_new) the row's running
+// sums take; m[u] becomes m_new. A maximum that held gives alpha = 1 without the call (the most
+// common case after a unit's first tiles; exp(0) is 1 exactly).
+inline float tile_max_update(const float* su, int nt, float& m, float& m_new) {
+  __m512 mv = _mm512_set1_ps(-__builtin_inff());
+  for (int j = 0; j < nt; j += 16) {
+    const __mmask16 k = first_lanes(nt - j);
+    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, su + j));
+  }
+  const float mt = _mm512_reduce_max_ps(mv);
+  m_new = mt > m ? mt : m;
+  const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // 0 on the first tile (m = -inf)
+  m = m_new;
+  return alpha;
+}
+
+inline void scale_row(float* o, int hd, float alpha) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+}
+
+// Online softmax over the tile's nt scores of RB rows: s becomes the probabilities, m and the
+// denominator lanes of l (lanes [0, 16) of each row's kFusedSumLanes) are updated, o (hd wide)
+// rescaled -- unless the running maximum held (alpha = 1): multiplying by 1 changes no bit.
 template <int RB>
 inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int hd) {
   for (int u = 0; u < RB; ++u) {
     float* su = s + u * kSS;
-    __m512 mv = _mm512_set1_ps(-__builtin_inff());
-    for (int j = 0; j < nt; j += 16) {
-      const __mmask16 k = first_lanes(nt - j);
-      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, su + j));
-    }
-    const float mt = _mm512_reduce_max_ps(mv);
-    const float m_new = mt > m[u] ? mt : m[u];
-    const float alpha = std::exp(m[u] - m_new);  // 0 on the first tile (m = -inf)
-    m[u] = m_new;
+    float m_new;
+    const float alpha = tile_max_update(su, nt, m[u], m_new);
     const __m512 mn = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < nt; j += 16) {
@@ -330,11 +347,38 @@ inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int h
       _mm512_mask_storeu_ps(su + j, k, p);
       sum = _mm512_add_ps(sum, p);
     }
-    l[u] = l[u] * alpha + _mm512_reduce_add_ps(sum);
-    if (alpha == 1.0f) continue;
+    float* lu = l + u * kFusedSumLanes;
+    _mm512_storeu_ps(lu, _mm512_fmadd_ps(_mm512_loadu_ps(lu), _mm512_set1_ps(alpha), sum));
+    if (alpha != 1.0f) scale_row(o + u * hd, hd, alpha);
+  }
+}
+
+// The softmax update and the value-scale fold in one pass, for values with one (scale, zero) per
+// row (nuq): s becomes p (the value outliers' weights), w = p·s_j, and Σ_j p_j·z_j is kept in
+// lanes [16, 32) of l, rescaled with the row's other sums and added to o once per unit
+// (attend_unit) instead of once per tile.
+template <int RB>
+inline void softmax_fold(float* s, const float* ps /*[kT]*/, const float* pz /*[kT]*/, int nt, float* m, float* l,
+                         float* o, int hd, float* w) {
+  for (int u = 0; u < RB; ++u) {
+    float* su = s + u * kSS;
+    float m_new;
+    const float alpha = tile_max_update(su, nt, m[u], m_new);
+    const __m512 mn = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps(), zs = _mm512_setzero_ps();
+    for (int j = 0; j < nt; j += 16) {
+      const __mmask16 k = first_lanes(nt - j);
+      const __m512 p = _mm512_maskz_mov_ps(k, avx2::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, su + j), mn)));
+      _mm512_mask_storeu_ps(su + j, k, p);
+      _mm512_mask_storeu_ps(w + u * kSS + j, k, _mm512_mul_ps(p, _mm512_maskz_loadu_ps(k, ps + j)));
+      sum = _mm512_add_ps(sum, p);
+      zs = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(k, pz + j), zs);
+    }
+    float* lu = l + u * kFusedSumLanes;
     const __m512 a = _mm512_set1_ps(alpha);
-    for (int d = 0; d < hd; d += 16)
-      _mm512_storeu_ps(o + u * hd + d, _mm512_mul_ps(_mm512_loadu_ps(o + u * hd + d), a));
+    _mm512_storeu_ps(lu, _mm512_fmadd_ps(_mm512_loadu_ps(lu), a, sum));
+    _mm512_storeu_ps(lu + 16, _mm512_fmadd_ps(_mm512_loadu_ps(lu + 16), a, zs));
+    if (alpha != 1.0f) scale_row(o + u * hd, hd, alpha);
   }
 }
 
@@ -364,7 +408,7 @@ inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int h
     float mt = avx2::hmax8(mv);
     for (; j < nt; ++j) mt = su[j] > mt ? su[j] : mt;
     const float m_new = mt > m[u] ? mt : m[u];
-    const float alpha = std::exp(m[u] - m_new);  // 0 on the first tile (m = -inf)
+    const float alpha = m_new == m[u] ? 1.0f : std::exp(m[u] - m_new);  // 0 on the first tile (m = -inf)
     m[u] = m_new;
     const __m256 mn = _mm256_set1_ps(m_new);
     __m256 sum = _mm256_setzero_ps();
@@ -381,7 +425,7 @@ inline void softmax_update(float* s, int nt, float* m, float* l, float* o, int h
       _mm256_store_ps(buf, p);
       for (int e = 0; j + e < nt; ++e) su[j + e] = buf[e];
     }
-    l[u] = l[u] * alpha + avx2::hsum8(sum);
+    l[u * kFusedSumLanes] = l[u * kFusedSumLanes] * alpha + avx2::hsum8(sum);
     if (alpha == 1.0f) continue;
     const __m256 a = _mm256_set1_ps(alpha);
     for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(o + u * hd + d, _mm256_mul_ps(_mm256_loadu_ps(o + u * hd + d), a));
@@ -478,7 +522,8 @@ inline void prefetch_next_tile(const kvq_layer_view& L, int64_t s, int64_t end) 
 
 
 // One tile's heads: scores of every query row into s_all, the key outliers' corrections, per
-// kv head the softmax update and values, the value outliers' corrections. m, l: [n_head];
+// kv head the softmax update and values, the value outliers' corrections. m: [n_head];
+// l: [n_head, kFusedSumLanes];
 // o: [n_head, hd]; work: [kvq_fused_work_floats(n_head)], s_all = its first n_head·kSS.
 using heads_fn = void (*)(const tile_ctx&, float* m, float* l, float* o, float* work);
 
@@ -521,18 +566,15 @@ void head_scores(const tile_ctx& t, int h, int u0, float* s) {
 }
 
 // Rows u0 .. u0 + RB of kv head h: the softmax update over their tile scores s (which become
-// probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m, l [RB]; o [RB, hd]
-// running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
+// probabilities), then the values: o += Σ (p·s_j)·level + Σ p·z_j. m [RB], l [RB, kFusedSumLanes];
+// o [RB, hd] running (unnormalised by l); w [RB, kSS], sj, zj [kT]: scratch.
 template <class ISA, int VB, bool LUT, int NV, int RB>
 void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* s, float* w, float* sj, float* zj) {
   constexpr int hd = ISA::kLanes * NV;
   const kvq_layer_view& L = *t.L;
   const size_t rb = kvq_row_bytes(t.C, VB);
   const typename ISA::table lv = ISA::load_table(t.lut_v);
-  softmax_update<RB>(s, t.nt, m, l, o, hd);
-  for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
-    float zsum[RB];
-    fold_value_scales<RB>(s, ps, pz, t.nt, w, zsum);
+  const auto values = [&](int da, int db) {
     for (int r = 0; r < t.n_runs; ++r) {
       const run& R = t.runs[r];
       if (R.quant) {
@@ -544,6 +586,18 @@ void head_values(const tile_ctx& t, int h, float* m, float* l, float* o, float* 
         ISA::template pv_range<NV, RB>(v, R.ja, R.jb, da, db, w, o);
       }
     }
+  };
+#if defined(__AVX512F__)
+  if constexpr (LUT) {  // one value (scale, zero) per row: softmax and fold in one pass
+    softmax_fold<RB>(s, t.v_scale, t.v_zero, t.nt, m, l, o, hd, w);
+    return values(0, hd / 8);
+  }
+#endif
+  softmax_update<RB>(s, t.nt, m, l, o, hd);
+  for_value_segments<LUT>(t, h, sj, zj, [&](int da, int db, const float* ps, const float* pz) {
+    float zsum[RB];
+    fold_value_scales<RB>(s, ps, pz, t.nt, w, zsum);
+    values(da, db);
     add_zero_sums<RB>(zsum, da, db, o, hd);
   });
 }
@@ -575,11 +629,12 @@ void heads(const tile_ctx& t, float* m, float* l, float* o, float* work) {
   blocks([&](int h, int, int rb, int row) {
     float* s = s_all + (size_t)row * kSS;
     float* oh = o + (size_t)row * t.hd;
+    float* lr = l + (size_t)row * kFusedSumLanes;
     switch (rb) {
-      case 1: head_values<ISA, VB, LUT, NV, 1>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 2: head_values<ISA, VB, LUT, NV, 2>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      case 3: head_values<ISA, VB, LUT, NV, 3>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
-      default: head_values<ISA, VB, LUT, NV, 4>(t, h, m + row, l + row, oh, s, w, sj, zj); break;
+      case 1: head_values<ISA, VB, LUT, NV, 1>(t, h, m + row, lr, oh, s, w, sj, zj); break;
+      case 2: head_values<ISA, VB, LUT, NV, 2>(t, h, m + row, lr, oh, s, w, sj, zj); break;
+      case 3: head_values<ISA, VB, LUT, NV, 3>(t, h, m + row, lr, oh, s, w, sj, zj); break;
+      default: head_values<ISA, VB, LUT, NV, 4>(t, h, m + row, lr, oh, s, w, sj, zj); break;
     }
   });
   if (t.outliers) add_value_outliers<NV * ISA::kLanes>(t, s_all, o);
@@ -635,8 +690,8 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channe
   float* sc = bsin2 + hd;                     // [kScaleSlots, C] uniform key group scales
   float* zc = sc + (size_t)kScaleSlots * C;   // [kScaleSlots, C]
   float* m = zc + (size_t)kScaleSlots * C;    // [n_head]
-  float* l = m + n_head;                      // [n_head]
-  float* vsz = l + n_head;                    // [2, kT] nuq value scales, zeros
+  float* l = m + n_head;                      // [n_head, kFusedSumLanes]
+  float* vsz = l + (size_t)n_head * kFusedSumLanes;  // [2, kT] nuq value scales, zeros
   float* work = vsz + 2 * kT;                 // [kvq_fused_work_floats(n_head)]
   float* vg = work + kvq_fused_work_floats(n_head);  // [kT, C / 4] uniform value (scale, zero) per group
   int32_t* entry_row = reinterpret_cast<int32_t*>(vg + (size_t)kT * C / 4);  // [kT·C + 8]
@@ -651,7 +706,8 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channe
   double* ac = a.angle_scratch;               // [hd / 2]
   double* as = ac + hd / 2;
 
-  for (int r = 0; r < n_head; ++r) m[r] = -__builtin_inff(), l[r] = 0.0f;
+  for (int r = 0; r < n_head; ++r) m[r] = -__builtin_inff();
+  for (size_t e = 0; e < (size_t)n_head * kFusedSumLanes; ++e) l[e] = 0.0f;
   for (size_t e = 0; e < (size_t)n_head * hd; ++e) a.o[e] = 0.0f;
   if (a.n == 0) {
     for (int r = 0; r < n_head; ++r) a.lse[r] = -__builtin_inff();
@@ -706,7 +762,10 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channe
   for (int64_t t0 = a.s0; t0 < a.s0 + a.n; t0 += kT) {
     const int nt = (int)(a.s0 + a.n - t0 < kT ? a.s0 + a.n - t0 : kT);
     t.nt = nt;
-    for (int j = 0; j < nt; ++j) t.rot[j] = (rot_pos(L.pos[t0 + j]) - p0) * hd;
+    if (G == 1)  // no division per slot (a 64-bit idiv: measured ~5% of the step)
+      for (int j = 0; j < nt; ++j) t.rot[j] = (L.pos[t0 + j] - p0) * hd;
+    else
+      for (int j = 0; j < nt; ++j) t.rot[j] = (rot_pos(L.pos[t0 + j]) - p0) * hd;
     // Runs: fp16 sink rows, quantized rows (split at uniform key groups), fp16 window rows.
     t.n_runs = 0;
     for (int j = 0; j < nt;) {
@@ -756,15 +815,21 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channe
     run_heads(t, m, l, a.o, work);
   }
   for (int r = 0; r < n_head; ++r) {
-    if (l[r] == 0.0f) {
+    // The row's lane sums, in a fixed order (the same bits for any split of the cache).
+    const float* lr = l + (size_t)r * kFusedSumLanes;
+    float lsum = 0.0f, zsum = 0.0f;
+    for (int e = 0; e < 16; ++e) lsum += lr[e], zsum += lr[16 + e];
+    if (lsum == 0.0f) {
       a.lse[r] = -__builtin_inff();
       for (int d = 0; d < hd; ++d) a.o[(size_t)r * hd + d] = 0.0f;
       continue;
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-    for (int d = 0; d < hd; d += 8)
-      _mm256_storeu_ps(a.o + (size_t)r * hd + d, _mm256_mul_ps(_mm256_loadu_ps(a.o + (size_t)r * hd + d), inv));
-    a.lse[r] = m[r] + std::log(l[r]);
+    const __m256 inv = _mm256_set1_ps(1.0f / lsum), z = _mm256_set1_ps(zsum);
+    for (int d = 0; d < hd; d += 8) {
+      float* od = a.o + (size_t)r * hd + d;
+      _mm256_storeu_ps(od, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(od), z), inv));
+    }
+    a.lse[r] = m[r] + std::log(lsum);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/kv_quant.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx::cpu::impl {
 
@@ -16,15 +17,26 @@ void kvq_decode_keys_scalar(const kvq_layer_view& v, int64_t i0, int nt, const f
 void kvq_decode_values_scalar(const kvq_layer_view& v, int64_t i0, int nt, float* out /*[nt, C]*/);
 
 // ---- the fused one-query kernel (kvq_fused_avx2.cpp) ----------------------------------------
-inline constexpr int kFusedTile = 32;              // slots per softmax tile
+inline constexpr int kFusedTile = 64;              // slots per softmax tile
 inline constexpr int kFusedMaxHeadsPerBlock = 4;   // query heads of a kv head sharing each decoded vector
 inline constexpr int kFusedMaxKvHeads = 64;
-inline constexpr int kScaleSlots = 8;              // uniform key groups' scales kept converted
+// Uniform key groups' scales kept converted: every group a tile touches needs its own slot (a tile
+// of kFusedTile rows spans at most kFusedTile / 8 + 1 groups of >= 8 rows).
+inline constexpr int kScaleSlots = kFusedTile / 8 + 1;
 inline constexpr int kFusedScoreStride = kFusedTile + 16;  // a score row, with room for whole vector stores
+// Per query row, running sums kept as vector lanes across a unit's tiles and added up once at
+// its end: lanes [0, 16) the softmax denominator, [16, 32) Σ p·z_j (nuq values' zero points; the
+// AVX-512 kernel). Paths that sum per tile use lane 0 alone.
+inline constexpr int kFusedSumLanes = 32;
 // The head loop's work area: every query row's scores, one block's folded weights, value params.
 inline size_t kvq_fused_work_floats(int n_head) {
   return (size_t)(n_head + kFusedMaxHeadsPerBlock) * kFusedScoreStride + 2 * kFusedTile;
 }
+
+// Row stride of the pair-major unit tables: a row of kAttnUnit floats is 1 KiB, so 16 keys' angles
+// of every pair would sit in 4 of the L1's 64 sets and evict each other (measured: the hottest
+// loads of the keys-in-lanes scores); 17 lines per row spreads them over distinct sets.
+inline constexpr int kUnitAngleStride = kAttnUnit + 16;
 
 struct kvq_fused_args {
   const kvq_layer_view* kv = nullptr;
@@ -38,7 +50,7 @@ struct kvq_fused_args {
   // Rotation by an offset j < kAttnUnit from the unit's first position (rope_table::unit_cos2).
   const float* off_cos2 = nullptr;  // [kAttnUnit, head_dim]
   const float* off_sin2 = nullptr;
-  // The same angles pair-major (rope_table::unit_cos_t/unit_sin_t: [head_dim / 2, kAttnUnit],
+  // The same angles pair-major (rope_table::unit_cos_t/unit_sin_t: [head_dim / 2, kUnitAngleStride],
   // cos and +sin); null: the kernel scores keys one at a time.
   const float* off_cos_t = nullptr;
   const float* off_sin_t = nullptr;
@@ -52,7 +64,8 @@ struct kvq_fused_args {
 };
 inline size_t kvq_fused_scratch_floats(int n_head, int head_dim, int channels) {
   return (size_t)n_head * head_dim + 2 * (size_t)head_dim +
-         2 * (size_t)kScaleSlots * channels + 2 * (size_t)n_head + 2 * kFusedTile + kvq_fused_work_floats(n_head) +
+         2 * (size_t)kScaleSlots * channels + (size_t)n_head * (1 + kFusedSumLanes) + 2 * kFusedTile +
+         kvq_fused_work_floats(n_head) +
          (size_t)kFusedTile * channels / 4 +  // uniform value parameters (groups of >= 8 channels)
          (size_t)kFusedTile * channels + 8 +  // the row of each key outlier of a tile (int32)
          2 * (size_t)n_head * head_dim +      // the query rows turned by a shared key rotation (twice)

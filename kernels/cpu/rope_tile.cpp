@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "kernels/softmax_acc.h"
+#include "kernels/cpu/kvq_impl.h"
 #include "kernels/ref/ref_ops.h"
 
 namespace xctx::cpu::impl {
@@ -40,8 +41,14 @@ const rope_table& rope_table_for(const rope_config& cfg) {
     }
   t->unit_cos2.resize((size_t)kAttnUnit * cfg.n_rot);
   t->unit_sin2.resize(t->unit_cos2.size());
-  t->unit_cos_t.resize((size_t)t->n_pair * kAttnUnit);
-  t->unit_sin_t.resize(t->unit_cos_t.size());
+  t->unit_cos_t_buf.assign((size_t)t->n_pair * kUnitAngleStride + 16, 0.0f);
+  t->unit_sin_t_buf.assign(t->unit_cos_t_buf.size(), 0.0f);
+  const auto skip_of = [](const std::vector<float>& b) {  // floats are 4-byte aligned
+    return (size_t)((64 - reinterpret_cast<uintptr_t>(b.data()) % 64) % 64) / sizeof(float);
+  };
+  t->unit_cos_t_skip = skip_of(t->unit_cos_t_buf), t->unit_sin_t_skip = skip_of(t->unit_sin_t_buf);
+  float* cos_t = t->unit_cos_t_buf.data() + t->unit_cos_t_skip;
+  float* sin_t = t->unit_sin_t_buf.data() + t->unit_sin_t_skip;
   for (int j = 0; j < kAttnUnit; ++j)
     for (int i = 0; i < t->n_pair; ++i) {
       const float c = (float)std::cos(j * t->theta[i]), s = (float)std::sin(j * t->theta[i]);
@@ -49,8 +56,8 @@ const rope_table& rope_table_for(const rope_config& cfg) {
       float* s2 = t->unit_sin2.data() + (size_t)j * cfg.n_rot + 2 * i;
       c2[0] = c2[1] = c;
       s2[0] = -s, s2[1] = s;
-      t->unit_cos_t[(size_t)i * kAttnUnit + j] = c;
-      t->unit_sin_t[(size_t)i * kAttnUnit + j] = s;
+      cos_t[(size_t)i * kUnitAngleStride + j] = c;
+      sin_t[(size_t)i * kUnitAngleStride + j] = s;
     }
   t->byte_cos.resize((size_t)kPosBytes * 256 * t->n_pair);
   t->byte_sin.resize(t->byte_cos.size());

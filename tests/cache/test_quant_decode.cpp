@@ -28,9 +28,9 @@ using test::make_synthetic_calibration;
 using test::make_synthetic_kv;
 
 // kivi groups divide the attention unit (shard boundaries are unit-aligned, so a split never
-// cuts a group). Per shape either 16 (two key groups per 32-slot tile of the fused kernel; value
-// groups narrower than a head of 32+ channels, summed in slices) or a multiple of head_dim
-// (value groups hold whole heads).
+// cuts a group). Per shape 8 (the smallest the fused kernel takes, eight key groups per 64-slot
+// tile; the AVX2 kernel only), 16 (four per tile; value groups narrower than a head of 32+
+// channels, summed in slices) or a multiple of head_dim (value groups hold whole heads).
 struct decode_case {
   const char* name;  // the shape
   cache_format format;
@@ -208,6 +208,7 @@ std::vector<decode_case> decode_cases() {
       {"hd64_g2", cache_format::cache_fp16, 64, 2, 4, 128},
       {"hd32_g1", cache_format::cache_fp16, 32, 4, 4, 32},     // MHA
       {"hd32_g1_grp16", cache_format::cache_fp16, 32, 4, 4, 16},
+      {"hd32_g1_grp8", cache_format::cache_fp16, 32, 4, 4, 8},  // a tile's 8 key groups each in its own scale slot
       {"hd16_g8", cache_format::cache_fp16, 16, 2, 16, 16},    // two blocks of 4 query heads per kv head
   };
   // (formats_of, not format_traits: this runs during static initialisation.)
