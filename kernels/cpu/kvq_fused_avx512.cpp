@@ -255,8 +255,8 @@ inline void score_16(const K& keys, int j0, int r0, const float* q, const float*
 // FMAs from broadcast scalars. No horizontal sums: per 16 keys and 64 channels this is 64
 // shifts, 64 lookups and 320 FP operations, against the key-at-a-time path's 384 FP operations
 // and ~285 shuffles (kvq_attention_notes.md). The rotated keys are bitwise the per-key path's;
-// the dot products sum the channels in another order (four chains per query row: pairs by
-// parity, even and odd channels). nuq keys only (their channel scales are the layer's, so the
+// the dot products sum the channels in another order (one chain per query row and block, the
+// channels in order). nuq keys only (their channel scales are the layer's, so the
 // tables are built once per call: attend_unit); kivi keys change scales every group.
 
 // Channel C's codes of the 16 rows in the low bits of each lane; w: the rows' 32-bit code words.
@@ -269,23 +269,31 @@ template <int BITS, int C>
     return _mm512_or_si512(_mm512_srli_epi32(w[wi], sh), _mm512_slli_epi32(w[wi + 1], 32 - sh));
 }
 
-template <int BITS, int NV16, int RB, int P>
-[[gnu::always_inline]] inline void lanes_pair(const __m512i* w, const float* ctab, const float* cos_t,
-                                              const float* sin_t, int o, const float* q, __m512 (*acc)[4]) {
+// Rotary pair P of NB blocks of 16 keys (block b at offset o[b], its code words wb[b]): the
+// pair's two table rows are read once for the blocks, each query scalar is broadcast once for
+// them (the broadcasts, one load each, bounded the one-block version: 12 loads per pair), and
+// each query row adds the pair to one chain per block (two dependent FMAs per pair; the NB
+// blocks' other work covers their latency).
+template <int BITS, int NV16, int RB, int NB, int W, int P>
+[[gnu::always_inline]] inline void lanes_pair(const __m512i (*wb)[W], const float* ctab, const float* cos_t,
+                                              const float* sin_t, const int* o, const float* q, __m512 (*acc)[NB]) {
   constexpr int hd = 16 * NV16;
-  const __m512 ka = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P>(w), _mm512_load_ps(ctab + 32 * P));
-  const __m512 kb = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P + 1>(w), _mm512_load_ps(ctab + 32 * P + 16));
-  __m512 c = _mm512_loadu_ps(cos_t + P * kUnitAngleStride + o);
-  __m512 sn = _mm512_loadu_ps(sin_t + P * kUnitAngleStride + o);
-  asm("" : "+v"(c), "+v"(sn));  // one load each (GCC otherwise reads both twice as memory operands)
-  // rotate16's arithmetic per lane pair: even k·cos − k'·sin, odd k'·cos + k·sin.
-  const __m512 ra = _mm512_fmsub_ps(ka, c, _mm512_mul_ps(kb, sn));
-  const __m512 rb = _mm512_fmadd_ps(kb, c, _mm512_mul_ps(ka, sn));
+  const __m512 ta = _mm512_load_ps(ctab + 32 * P), tb = _mm512_load_ps(ctab + 32 * P + 16);
+  __m512 ra[NB], rb[NB];
+  for (int b = 0; b < NB; ++b) {
+    const __m512 ka = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P>(wb[b]), ta);
+    const __m512 kb = _mm512_permutexvar_ps(channel_codes<BITS, 2 * P + 1>(wb[b]), tb);
+    __m512 c = _mm512_loadu_ps(cos_t + P * kUnitAngleStride + o[b]);
+    __m512 sn = _mm512_loadu_ps(sin_t + P * kUnitAngleStride + o[b]);
+    asm("" : "+v"(c), "+v"(sn));  // one load each (GCC otherwise reads both twice as memory operands)
+    // rotate16's arithmetic per lane pair: even k·cos − k'·sin, odd k'·cos + k·sin.
+    ra[b] = _mm512_fmsub_ps(ka, c, _mm512_mul_ps(kb, sn));
+    rb[b] = _mm512_fmadd_ps(kb, c, _mm512_mul_ps(ka, sn));
+  }
   for (int u = 0; u < RB; ++u) {
-    __m512& a0 = acc[u][2 * (P & 1)];
-    __m512& a1 = acc[u][2 * (P & 1) + 1];
-    a0 = _mm512_fmadd_ps(ra, _mm512_set1_ps(q[u * hd + 2 * P]), a0);
-    a1 = _mm512_fmadd_ps(rb, _mm512_set1_ps(q[u * hd + 2 * P + 1]), a1);
+    __m512 qe = _mm512_set1_ps(q[u * hd + 2 * P]), qo = _mm512_set1_ps(q[u * hd + 2 * P + 1]);
+    if constexpr (NB > 1) asm("" : "+v"(qe), "+v"(qo));  // one broadcast each, not one per block
+    for (int b = 0; b < NB; ++b) acc[u][b] = _mm512_fmadd_ps(rb[b], qo, _mm512_fmadd_ps(ra[b], qe, acc[u][b]));
   }
 }
 
@@ -323,24 +331,27 @@ template <int W>
     w[d] = _mm512_permutex2var_epi64(u[d % 4], d < 4 ? first : second, u[d % 4 + 4]);
 }
 
-// s[u * kSS + j0 + b] for the 16 keys b of run rows r0.. at offsets o .. o + 15 of the unit.
-template <int NV16, int RB, class K>
-inline void score_16_lanes(const K& keys, int j0, int r0, int o, const float* q, const key_tables& kt, float* s) {
+// s[u * kSS + j0 + 16 b + i] for the 16 keys i of NB blocks b: run rows r0 + 16 b.., at offsets
+// o[b] .. o[b] + 15 of the unit. NB = 2 where 32 keys qualify (registers: NB·RB chains, NB·W code
+// words, NB pairs of rotated channels).
+template <int NV16, int RB, int NB, class K>
+inline void score_lanes(const K& keys, int j0, int r0, const int* o, const float* q, const key_tables& kt, float* s) {
   constexpr int BITS = K::kBits, hd = 16 * NV16, W = hd * BITS / 32;
   static_assert(hd * BITS % 32 == 0, "a head row's codes are whole 32-bit words");
-  __m512i w[W];
+  __m512i w[NB][W];
   // (The index-sequence lambdas are always inlined: called out of line, acc lives in memory.)
-  [&]<int... M>(std::integer_sequence<int, M...>) __attribute__((always_inline)) {  // 8 words at a time (hd 128: 12 or 16)
-    (row_words<(W - 8 * M < 8 ? W - 8 * M : 8)>(keys.row(r0) + 32 * M, keys.rb, w + 8 * M), ...);
-  }(std::make_integer_sequence<int, (W + 7) / 8>{});
-  __m512 acc[RB][4];  // four chains per query row: pairs by parity, even and odd channels
-  for (int u = 0; u < RB; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = _mm512_setzero_ps();
+  for (int b = 0; b < NB; ++b)
+    [&]<int... M>(std::integer_sequence<int, M...>) __attribute__((always_inline)) {  // 8 words at a time (hd 128: 12 or 16)
+      (row_words<(W - 8 * M < 8 ? W - 8 * M : 8)>(keys.row(r0 + 16 * b) + 32 * M, keys.rb, w[b] + 8 * M), ...);
+    }(std::make_integer_sequence<int, (W + 7) / 8>{});
+  __m512 acc[RB][NB];
+  for (int u = 0; u < RB; ++u)
+    for (int b = 0; b < NB; ++b) acc[u][b] = _mm512_setzero_ps();
   [&]<int... P>(std::integer_sequence<int, P...>) __attribute__((always_inline)) {
-    (lanes_pair<BITS, NV16, RB, P>(w, kt.ctab, kt.cos_t, kt.sin_t, o, q, acc), ...);
+    (lanes_pair<BITS, NV16, RB, NB, W, P>(w, kt.ctab, kt.cos_t, kt.sin_t, o, q, acc), ...);
   }(std::make_integer_sequence<int, hd / 2>{});
   for (int u = 0; u < RB; ++u)
-    _mm512_storeu_ps(s + u * kSS + j0,
-                     _mm512_add_ps(_mm512_add_ps(acc[u][0], acc[u][1]), _mm512_add_ps(acc[u][2], acc[u][3])));
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + u * kSS + j0 + 16 * b, acc[u][b]);
 }
 
 // XCTX_KVQ_KEY_LANES=0 (read once) scores every key one at a time: the baseline a benchmark
@@ -381,7 +392,13 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
       } else {
         if constexpr (hd * K::kBits % 32 == 0) {
           if (kt.ctab != nullptr && consecutive16(rot, j, hd)) {
-            score_16_lanes<NV16, RB>(keys, j, j - ja, rot[j] / hd, q, kt, s);
+            const int o[2] = {rot[j] / hd, rot[j] / hd + 16};
+            if (j + 32 <= jb && consecutive16(rot, j + 16, hd) && rot[j + 16] == rot[j] + 16 * hd) {
+              score_lanes<NV16, RB, 2>(keys, j, j - ja, o, q, kt, s);
+              j += 16;  // and the loop's 16
+            } else {
+              score_lanes<NV16, RB, 1>(keys, j, j - ja, o, q, kt, s);
+            }
             continue;
           }
         }
