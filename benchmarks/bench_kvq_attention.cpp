@@ -362,6 +362,7 @@ struct options {
   int se_group = 1;  // SelfExtend: keys past the window at floor(pos / G) (1: off)
   int se_window = 1024;
   bool attend_only = false;  // time the decode step alone (the tiled, decode and math columns stay empty)
+  bool warm = false;  // no cache flush before the decode step (its compute alone where the shard fits the LLC)
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -399,10 +400,12 @@ options parse_args(int argc, char** argv) {
       o.se_window = (int)parse_count(value(), "--window");
     } else if (a == "--attend-only") {
       o.attend_only = true;
+    } else if (a == "--warm") {
+      o.warm = true;
     } else {
       fail("bench_kvq_attention: unknown argument '", a,
            "' (known: --quick, --lengths 8K,64K,512K, --formats fp16,kivi3,..., --threads 2,1, --rounds N, "
-           "--selfextend G, --window W, --attend-only)");
+           "--selfextend G, --window W, --attend-only, --warm)");
     }
   }
   XCTX_CHECK(!o.formats.empty() && o.formats[0] == "fp16", "bench_kvq_attention: --formats must start with fp16 (the baseline)");
@@ -502,7 +505,7 @@ void run(const options& opt) {
       for (int r = 0; r <= rounds; ++r) {
         for (size_t fi = 0; fi < nf; ++fi) {
           cache_entry& e = caches[fi];
-          g_sink = flush_caches(flush_buf);
+          if (!opt.warm) g_sink = flush_caches(flush_buf);
           const double ta = seconds([&] { e.cache->attend(0, q.data(), &q_pos, 1, o.data(), lse.data(), attend_path::attend_decode); });
           if (r > 0) t_att[fi].push_back(ta);
           if (opt.attend_only) continue;
