@@ -394,15 +394,16 @@ void score_run(const K& keys, int ja, int jb, const float* q, const float* cos2,
           if (kt.ctab != nullptr && consecutive16(rot, j, hd)) {
             const int o[2] = {rot[j] / hd, rot[j] / hd + 16};
             // Two blocks where their code words and chains leave room in the 32 registers
-            // (hd 64 at 2-3 bits; wider rows would spill).
+            // (hd 64 at 2-3 bits; wider rows would spill, so they are not even instantiated).
             constexpr int W = hd * K::kBits / 32;
-            constexpr bool two_fit = 2 * W + 2 * RB <= 20;
-            if (two_fit && j + 32 <= jb && consecutive16(rot, j + 16, hd) && rot[j + 16] == rot[j] + 16 * hd) {
-              score_lanes<NV16, RB, 2>(keys, j, j - ja, o, q, kt, s);
-              j += 16;  // and the loop's 16
-            } else {
-              score_lanes<NV16, RB, 1>(keys, j, j - ja, o, q, kt, s);
+            if constexpr (2 * W + 2 * RB <= 20) {
+              if (j + 32 <= jb && consecutive16(rot, j + 16, hd) && rot[j + 16] == rot[j] + 16 * hd) {
+                score_lanes<NV16, RB, 2>(keys, j, j - ja, o, q, kt, s);
+                j += 16;  // and the loop's 16
+                continue;
+              }
             }
+            score_lanes<NV16, RB, 1>(keys, j, j - ja, o, q, kt, s);
             continue;
           }
         }
