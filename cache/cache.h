@@ -44,17 +44,19 @@ class kv_cache {
   // added to `out` (rows n_q * n_head, width head_dim; kernels/softmax_acc.h) as exact
   // per-unit deposits: the sum does not depend on how the sequence is split over caches.
   // `path` names the caller's phase so formats with two kernels pick by it, never by n_q.
+  // select (retrieval attention; null: every causal key): query i sees only the units
+  // select->sees lists (kernels/ops.h, attn_selection); host memory.
   virtual void attend(int layer,
                       const float* q,        // [n_q, n_head, head_dim]
                       const int32_t* q_pos,  // [n_q]
-                      int64_t n_q, attend_path path, softmax_acc& out) = 0;
+                      int64_t n_q, attend_path path, softmax_acc& out, const attn_selection* select) = 0;
   // The same attention as one (o, lse) partial in the backend's memory, for backends without the
   // exact accumulator (backend::exact_accumulator; CUDA): o [n_q, n_head, head_dim] normalised,
   // lse [n_q, n_head] natural log, as attn_args. Partials of several calls merge with
   // backend::merge_partials (worker/attention_sum.h). Formats that have not been made to run on
   // such a backend throw (make_cache refuses them there up front).
   virtual void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                              float* lse);
+                              float* lse, const attn_selection* select);
   // The same over a block of export_layer (host memory). block_on_backend, when not null, holds
   // the same bytes in the backend's memory (the ring uploads each received block once per layer,
   // not once per query chunk); without it the cache uploads what it needs itself.
@@ -84,6 +86,14 @@ class kv_cache {
   // f32 accumulators of foreign tokens, n_foreign * n_embd * 4 bytes). The sequence runner calls
   // it once the ring prefill / scoring is over; clear() drops it too. No-op for other formats.
   virtual void release_ring_state() {}
+  // Every causal key (no selection).
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) {
+    attend(layer, q, q_pos, n_q, path, out, nullptr);
+  }
+  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
+                      float* lse) {
+    attend_partial(layer, q, q_pos, n_q, path, o, lse, nullptr);
+  }
   // One call's partial as (o normalised, lse natural log), see attn_args: for tests and tools.
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o /*[n_q, n_head, head_dim]*/,
               float* lse /*[n_q, n_head]*/, attend_path path = attend_path::attend_prefill);

@@ -1,5 +1,7 @@
 #include "cache/format.h"
 
+#include "cache/block_summary.h"
+
 #include <algorithm>
 #include <cmath>
 #include <sstream>
@@ -128,8 +130,10 @@ int value_outliers_per_side(double fraction, int channels) {
   return std::max(1, (int)std::lround(fraction * channels / 2.0));
 }
 
-cache_bytes cache_bytes_for(const cache_spec& spec, const cache_geometry& g, int64_t n, int64_t n_sink,
-                            int64_t n_key_outliers) {
+namespace {
+
+cache_bytes format_bytes_for(const cache_spec& spec, const cache_geometry& g, int64_t n, int64_t n_sink,
+                             int64_t n_key_outliers) {
   const cache_format_traits t = format_traits(spec.format);
   const size_t L = (size_t)g.n_layer, C = (size_t)g.n_head_kv * g.head_dim;
   cache_bytes b;
@@ -202,6 +206,15 @@ cache_bytes cache_bytes_for(const cache_spec& spec, const cache_geometry& g, int
     }
   }
   XCTX_ASSERT(false, "bad cache family");
+  return b;
+}
+
+}  // namespace
+
+cache_bytes cache_bytes_for(const cache_spec& spec, const cache_geometry& g, int64_t n, int64_t n_sink,
+                            int64_t n_key_outliers) {
+  cache_bytes b = format_bytes_for(spec, g, n, n_sink, n_key_outliers);
+  if (spec.options.summary_block > 0) b.summaries = summary_bytes_for(g, n, spec.options.summary_block);
   return b;
 }
 

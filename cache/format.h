@@ -121,6 +121,9 @@ struct cache_options {
                         // (group_size is the residual window: groups close 128 tokens at a time)
   float clkv_eta1 = 1.0f / 6.0f;    // calibration eta of the 1-bit layers
   float clkv_eta2 = 0.045f;         // ... and of the 2-bit layers
+  // Retrieval attention (worker/retrieval.h): positions per block summary, a multiple of
+  // kAttnUnit; 0 = no summaries. Any format keeps them (cache/block_summary.h).
+  int64_t summary_block = 0;
 };
 bool qnorm_enabled(cache_format f, const cache_options& o);
 
@@ -165,7 +168,8 @@ struct cache_bytes {
   size_t outliers = 0;     // sparse values + indices (+ key column offsets)
   // X formats: codes are the latent / X / delta codes, fp16_rows the residual window (and the
   // fp16 first latent channel), scales the per-group fp16 scale + zero.
-  size_t total() const { return positions + codes + fp16_rows + scales + tables + outliers; }
+  size_t summaries = 0;    // retrieval: per-block key minima, maxima and sums (cache/block_summary.h)
+  size_t total() const { return positions + codes + fp16_rows + scales + tables + outliers + summaries; }
 };
 
 // The bytes a cache of this spec uses while every layer holds n tokens, of which n_sink are

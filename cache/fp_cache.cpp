@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cache/cache.h"
+#include "cache/block_summary.h"
 #include "cache/slot_positions.h"
 #include "cache/x_cache.h"
 #include "common/error.h"
@@ -72,14 +73,16 @@ class fp_cache final : public kv_cache {
     n_[layer] = at + in.n;
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, softmax_acc& out) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, softmax_acc& out,
+              const attn_selection* select) override {
     attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, q_pos, n_q);
-    a.acc = &out;
+    a.acc = &out, a.select = select;
     be_.attention_partial(a);
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, float* o,
-                      float* lse) override {
+                      float* lse, const attn_selection* select) override {
     attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, pos_.queries_on_backend(q_pos, n_q), n_q);
+    a.select = select;
     run_partial(a, o, lse);
   }
 
@@ -193,7 +196,9 @@ class fp_cache final : public kv_cache {
 
 }  // namespace
 
-std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+namespace {
+
+std::unique_ptr<kv_cache> make_format_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
   switch (spec.format) {
     case cache_format::cache_fp32:
     case cache_format::cache_fp16: return std::make_unique<fp_cache>(spec.format, g, be);
@@ -217,6 +222,14 @@ std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometr
   fail("make_cache: unknown format ", (int)spec.format);
 }
 
+}  // namespace
+
+std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  std::unique_ptr<kv_cache> c = make_format_cache(spec, g, be);
+  if (spec.options.summary_block > 0) return make_summarized_cache(std::move(c), spec.options.summary_block, be);
+  return c;
+}
+
 int64_t cache_alignment(const cache_spec& spec) {
   // Attention deposits one partial per unit of kAttnUnit positions, so no unit may straddle two
   // ranks; the windowed formats also need whole quantization groups on one rank.
@@ -229,7 +242,9 @@ int64_t cache_alignment(const cache_spec& spec) {
     case cache_family::family_xquant:  // residual window of group_size tokens, as kivi
     case cache_family::family_clkv: group = spec.options.group_size; break;
   }
-  return std::lcm<int64_t>(kAttnUnit, group);
+  const int64_t align = std::lcm<int64_t>(kAttnUnit, group);
+  // Retrieval: a block's summary is one rank's, so blocks do not straddle ranks either.
+  return spec.options.summary_block > 0 ? std::lcm<int64_t>(align, spec.options.summary_block) : align;
 }
 
 namespace {
@@ -239,7 +254,8 @@ namespace {
 }
 }  // namespace
 
-void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*) {
+void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*,
+                              const attn_selection*) {
   no_partial_attention(format());
 }
 
@@ -252,7 +268,7 @@ void kv_cache::attend(int layer, const float* q, const int32_t* q_pos, int64_t n
                       attend_path path) {
   const cache_geometry& g = geometry();
   softmax_acc acc(n_q * g.n_head, g.head_dim);
-  attend(layer, q, q_pos, n_q, path, acc);
+  attend(layer, q, q_pos, n_q, path, acc, nullptr);
   acc.finish(o, lse);
 }
 

@@ -187,15 +187,16 @@ class quant_cache final : public kv_cache {
     if (i < in.n) encode_nuq_rows(s, in.k + i * C_, in.v + i * C_, in.n - i);
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
+              const attn_selection* select) override {
     kvq_attn_args a = attention_args(view_of(layer), q, q_pos, n_q, path);
-    a.acc = &out;
+    a.acc = &out, a.select = select;
     be_.attention_kvq(a);
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse) override {
+                      float* lse, const attn_selection* select) override {
     kvq_attn_args a = attention_args(view_of(layer), q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse;
+    a.o = o, a.lse = lse, a.select = select;
     be_.attention_kvq(a);
   }
 

@@ -185,19 +185,20 @@ class x_window_cache final : public kv_cache {
     }
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
+              const attn_selection* select) override {
     const layer_store& L = layers_.at(layer);
     xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.host(), q, q_pos,
                                     n_q, path);
-    a.acc = &out;
+    a.acc = &out, a.select = select;
     be_.attention_xq(a);
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse) override {
+                      float* lse, const attn_selection* select) override {
     const layer_store& L = layers_.at(layer);
     xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.on_backend(), q,
                                     pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse;
+    a.o = o, a.lse = lse, a.select = select;
     be_.attention_xq(a);
   }
 

@@ -52,8 +52,11 @@ int run_bench(const bench_options& opt, communicator& comm) {
   }
   broadcast_tokens(comm, ids);
 
-  llama_engine engine(s.weights, *s.be, opt.run);
+  run_params rp = opt.run;
   sequence_options seq = opt.seq;
+  apply_attention_mode(seq, rp, s.cache, opt.prompt_tokens + opt.gen_tokens, hp.n_ctx_train);
+  if (seq.attention == attention_mode::attention_retrieval && rp.n_ctx == 0) rp.n_ctx = opt.prompt_tokens + opt.gen_tokens;
+  llama_engine engine(s.weights, *s.be, rp);
   seq.max_new_tokens = opt.gen_tokens + 1;
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   std::vector<float> logits(hp.n_vocab);

@@ -18,6 +18,8 @@ namespace {
 
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
+  std::string attention = "auto", sink = "256", local = "4K", block_size = "256", block_score = "minmax";
+  int top_k = 16;
 };
 
 void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
@@ -30,6 +32,16 @@ void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
   cmd->add_option("--anchor", f.anchor, "star prefill: anchor tokens (default: one block)");
   cmd->add_option("--star-from", f.star_from, "auto prefill: context length from which star is used")
       ->default_val("32K");
+  cmd->add_option("--attention", f.attention,
+                  "full (every key) | retrieval (sink + local window + top-k blocks, far keys at distance --local; "
+                  "docs/retrieval.md) | auto (full within the model's trained window, retrieval beyond)")
+      ->default_val("auto");
+  cmd->add_option("--sink", f.sink, "retrieval: first positions every query sees")->default_val("256");
+  cmd->add_option("--local", f.local, "retrieval: window at exact positions (< the trained window)")->default_val("4K");
+  cmd->add_option("--block-size", f.block_size, "retrieval: positions per block (multiple of 256)")->default_val("256");
+  cmd->add_option("--top-k", f.top_k, "retrieval: blocks retrieved per query and layer")->default_val("16");
+  cmd->add_option("--block-score", f.block_score, "retrieval: minmax (Quest's bound) | mean (mean key)")
+      ->default_val("minmax");
 }
 
 void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) {
@@ -38,6 +50,15 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   o.block_tokens = f.block == "0" ? 0 : xctx::parse_count(f.block, "--block");
   if (!f.anchor.empty()) o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
   o.star_from_tokens = xctx::parse_count(f.star_from, "--star-from");
+  o.attention = xctx::parse_attention_mode(f.attention);
+  o.retrieval.sink = f.sink == "0" ? 0 : xctx::parse_count(f.sink, "--sink");
+  o.retrieval.local = xctx::parse_count(f.local, "--local");
+  o.retrieval.block = xctx::parse_count(f.block_size, "--block-size");
+  o.retrieval.top_k = f.top_k;
+  o.retrieval.rule = xctx::parse_block_score_rule(f.block_score);
+  XCTX_CHECK(f.top_k >= 1, "--top-k must be >= 1, got ", f.top_k);
+  XCTX_CHECK(o.retrieval.block > 0 && o.retrieval.block % xctx::kAttnUnit == 0, "--block-size must be a positive multiple of ",
+             xctx::kAttnUnit, ", got ", f.block_size);
 }
 
 struct cache_flags {

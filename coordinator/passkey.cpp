@@ -419,12 +419,19 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
   return trials;
 }
 
-int run_passkey(const passkey_options& opt, communicator& comm) {
+int run_passkey(const passkey_options& opt_in, communicator& comm) {
   const bool coordinator = comm.rank() == 0;
   stopwatch load_clock;
+  passkey_options opt = opt_in;
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
   model_session s = open_session(model_path, opt.tokenizer, opt.run);
   const model_hparams& hp = s.weights.hp;
+  // Retrieval past the trained window (auto): its positions and summaries, and a capacity that
+  // holds the prompt and the answer, derived here rather than asked of the user.
+  if (apply_attention_mode(opt.seq, opt.run, s.cache, passkey_tokens_needed(opt), hp.n_ctx_train) ==
+          attention_mode::attention_retrieval &&
+      opt.run.n_ctx == 0)
+    opt.run.n_ctx = (passkey_tokens_needed(opt) + 1023) / 1024 * 1024;
   // Every rank checks the same numbers, so a bad setting fails everywhere before a collective.
   check_passkey_options(opt, hp);
   if (coordinator && opt.run.rope_scale != rope_scaling::rope_scaling_none &&
@@ -448,8 +455,9 @@ int run_passkey(const passkey_options& opt, communicator& comm) {
   }
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
-  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | rope %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
+  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | attention %s | rope %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
               hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(opt.seq, opt.context).c_str(),
+              describe_attention(opt.seq).c_str(),
               describe_rope(engine.rope(), hp.n_ctx_train).c_str(),
               format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));

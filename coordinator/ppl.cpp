@@ -70,7 +70,12 @@ int run_ppl(const ppl_options& opt, communicator& comm) {
                  format_traits(s.cache.format).name, comm.size());
   progress_line bar("[xctx] ppl", coordinator, "windows");
   const stopwatch t;
-  const ppl_result r = perplexity(engine, comm, *s.be, s.cache, opt.seq, ids, opt.ctx, opt.stride, opt.max_windows,
+  // Scoring runs the exact ring over windows inside the trained context: full attention.
+  sequence_options seq = opt.seq;
+  XCTX_CHECK(seq.attention != attention_mode::attention_retrieval,
+             "ppl: --attention retrieval is not built for teacher-forced scoring yet (its windows run full attention)");
+  seq.attention = attention_mode::attention_full;
+  const ppl_result r = perplexity(engine, comm, *s.be, s.cache, seq, ids, opt.ctx, opt.stride, opt.max_windows,
                                   [&](int64_t d, int64_t total) { bar(d, total); });
   bar.finish();
   if (!coordinator) return 0;

@@ -368,8 +368,11 @@ int run_serve(const serve_options& opt, communicator& comm) {
              "--max-output-tokens must be in [1, --max-context), got ", limits.max_output_tokens);
   XCTX_CHECK(limits.max_request_bytes >= 1024, "--max-request-bytes must be >= 1024");
 
-  llama_engine engine(s.weights, *s.be, opt.run);
+  run_params rp = opt.run;
   sequence_options seq = opt.seq;
+  // The one cache is sized for --max-context: retrieval when that is past the trained window.
+  apply_attention_mode(seq, rp, s.cache, limits.max_context, hp.n_ctx_train);
+  llama_engine engine(s.weights, *s.be, rp);
   seq.max_new_tokens = limits.max_output_tokens;
   seq.capacity_per_rank = sequence_capacity_per_rank(limits.max_context, comm.size(), s.cache, seq);
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);

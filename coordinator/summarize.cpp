@@ -364,8 +364,11 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   summarize_settings settings = opt.settings;
   settings.n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
 
-  llama_engine engine(s.weights, *s.be, opt.run);
+  run_params rp = opt.run;
   sequence_options seq = opt.seq;
+  // Sequences up to the context: retrieval when that is past the trained window.
+  apply_attention_mode(seq, rp, s.cache, settings.n_ctx, hp.n_ctx_train);
+  llama_engine engine(s.weights, *s.be, rp);
   seq.max_new_tokens = std::min<int64_t>(std::max({settings.max_tokens, settings.map_tokens, kMaxSummaryTokens}),
                                          settings.n_ctx - 1);
   // One cache, sized for the longest sequence and reused by every document.

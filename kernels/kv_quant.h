@@ -281,6 +281,7 @@ struct kvq_attn_args {
   int n_head = 0;
   float scale = 0.0f;
   rope_config rope;  // applied to the decoded pre-RoPE keys at their positions
+  const attn_selection* select = nullptr;  // retrieval: the units each query sees (attn_args::select)
   float* o = nullptr;    // [n_q, n_head, head_dim]
   float* lse = nullptr;  // [n_q, n_head]
   softmax_acc* acc = nullptr;  // when set: exact per-unit deposits instead of o/lse (see attn_args)

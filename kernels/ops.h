@@ -6,6 +6,7 @@
 // data in and out), so one test body can run against every backend.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -68,6 +69,37 @@ inline int64_t self_extend_query_pos(const rope_config& c, int64_t i) {
 // Keys at positions <= this are attended on the grouped side by the query at i (i - p >= W).
 inline int64_t self_extend_last_grouped(const rope_config& c, int64_t i) { return i - c.se_window; }
 
+// Retrieval attention's positions (InfLLM, Xiao et al. 2024, §2.2): keys fewer than W positions
+// behind the query keep their exact positions; every other attended key -- the sink and the
+// retrieved blocks -- sits at the one distance W from the query. That is SelfExtend with a group
+// larger than any position: keys at floor(p / G) = 0, the query at floor(i / G) + W - 0 = W. So
+// the retrieval rope is the SelfExtend rope with this group, and every kernel and cache that
+// takes SelfExtend takes it unchanged. (InfLLM turns the query by n_local - 1; the distance W
+// here continues the local window's last distance W - 1.)
+inline constexpr int kFixedDistanceGroup = 1 << 30;
+inline rope_config with_fixed_distance(rope_config r, int window) {
+  r.se_group = kFixedDistanceGroup;
+  r.se_window = window;
+  return r;
+}
+inline bool fixed_distance_on(const rope_config& c) { return c.se_group == kFixedDistanceGroup; }
+
+// Which keys each query may see beyond causality: the units (kAttnUnit absolute positions,
+// kernels/softmax_acc.h) listed for it. Host memory. Retrieval attention (worker/retrieval.h)
+// lists the sink's, the local window's and the selected blocks' units per query; attention
+// kernels skip every (query, unit) pair not listed, so the result is a function of each query's
+// list and the keys in it, whatever the split of the keys over caches and ranks.
+struct attn_selection {
+  std::vector<int64_t> offsets;  // [n_q + 1]: query i's units are units[offsets[i] .. offsets[i + 1])
+  std::vector<int64_t> units;    // absolute unit ids (floor(pos / kAttnUnit)), ascending per query
+  int64_t n_queries() const { return offsets.empty() ? 0 : (int64_t)offsets.size() - 1; }
+  bool sees(int64_t i, int64_t unit) const {  // binary search in query i's list
+    const auto b = units.begin() + offsets[(size_t)i], e = units.begin() + offsets[(size_t)i + 1];
+    const auto it = std::lower_bound(b, e, unit);
+    return it != e && *it == unit;
+  }
+};
+
 // Element type of cached keys/values handed to the attention kernels.
 enum class kv_dtype : uint8_t { kv_f32, kv_f16 };
 
@@ -109,6 +141,9 @@ struct attn_args {
   // floor(p / G) - p, queries by their grouped shift). Every backend takes it on (o, lse) calls;
   // the CPU kernels run those through an accumulator of the call's own rows.
   rope_config rope;
+  // When set (retrieval attention), query i sees only the units select->sees(i, unit) lists.
+  // ref and cpu take it; cuda refuses it (not built there yet).
+  const attn_selection* select = nullptr;
 };
 
 class backend {

@@ -29,6 +29,8 @@ namespace xctx {
 // best on the 2-core dev machine: 128 spent ~15% of an 8K prefill on per-unit calls and
 // deposits; 512 gained nothing and spilled the quantized formats' decoded tiles from L2.
 inline constexpr int kAttnUnit = 256;
+// The unit of an absolute position (floor division: positions may be negative in tests).
+inline int64_t attn_unit_of(int64_t pos) { return pos >= 0 ? pos / kAttnUnit : -((-pos + kAttnUnit - 1) / kAttnUnit); }
 
 inline constexpr int kAccBinBits = 32;  // bits per bin; a slice is < 2^32, sums of < 2^21 slices stay exact
 inline constexpr int kAccBins = 3;      // bins kept per value

@@ -108,6 +108,7 @@ struct xq_attn_args {
   int n_head = 0, n_head_kv = 0, head_dim = 0;
   float scale = 0.0f;
   rope_config rope;              // applied to the rebuilt keys at their positions
+  const attn_selection* select = nullptr;  // retrieval: the units each query sees (attn_args::select)
   float* o = nullptr;            // [n_q, n_head, head_dim]
   float* lse = nullptr;          // [n_q, n_head]
   // When set: exact per-unit deposits instead of o/lse (see attn_args). absorb_v then picks the

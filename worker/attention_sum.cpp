@@ -33,13 +33,15 @@ int attention_sum::next_slot() {
   return n_parts_++;
 }
 
-void attention_sum::add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path) {
+void attention_sum::add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
+                        const attn_selection* select) {
   if (exact_) {
-    c.attend(layer, q, q_pos, n_q, path, acc_);
+    c.attend(layer, q, q_pos, n_q, path, acc_, select);
     return;
   }
   const int s = next_slot();
-  c.attend_partial(layer, q, q_pos, n_q, path, o_parts_.as<float>() + s * rows_ * width_, lse_parts_.as<float>() + s * rows_);
+  c.attend_partial(layer, q, q_pos, n_q, path, o_parts_.as<float>() + s * rows_ * width_, lse_parts_.as<float>() + s * rows_,
+                   select);
 }
 
 void attention_sum::add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q,

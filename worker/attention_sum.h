@@ -26,7 +26,9 @@ class attention_sum {
   void begin(int64_t n_q, int n_head, int head_dim);
   // Adds the attention of the queries (backend memory; positions on the host) over a cache's
   // own tokens, or over a block export_layer produced (host memory).
-  void add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path);
+  // select: retrieval attention's units per query (null: every causal key).
+  void add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
+           const attn_selection* select = nullptr);
   // block_on_backend: the same bytes in backend memory, when the caller holds them there.
   void add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
                     int64_t n_q, attend_path path, const void* block_on_backend = nullptr);

@@ -30,11 +30,11 @@ class recording_cache final : public kv_cache {
     inner_->append(layer, in);
   }
   int64_t n_tokens(int layer) const override { return inner_->n_tokens(layer); }
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
-              softmax_acc& out) override {
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
+              const attn_selection* select) override {
     const size_t row = (size_t)geometry().n_head * geometry().head_dim;
     q_[layer].insert(q_[layer].end(), q, q + n_q * row);
-    inner_->attend(layer, q, q_pos, n_q, path, out);
+    inner_->attend(layer, q, q_pos, n_q, path, out, select);
   }
   size_t exported_bytes(int layer) const override { return inner_->exported_bytes(layer); }
   void export_layer(int layer, void* dst) const override { inner_->export_layer(layer, dst); }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <functional>
 
 #include "common/error.h"
@@ -26,7 +27,9 @@ rope_config make_rope_config(const model_hparams& hp, const run_params& rp) {
     r.scaling_factor = rp.rope_factor;
   }
   if (rp.se_group != 1) {
-    XCTX_CHECK(rp.se_group >= 2 && rp.se_group <= 4096, "SelfExtend --group must be in [2, 4096], got ", rp.se_group);
+    // kFixedDistanceGroup: retrieval attention's positions (kernels/ops.h), set by apply_attention_mode.
+    XCTX_CHECK((rp.se_group >= 2 && rp.se_group <= 4096) || rp.se_group == kFixedDistanceGroup,
+               "SelfExtend --group must be in [2, 4096], got ", rp.se_group);
     XCTX_CHECK(rp.se_window >= 1 && rp.se_window < hp.n_ctx_train, "SelfExtend --window must be in [1, ",
                hp.n_ctx_train, ") (the trained context), got ", rp.se_window);
     r.se_group = rp.se_group;
@@ -43,6 +46,9 @@ std::string describe_rope(const rope_config& r, int64_t n_ctx_train) {
     case rope_scaling::rope_scaling_ntk: s = "ntk x" + std::to_string(r.scaling_factor); break;
   }
   if (r.scaling != rope_scaling::rope_scaling_none) s.erase(s.find_last_not_of('0') + 1), s.erase(s.find_last_not_of('.') + 1);
+  if (fixed_distance_on(r))
+    return s + " + retrieval positions: exact within " + std::to_string(r.se_window) + ", farther keys at distance " +
+           std::to_string(r.se_window) + " (any length)";
   if (self_extend_on(r))
     s = (r.scaling == rope_scaling::rope_scaling_none ? "" : s + " + ") + "selfextend G " + std::to_string(r.se_group) +
         " W " + std::to_string(r.se_window);
@@ -53,6 +59,7 @@ int64_t rope_reach(const rope_config& r, int64_t n_ctx_train) {
   const double factor = r.scaling == rope_scaling::rope_scaling_none ? 1.0 : (double)r.scaling_factor;
   const int64_t trained = (int64_t)((double)n_ctx_train * factor);
   if (!self_extend_on(r)) return trained;
+  if (fixed_distance_on(r)) return r.se_window < trained ? std::numeric_limits<int64_t>::max() : 0;
   // The farthest pair is the query at L - 1 and the key at 0: floor((L - 1) / G) + W - floor(W / G)
   // must stay <= trained - 1.
   const int64_t room = trained - 1 - (r.se_window - r.se_window / r.se_group);

@@ -20,9 +20,47 @@ prefill_mode parse_prefill_mode(const std::string& name) {
   fail("unknown prefill mode '", name, "' (exact, star, auto)");
 }
 
+namespace {
+// Prompts from this length prefill star under auto. With retrieval on, the exact ring would put
+// every key beyond the local window at the far distance without selecting any: star (whose
+// blocks see [anchor ‖ themselves]) takes over as soon as the prompt leaves the window.
+int64_t star_threshold(const sequence_options& opt) {
+  if (opt.attention == attention_mode::attention_retrieval)
+    return std::min<int64_t>(opt.star_from_tokens, opt.retrieval.local + 1);
+  return opt.star_from_tokens;
+}
+}  // namespace
+
 prefill_mode effective_prefill_mode(const sequence_options& opt, int64_t n_prompt) {
   if (opt.mode != prefill_mode::prefill_auto) return opt.mode;
-  return n_prompt >= opt.star_from_tokens ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
+  return n_prompt >= star_threshold(opt) ? prefill_mode::prefill_star : prefill_mode::prefill_exact;
+}
+
+attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache_spec& spec, int64_t n_total,
+                                    int64_t n_ctx_train) {
+  // auto: the user's own position handling (--rope-scaling, SelfExtend) keeps full attention.
+  const bool own_positions = rp.se_group != 1 || rp.rope_scale != rope_scaling::rope_scaling_none;
+  if (seq.attention == attention_mode::attention_auto)
+    seq.attention = n_total <= n_ctx_train || own_positions ? attention_mode::attention_full
+                                                            : attention_mode::attention_retrieval;
+  if (seq.attention == attention_mode::attention_full) return seq.attention;
+  check_retrieval_options(seq.retrieval, n_ctx_train);
+  XCTX_CHECK(rp.se_group == 1 && rp.rope_scale == rope_scaling::rope_scaling_none,
+             "--attention retrieval places far keys at one distance inside the trained window; it does not combine "
+             "with --rope-scaling (drop it, or use --attention full)");
+  rp.se_group = kFixedDistanceGroup;
+  rp.se_window = (int)seq.retrieval.local;
+  spec.options.summary_block = seq.retrieval.block;
+  return seq.attention;
+}
+
+std::string describe_attention(const sequence_options& seq) {
+  switch (seq.attention) {
+    case attention_mode::attention_full: return "full attention";
+    case attention_mode::attention_retrieval: return describe_retrieval(seq.retrieval);
+    case attention_mode::attention_auto: return "auto (unresolved)";
+  }
+  return "?";
 }
 
 sequence_options with_mode_resolved(const sequence_options& opt, int64_t n_prompt) {
@@ -51,8 +89,8 @@ std::string describe_prefill(const sequence_options& opt, int64_t n_prompt) {
     out += opt.anchor_tokens > 0 ? ", anchor " + std::to_string(opt.anchor_tokens) : ", anchor one block";
   }
   if (opt.mode == prefill_mode::prefill_auto)
-    out += m == prefill_mode::prefill_star ? " (auto: prompt >= " + std::to_string(opt.star_from_tokens) + ")"
-                                           : " (auto: star from " + std::to_string(opt.star_from_tokens) + ")";
+    out += m == prefill_mode::prefill_star ? " (auto: prompt >= " + std::to_string(star_threshold(opt)) + ")"
+                                           : " (auto: star from " + std::to_string(star_threshold(opt)) + ")";
   return out;
 }
 
@@ -145,8 +183,16 @@ void ring_attention::release() {
 // ---- merged partials (decode / suffix) -----------------------------------------------------
 
 merged_attention::merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be,
-                                   sequence_comm_stats& stats, communicator* device_comm)
-    : own_(own), is_tail_(is_tail), comm_(comm), be_(be), stats_(stats), device_comm_(device_comm), sum_(be) {}
+                                   sequence_comm_stats& stats, communicator* device_comm,
+                                   retrieval_selector* selector)
+    : own_(own),
+      is_tail_(is_tail),
+      comm_(comm),
+      be_(be),
+      stats_(stats),
+      device_comm_(device_comm),
+      selector_(selector),
+      sum_(be) {}
 
 void merged_attention::store(int layer, const layer_input& in) {
   if (is_tail_) own_.append(layer, in);
@@ -154,8 +200,17 @@ void merged_attention::store(int layer, const layer_input& in) {
 
 void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
   const cache_geometry& g = own_.geometry();
+  const attn_selection* select = nullptr;
+  if (selector_ != nullptr) {
+    const uint64_t sent = selector_->gather_bytes_sent(), read = selector_->summary_bytes_read();
+    const stopwatch clock;
+    select = &selector_->select(own_, layer, q, q_pos, n_q);  // collective: every rank, every layer
+    stats_.gather_seconds += clock.seconds();
+    stats_.retrieval_bytes_sent += selector_->gather_bytes_sent() - sent;
+    stats_.retrieval_summary_bytes_read += selector_->summary_bytes_read() - read;
+  }
   sum_.begin(n_q, g.n_head, g.head_dim);
-  sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_decode);
+  sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_decode, select);
   if (comm_.size() > 1) {
     const stopwatch clock;
     const size_t bytes = sum_.all_reduce(comm_, device_comm_);
@@ -213,6 +268,14 @@ sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communi
   XCTX_CHECK(opt.max_new_tokens >= 0, "max_new_tokens must be >= 0");
   XCTX_CHECK(opt.anchor_tokens >= 0, "anchor tokens must be >= 0");
   if (spec_.options.factors && comm_.size() > 1) spec_.options.factors = rank0_factors(comm_, spec_.options.factors);
+  XCTX_CHECK(opt_.attention != attention_mode::attention_auto,
+             "sequence runner: attention auto must be resolved (apply_attention_mode) before the engine is built");
+  if (opt_.attention == attention_mode::attention_retrieval) {
+    XCTX_CHECK(fixed_distance_on(engine_.rope()) && engine_.rope().se_window == opt_.retrieval.local,
+               "retrieval attention needs the engine's rope at the fixed distance --local (apply_attention_mode)");
+    spec_.options.summary_block = opt_.retrieval.block;
+    selector_ = std::make_unique<retrieval_selector>(opt_.retrieval, engine_.rope(), engine_.hparams().n_head, be_, comm_);
+  }
   if (be_.has_device_collectives() && comm_.size() > 1) {
     own_device_comm_ = make_nccl_communicator_or_fail(comm_);  // bootstrapped through comm_ (MPI)
     device_comm_ = own_device_comm_.get();
@@ -544,7 +607,7 @@ void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* log
   XCTX_CHECK(n > 0, "step: no tokens");
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(next_pos_ + i);
-  merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_, device_comm_);
+  merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_, device_comm_, selector_.get());
   engine_.forward(tokens, pos.data(), n, merged, llama_engine::logits_for::logits_last, logits);
   next_pos_ += n;
   stats_.decode_tokens += n;

@@ -22,6 +22,7 @@
 
 #include "comm/communicator.h"
 #include "worker/llama_engine.h"
+#include "worker/retrieval.h"
 #include "worker/shard_plan.h"
 
 namespace xctx {
@@ -49,7 +50,22 @@ struct sequence_options {
   // once). A sequence that needs more on some rank is refused on every rank before any work.
   // 0: each sequence allocates a cache of exactly its own shard.
   int64_t capacity_per_rank = 0;
+  // What each suffix/decode query attends to (worker/retrieval.h). retrieval needs the engine's
+  // rope to place far keys at distance retrieval.local (apply_attention_mode does both); auto
+  // must be resolved by the job before the engine is built. With retrieval on, auto prefill
+  // runs star (blocks that see [anchor ‖ themselves]) once the prompt exceeds the local window.
+  attention_mode attention = attention_mode::attention_full;
+  retrieval_options retrieval;
 };
+
+// Resolves attention auto for a sequence of up to n_total tokens (prompt + generation) on a model
+// trained on n_ctx_train: full while it fits the trained window, retrieval beyond. With retrieval,
+// sets what it needs: the rope's fixed distance (rp), the caches' block summaries (spec), and
+// checks the retrieval options (errors name the flags). Returns the mode that runs.
+attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache_spec& spec, int64_t n_total,
+                                    int64_t n_ctx_train);
+// "full attention" or "retrieval: sink 256, local 4096, ..." (+ " (auto: ...)" when auto chose).
+std::string describe_attention(const sequence_options& seq);
 
 // The mode a prefill of a prompt of n_prompt tokens (context + suffix) runs with, auto resolved;
 // the same on every rank.
@@ -72,6 +88,10 @@ struct sequence_comm_stats {
   // Wall seconds inside the communicator's calls: the transfer plus any wait for a slower rank.
   double ring_seconds = 0;           // exact prefill's ring steps
   double gather_seconds = 0;         // decode/suffix all-gathers
+  // Retrieval: the all-gather of each rank's best blocks per query and layer, and the summary
+  // bytes scored.
+  uint64_t retrieval_bytes_sent = 0;
+  uint64_t retrieval_summary_bytes_read = 0;
 };
 
 // Bytes of the serialized exact partial (kernels/softmax_acc.h) one rank contributes per token
@@ -158,6 +178,7 @@ class sequence_parallel_runner {
                      int64_t extra_on_tail);
 
   std::unique_ptr<kv_cache> cache_;
+  std::unique_ptr<retrieval_selector> selector_;  // retrieval attention on
   std::unique_ptr<communicator> own_device_comm_;  // the NCCL communicator made for be_
   communicator* device_comm_ = nullptr;
   size_t planned_bytes_ = 0;
@@ -198,8 +219,9 @@ class ring_attention final : public attention_exchange {
 class merged_attention final : public attention_exchange {
  public:
   // device_comm: collectives on backend memory (NCCL) for the partials, when the runner has one.
+  // selector: retrieval attention's per-query selection (null: every key).
   merged_attention(kv_cache& own, bool is_tail, communicator& comm, backend& be, sequence_comm_stats& stats,
-                   communicator* device_comm = nullptr);
+                   communicator* device_comm = nullptr, retrieval_selector* selector = nullptr);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
@@ -210,6 +232,7 @@ class merged_attention final : public attention_exchange {
   backend& be_;
   sequence_comm_stats& stats_;
   communicator* device_comm_;
+  retrieval_selector* selector_;
   attention_sum sum_;  // rows n_q·n_head: this rank's, then every rank's
 };
 

@@ -428,11 +428,11 @@ int64_t visible_prefixes(const int32_t* q_pos, int64_t n_q, const int32_t* kv_po
 
 void attention_partial(isa v, const attn_args& a) {
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
     attend_units(qs, a.kv_pos, a.n_kv, [&] { return std::make_unique<plain_loader>(a); }, *a.acc);
     return;
   }
-  if (self_extend_on(a.rope))
+  if (self_extend_on(a.rope) || a.select != nullptr)
     return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [&](const attn_args& b) { attention_partial(v, b); });
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,

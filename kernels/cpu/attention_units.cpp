@@ -99,7 +99,8 @@ struct query_runner {
     bool any = false;
     for (int r = 0; r < R; ++r) {
       const int64_t i = block_i0 + (r / g) % block_n;
-      row_end[(size_t)r] = far ? qr.far(i, s0, n).second : std::clamp<int64_t>(qr.end[i] - s0, 0, n);
+      // The near side runs here only when every row's range is a prefix [0, e) (run_block_sides).
+      row_end[(size_t)r] = far ? qr.far(i, s0, n).second : qr.near(i, s0, n).second;
       row_end[(size_t)r] = std::max<int64_t>(row_end[(size_t)r], 0);
       any = any || row_end[(size_t)r] > 0;
     }
@@ -161,7 +162,13 @@ bool check_units_args(const unit_queries& qs, const int32_t* kv_pos, int64_t n_k
 }  // namespace
 
 query_ranges::query_ranges(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv)
-    : end((size_t)qs.n_q), split((size_t)qs.n_q, 0), grouped(qs.rope != nullptr && self_extend_on(*qs.rope)) {
+    : end((size_t)qs.n_q),
+      split((size_t)qs.n_q, 0),
+      grouped(qs.rope != nullptr && self_extend_on(*qs.rope)),
+      kv_pos(kv_pos),
+      select(qs.select) {
+  XCTX_CHECK(select == nullptr || select->n_queries() == qs.n_q, "attention: a selection of ",
+             select == nullptr ? 0 : select->n_queries(), " queries for ", qs.n_q);
   for (int64_t i = 0; i < qs.n_q; ++i) {
     end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[i]) - kv_pos;
     kv_len = std::max(kv_len, end[i]);
@@ -174,6 +181,18 @@ query_ranges::query_ranges(const unit_queries& qs, const int32_t* kv_pos, int64_
     q_far = impl::self_extend_queries(qs.q, qs.q_pos, qs.n_q, qs.n_head, *qs.rope);
     for (float& x : q_far) x *= qs.scale;
   }
+}
+
+std::vector<int64_t> query_ranges::visible_units(const std::vector<int64_t>& ub) const {
+  std::vector<int64_t> out;
+  const int64_t n_unit = (int64_t)ub.size() - 1;
+  out.reserve((size_t)n_unit);
+  for (int64_t u = 0; u < n_unit; ++u) {
+    bool any = select == nullptr;
+    for (size_t i = 0; i < end.size() && !any; ++i) any = selected((int64_t)i, ub[u]);
+    if (any) out.push_back(u);
+  }
+  return out;
 }
 
 bool query_ranges::any_near(int64_t s0, int n) const {
@@ -194,12 +213,11 @@ bool query_ranges::any_far(int64_t s0, int n) const {
 std::vector<int64_t> unit_bounds(const int32_t* pos, int64_t n) {
   // Positions ascend: each unit ends where the first position of a later unit is, found by
   // binary search (O(units · log n), not a pass over every slot of every decode step).
-  const auto unit_of = [](int32_t p) { return p >= 0 ? p / kAttnUnit : -((-(int64_t)p + kAttnUnit - 1) / kAttnUnit); };
   std::vector<int64_t> b;
   for (int64_t s = 0; s < n;) {
     b.push_back(s);
-    const int64_t u = unit_of(pos[s]);
-    s = std::partition_point(pos + s, pos + n, [&](int32_t p) { return unit_of(p) == u; }) - pos;
+    const int64_t u = attn_unit_of(pos[s]);
+    s = std::partition_point(pos + s, pos + n, [&](int32_t p) { return attn_unit_of(p) == u; }) - pos;
   }
   b.push_back(n);
   return b;
@@ -223,8 +241,10 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
   if (qs.n_q < 2 * threads) {
     // Few queries (decode): threads split the units, each deposits into its own accumulator;
     // the exact merge makes the split invisible.
+    const std::vector<int64_t> vis = ranges.visible_units(ub);
+    const int64_t n_vis = (int64_t)vis.size();
     omp_error_carrier errors;
-#pragma omp parallel if (n_unit > 1 && threads > 1)
+#pragma omp parallel if (n_vis > 1 && threads > 1)
     {
       std::unique_ptr<unit_loader> ld = make_loader();
       query_runner qr(qs, q_scaled, ranges, 1);
@@ -236,10 +256,14 @@ void attend_units(const unit_queries& qs, const int32_t* kv_pos, int64_t n_kv,
       mine.reset(acc.rows(), acc.width());
       // Contiguous ranges: each thread streams one run of the cache front to back.
 #pragma omp for schedule(static)
-      for (int64_t u = 0; u < n_unit; ++u) {
+      for (int64_t x = 0; x < n_vis; ++x) {
+        const int64_t u = vis[(size_t)x];
         const int64_t s0 = ub[u];
         const int n = (int)(ub[u + 1] - s0);
-        if (u + 1 < n_unit) ld->prefetch(ub[u + 1], (int)(ub[u + 2 > n_unit ? n_unit : u + 2] - ub[u + 1]));
+        if (x + 1 < n_vis) {
+          const int64_t nx = vis[(size_t)x + 1];
+          ld->prefetch(ub[nx], (int)(ub[nx + 1] - ub[nx]));
+        }
         errors.run([&] {
           unit_kv kv, kv_far;
           if (ranges.any_near(s0, n)) kv = ld->load(s0, n, kbuf.data(), vbuf.data());
@@ -318,10 +342,11 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
   std::vector<float> q_scaled((size_t)qs.n_head * hd);
   for (size_t e = 0; e < q_scaled.size(); ++e) q_scaled[e] = qs.q[e] * qs.scale;
   const std::vector<int64_t> ub = unit_bounds(kv_pos, ranges.kv_len);
-  const int64_t n_unit = (int64_t)ub.size() - 1;
+  const std::vector<int64_t> vis = ranges.visible_units(ub);
+  const int64_t n_vis = (int64_t)vis.size();
   const int threads = omp_get_max_threads();
   omp_error_carrier errors;
-#pragma omp parallel if (n_unit > 1 && threads > 1)
+#pragma omp parallel if (n_vis > 1 && threads > 1)
   {
     std::unique_ptr<unit_kernel> kernel = make_kernel();
     thread_local std::vector<float> o, lse;
@@ -332,7 +357,8 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
       for (int h = 0; h < qs.n_head; ++h) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
     };
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < n_unit; ++u) {
+    for (int64_t x = 0; x < n_vis; ++x) {
+      const int64_t u = vis[(size_t)x];
       const int64_t s0 = ub[u];
       const int n = (int)(ub[u + 1] - s0);
       errors.run([&] {

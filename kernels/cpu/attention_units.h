@@ -69,6 +69,8 @@ struct unit_queries {
   // turned to its grouped position (kernels/ops.h), the rest as usual: up to two deposits per
   // (query, unit), each a function of the query and the unit alone, so invariance holds.
   const rope_config* rope = nullptr;
+  // Retrieval: query i sees only the units select->sees(i, unit) lists (attn_args::select).
+  const attn_selection* select = nullptr;
 };
 
 // Which cached slots each query sees, and on which side: everything near unless the rope has
@@ -80,15 +82,26 @@ struct query_ranges {
   int64_t kv_len = 0;          // max end
   bool grouped = false;        // SelfExtend on
   std::vector<float> q_far;    // [n_q, n_head, head_dim] grouped-side queries times the scale
+  const int32_t* kv_pos = nullptr;
+  const attn_selection* select = nullptr;  // retrieval: units outside query i's list are empty for it
 
   query_ranges(const unit_queries& qs, const int32_t* kv_pos /*[n_kv] ascending*/, int64_t n_kv);
+  // Whether query i may see the unit starting at slot s0 (every unit, without a selection).
+  bool selected(int64_t i, int64_t s0) const {
+    return select == nullptr || select->sees(i, attn_unit_of(kv_pos[s0]));
+  }
   // Query i's near / grouped slots in the unit [s0, s0 + n), relative to s0 (empty when b >= e).
   std::pair<int64_t, int64_t> near(int64_t i, int64_t s0, int n) const {
+    if (!selected(i, s0)) return {0, 0};
     return {std::max<int64_t>(split[i] - s0, 0), std::min<int64_t>(end[i] - s0, n)};
   }
   std::pair<int64_t, int64_t> far(int64_t i, int64_t s0, int n) const {
+    if (!selected(i, s0)) return {0, 0};
     return {0, std::min<int64_t>(std::min(split[i], end[i]) - s0, n)};
   }
+  // Indices u of the units [ub[u], ub[u + 1]) some query may see: all of them without a
+  // selection. The decode paths split these among threads, not every unit of a long shard.
+  std::vector<int64_t> visible_units(const std::vector<int64_t>& ub) const;
   bool any_near(int64_t s0, int n) const;  // some query needs the unit's keys
   bool any_far(int64_t s0, int n) const;   // ... its grouped keys
 };

@@ -448,7 +448,7 @@ void attention_kvq(const kvq_attn_args& a) {
   check_args(a);
   const kvq_layer_view& L = a.kv;
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale, &a.rope};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale, &a.rope, a.select};
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     if (a.decode_step && a.n_q == 1 && impl::best_isa() == isa::isa_avx2 &&
         impl::kvq_fused_supported(L, a.n_head, a.rope.n_rot)) {
@@ -458,7 +458,7 @@ void attention_kvq(const kvq_attn_args& a) {
     attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
     return;
   }
-  if (self_extend_on(a.rope))
+  if (self_extend_on(a.rope) || a.select != nullptr)
     return attend_via_accumulator(a, a.n_q * a.n_head, L.head_dim, [](const kvq_attn_args& b) { attention_kvq(b); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]

@@ -497,7 +497,7 @@ struct absorbed_far_side {
 void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv, kv = a.n_head_kv * hd, cv = a.zv.channels;
   const int vw = a.m_v != nullptr ? cv : hd;  // values each query row accumulates
-  const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, hd, a.scale, &a.rope};
+  const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, hd, a.scale, &a.rope, a.select};
   const query_ranges ranges(qs, a.pos, a.n);
   if (ranges.kv_len == 0) return;
   const std::vector<int64_t> ub = unit_bounds(a.pos, ranges.kv_len);
@@ -625,7 +625,7 @@ bool attend_decode_as_kvq(const xq_attn_args& a) {
   kvq_attn_args k;
   k.kv = v;
   k.q = a.q, k.q_pos = a.q_pos, k.n_q = a.n_q, k.n_head = a.n_head, k.scale = a.scale, k.rope = a.rope;
-  k.acc = a.acc, k.decode_step = true;
+  k.acc = a.acc, k.decode_step = true, k.select = a.select;
   attention_kvq(k);
   return true;
 }
@@ -641,7 +641,7 @@ void attention_xq(const xq_attn_args& a) {
       if (!attend_decode_as_kvq(a)) attention_absorbed_units(a, *a.acc);
       return;
     }
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope};
+    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     const int blas_threads = openblas_get_num_threads();
     openblas_set_num_threads(1);
@@ -649,7 +649,7 @@ void attention_xq(const xq_attn_args& a) {
     openblas_set_num_threads(blas_threads);
     return;
   }
-  if (self_extend_on(a.rope))
+  if (self_extend_on(a.rope) || a.select != nullptr)
     return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [](const xq_attn_args& b) { attention_xq(b); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]

@@ -607,6 +607,8 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   if (a.n_q == 0) return;
   const kvq_layer_view& L = a.kv;
   attn_params prm{};
+  XCTX_CHECK(a.select == nullptr, "cuda: retrieval attention (a key selection) is not built on the CUDA backend yet; "
+             "run it with --backend cpu");
   const bool se = self_extend_on(a.rope);
   XCTX_CHECK(!se || a.rope.se_window >= 0, "cuda attention_kvq: SelfExtend window ", a.rope.se_window, " is negative");
   prm.plan = plan_kvq_attention(a.n_q, L.n, a.n_head, L.n_head_kv, L.head_dim, a.rope.n_rot, ctx.n_sm, se);

@@ -342,6 +342,8 @@ void xq_encode(context& ctx, const xq_encode_job& j) {
 void attention_xq(context& ctx, const xq_attn_args& a) {
   check_attn_args(a);
   if (a.n_q == 0) return;
+  XCTX_CHECK(a.select == nullptr, "cuda: retrieval attention (a key selection) is not built on the CUDA backend yet; "
+             "run it with --backend cpu");
   const bool se = self_extend_on(a.rope);
   const int wv = a.m_v != nullptr ? a.zv.channels : a.head_dim;
   attn_params prm{};

@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/half.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx::ref {
 
@@ -71,14 +72,20 @@ void attention_partial(const attn_args& a) {
                " does not fit head_dim=", hd);
   std::vector<double> score((size_t)a.n_kv);  // [n_kv]
   std::vector<double> acc((size_t)hd);        // [head_dim]
+  XCTX_CHECK(a.select == nullptr || a.select->n_queries() == a.n_q, "attention: a selection of ",
+             a.select == nullptr ? 0 : a.select->n_queries(), " queries for ", a.n_q);
   for (int64_t i = 0; i < a.n_q; ++i) {
+    // Causal, and inside query i's selected units when there is a selection (retrieval).
+    const auto visible = [&](int64_t j) {
+      return a.kv_pos[j] <= a.q_pos[i] && (a.select == nullptr || a.select->sees(i, attn_unit_of(a.kv_pos[j])));
+    };
     for (int h = 0; h < a.n_head; ++h) {
       const float* q = a.q + (i * a.n_head + h) * hd;
       const int kvh = h / group;
       float* o = a.o + (i * a.n_head + h) * hd;
       double m = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < a.n_kv; ++j) {
-        if (a.kv_pos[j] > a.q_pos[i]) continue;
+        if (!visible(j)) continue;
         const double* kr = k.data() + (j * a.n_head_kv + kvh) * hd;
         score[j] = rope_score(q, kr, rope, a.q_pos[i], a.kv_pos[j]) * (double)a.scale;
         m = std::max(m, score[j]);
@@ -91,7 +98,7 @@ void attention_partial(const attn_args& a) {
       double sum = 0.0;
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t j = 0; j < a.n_kv; ++j) {
-        if (a.kv_pos[j] > a.q_pos[i]) continue;
+        if (!visible(j)) continue;
         const double p = std::exp(score[j] - m);
         sum += p;
         const double* vr = v.data() + (j * a.n_head_kv + kvh) * hd;

@@ -147,7 +147,7 @@ void attention_kvq(const kvq_attn_args& a) {
   at.q = a.q, at.q_pos = a.q_pos, at.n_q = a.n_q;
   at.k = k.data(), at.v = val.data(), at.kv_pos = v.pos, at.n_kv = v.n, at.kv_type = kv_dtype::kv_f32;
   at.n_head = a.n_head, at.n_head_kv = v.n_head_kv, at.head_dim = v.head_dim, at.scale = a.scale;
-  at.o = a.o, at.lse = a.lse, at.rope = a.rope;
+  at.o = a.o, at.lse = a.lse, at.rope = a.rope, at.select = a.select;
   attention_partial(at);
 }
 

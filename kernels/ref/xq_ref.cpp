@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 #include "kernels/x_quant.h"
 
 namespace xctx::ref {
@@ -132,7 +133,7 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
     at.q = a.q, at.q_pos = a.q_pos, at.n_q = a.n_q;
     at.k = k.data(), at.v = v.data(), at.kv_pos = a.pos, at.n_kv = n, at.kv_type = kv_dtype::kv_f32;
     at.n_head = a.n_head, at.n_head_kv = a.n_head_kv, at.head_dim = a.head_dim, at.scale = a.scale;
-    at.o = a.o, at.lse = a.lse, at.rope = a.rope;
+    at.o = a.o, at.lse = a.lse, at.rope = a.rope, at.select = a.select;
     attention_partial(at);
     return;
   }
@@ -146,12 +147,16 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
       double m = -std::numeric_limits<double>::infinity();
       int64_t vis = 0;
       for (int64_t t = 0; t < n && a.pos[t] <= a.q_pos[i]; ++t, ++vis) {
+        if (a.select != nullptr && !a.select->sees(i, attn_unit_of(a.pos[t]))) {  // retrieval: not selected
+          s[t] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
         for (int e = 0; e < hd; ++e) kd[e] = k[t * kv + kvh * hd + e];
         s[t] = rope_score(q, kd.data(), a.rope, a.q_pos[i], a.pos[t]) * a.scale;
         m = std::max(m, s[t]);
       }
       float* o = a.o + (i * a.n_head + h) * hd;
-      if (vis == 0) {
+      if (m == -std::numeric_limits<double>::infinity()) {
         std::fill(o, o + hd, 0.0f);
         a.lse[i * a.n_head + h] = -std::numeric_limits<float>::infinity();
         continue;

@@ -100,6 +100,9 @@ struct sp_case {
   cache_format format;
   cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl only
   int se_group = 0;  // SelfExtend G (0: off), W 200: both sides in every rank's attention
+  // Retrieval attention (worker/retrieval.h): star prefill in blocks of 512, then the suffix and
+  // decode steps through sink 256 + local 512 + the top-2 blocks of 256, chosen across ranks.
+  bool retrieval = false;
 };
 
 std::string sp_case_name(const sp_case& c) {
@@ -108,6 +111,7 @@ std::string sp_case_name(const sp_case& c) {
     if (ch == '-' || ch == '%') ch = '_';
   if (c.se_group == 4) s += "_selfextend";
   if (c.se_group > 0 && c.se_group != 4) s += "_selfextend" + std::to_string(c.se_group);
+  if (c.retrieval) s += "_retrieval";
   return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
 }
 
@@ -145,11 +149,19 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
     rp.cache = format;
     rp.n_batch = n_batch;
     if (c.se_group > 0) rp.se_group = c.se_group, rp.se_window = 200;
-    llama_engine engine(w, *be, rp);
     sequence_options opt;
     opt.mode = prefill_mode::prefill_exact;
     opt.layout = shard_layout::shard_zigzag;
     opt.max_new_tokens = n_greedy + 1;
+    if (c.retrieval) {
+      opt.attention = attention_mode::attention_retrieval;
+      opt.retrieval.sink = 256, opt.retrieval.local = 512, opt.retrieval.block = 256, opt.retrieval.top_k = 2;
+      opt.mode = prefill_mode::prefill_star;
+      opt.block_tokens = 512;
+      cache_spec unused = spec;
+      apply_attention_mode(opt, rp, unused, n_prompt + n_greedy, w.hp.n_ctx_train);
+    }
+    llama_engine engine(w, *be, rp);
     sequence_parallel_runner runner(engine, cm, *be, spec, opt);
     std::vector<float> logits(w.hp.n_vocab);
     runner.prefill(ids, {}, logits.data());
@@ -162,7 +174,12 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
       steps.push_back(logits);
     }
     if (ring_bytes != nullptr) *ring_bytes = runner.stats().ring_bytes_sent;
-    if (cm.size() > 1) {  // the foreign blocks held for one layer, against the memory plan's bound
+    if (c.retrieval && cm.size() > 1)  // one small all-gather per layer and query on top of the merge
+      std::printf("[sp-retrieval] rank %d/%d %s: selection gather %llu B, partials %llu B, summaries read %llu B\n",
+                  cm.rank(), cm.size(), name.c_str(), (unsigned long long)runner.stats().retrieval_bytes_sent,
+                  (unsigned long long)runner.stats().gather_bytes_sent,
+                  (unsigned long long)runner.stats().retrieval_summary_bytes_read);
+    if (cm.size() > 1 && !c.retrieval) {  // the foreign blocks held for one layer, against the memory plan's bound
       const uint64_t held = runner.stats().ring_held_bytes_peak;
       const rank_memory m =
           estimate_rank_memory(w.hp, spec, opt, n_batch, 1, n_prompt - 1, n_greedy + 2, cm.size());
@@ -568,6 +585,19 @@ const auto case_name = [](const auto& info) { return sp_case_name(info.param); }
 INSTANTIATE_TEST_SUITE_P(families, quant_sequence_parallel, ::testing::ValuesIn(family_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(widths, quant_sequence_parallel, ::testing::ValuesIn(width_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(families, long_prompt_sequence_parallel, ::testing::ValuesIn(family_cases()), case_name);
+// Retrieval over every family: the selection (scores, the all-gather, ties) and the attention
+// over the selected units give one process's bits on any rank count.
+std::vector<sp_case> retrieval_cases() {
+  std::vector<sp_case> out;
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_kivi2, cache_format::cache_nuq3_1pct,
+                         cache_format::cache_xquant2, cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
+    sp_case c{f};
+    c.retrieval = true;
+    out.push_back(c);
+  }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(retrieval, long_prompt_sequence_parallel, ::testing::ValuesIn(retrieval_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(widths, long_prompt_sequence_parallel, ::testing::ValuesIn(width_cases()), case_name);
 // One format per family and store layout: what clear() must reset differs between them, not
 // between bit widths.

@@ -1,0 +1,242 @@
+// Retrieval attention's parts in one process: the kernels honour a unit selection exactly (every
+// unit listed = no selection, bitwise; a selection's result = the exact sum of its parts; the
+// CPU kernels against the reference backend's brute-force masking), the block summaries' bytes
+// equal what the formula says, the top-k equals a brute-force scoring of the raw keys, and bad
+// options name their flag.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "cache/block_summary.h"
+#include "cache/quant_test_util.h"
+#include "comm/communicator.h"
+#include "test_util.h"
+#include "worker/retrieval.h"
+
+namespace xctx {
+namespace {
+
+constexpr int64_t kTokens = 5 * 256 + 40;  // five whole units and part of a sixth
+constexpr int kLocal = 300;
+
+cache_spec spec_for(cache_format f, const cache_geometry& g, int64_t summary_block) {
+  cache_options o;
+  o.group_size = 32;
+  if (format_traits(f).needs_calibration) o.calib = test::make_synthetic_calibration(g, 11);
+  o.summary_block = summary_block;
+  return cache_spec(f, o);
+}
+
+std::unique_ptr<kv_cache> filled(backend& be, cache_format f, const cache_geometry& g, const test::synthetic_kv& d,
+                                 const std::vector<int32_t>& pos, int64_t summary_block = 0) {
+  auto c = make_cache(spec_for(f, g, summary_block), g, be);
+  const int C = g.n_head_kv * g.head_dim;
+  for (int l = 0; l < g.n_layer; ++l)
+    for (int64_t at = 0; at < kTokens; at += 500) {
+      const int64_t m = std::min<int64_t>(500, kTokens - at);
+      c->append(l, layer_input{nullptr, d.k.data() + at * C, d.v.data() + at * C, pos.data() + at, m});
+    }
+  return c;
+}
+
+attn_selection selection_of(const std::vector<std::vector<int64_t>>& per_query) {
+  attn_selection s;
+  s.offsets.push_back(0);
+  for (const auto& u : per_query) {
+    s.units.insert(s.units.end(), u.begin(), u.end());
+    s.offsets.push_back((int64_t)s.units.size());
+  }
+  return s;
+}
+
+class retrieval_kernels : public ::testing::TestWithParam<cache_format> {};
+
+TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
+  const cache_format f = GetParam();
+  cache_geometry g = test::quant_geometry(kTokens + 8);
+  g.rope = with_fixed_distance(g.rope, kLocal);
+  const int C = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 5);
+  std::vector<int32_t> pos(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  auto ref = make_backend(backend_kind::backend_ref);
+  auto c = filled(*cpu, f, g, d, pos);
+  auto r = filled(*ref, f, g, d, pos);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  const int64_t n_q = 3;
+  std::vector<float> q(n_q * qd);
+  for (float& x : q) x = 0.4f * nd(rng);
+  const std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
+  // Query 0: units 0, 2, 5; query 1: units 1, 3 (3 holds its own position); query 2: none.
+  const attn_selection sel = selection_of({{0, 2, 5}, {1, 3}, {}});
+  const attn_selection sel_a = selection_of({{0, 5}, {1}, {}}), sel_b = selection_of({{2}, {3}, {}});
+  const attn_selection all = selection_of({{0, 1, 2, 3, 4, 5}, {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}});
+  for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
+    SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
+    const int64_t nq = path == attend_path::attend_decode ? 1 : n_q;  // decode steps carry one query
+    const auto run = [&](kv_cache& cache, const attn_selection* s, std::vector<float>& o, std::vector<float>& l) {
+      softmax_acc acc(nq * g.n_head, g.head_dim);
+      attn_selection one;  // the first query's list only, for one-query calls
+      if (s != nullptr && nq == 1) one = selection_of({{s->units.begin(), s->units.begin() + s->offsets[1]}});
+      cache.attend(0, q.data(), q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
+      o.resize(nq * qd), l.resize(nq * g.n_head);
+      acc.finish(o.data(), l.data());
+      return acc;
+    };
+    std::vector<float> o_none, l_none, o_all, l_all, o_sel, l_sel, o_ref, l_ref, o_ab, l_ab;
+    run(*c, nullptr, o_none, l_none);
+    run(*c, &all, o_all, l_all);
+    EXPECT_EQ(std::memcmp(o_none.data(), o_all.data(), o_all.size() * 4), 0) << "every unit listed = no selection";
+    softmax_acc a = run(*c, &sel, o_sel, l_sel);
+    std::vector<float> tmp_o, tmp_l;
+    softmax_acc parts = run(*c, &sel_a, tmp_o, tmp_l);
+    parts.merge(run(*c, &sel_b, tmp_o, tmp_l));
+    o_ab.resize(o_sel.size()), l_ab.resize(l_sel.size());
+    parts.finish(o_ab.data(), l_ab.data());
+    EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
+    if (nq == n_q) {  // an empty list sees nothing
+      for (int h = 0; h < g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * g.n_head + h]) && l_sel[2 * g.n_head + h] < 0);
+    }
+    // The reference backend masks key by key (kernels/ref): the CPU kernels within float error of
+    // it. The decoded caches are the same bits on both backends (bit-identical encoders), so the
+    // difference is the kernels' float arithmetic: scores of head_dim products and a softmax.
+    run(*r, &sel, o_ref, l_ref);
+    double max_v = 0;
+    for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
+    for (size_t i = 0; i < o_sel.size(); ++i) ASSERT_NEAR(o_sel[i], o_ref[i], 2e-4 * max_v) << i;
+    for (size_t i = 0; i < l_sel.size(); ++i)
+      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l_sel[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(formats, retrieval_kernels,
+                         ::testing::Values(cache_format::cache_fp16, cache_format::cache_kivi2,
+                                           cache_format::cache_nuq3_1pct),
+                         [](const auto& i) {
+                           std::string s = format_traits(i.param).name;
+                           for (char& ch : s)
+                             if (ch == '-' || ch == '%') ch = '_';
+                           return s;
+                         });
+
+TEST(block_summaries, bytes_equal_the_formula_and_snapshots_carry_them) {
+  cache_geometry g = test::quant_geometry(kTokens + 8);
+  const int C = g.n_head_kv * g.head_dim;
+  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 5);
+  std::vector<int32_t> pos(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
+  auto be = make_backend(backend_kind::backend_cpu);
+  auto plain = filled(*be, cache_format::cache_fp16, g, d, pos);
+  auto c = filled(*be, cache_format::cache_fp16, g, d, pos, 512);
+  EXPECT_EQ(c->bytes_allocated() - plain->bytes_allocated(), summary_bytes_for(g, g.capacity, 512));
+  EXPECT_EQ(cache_bytes_for(spec_for(cache_format::cache_fp16, g, 512), g, g.capacity, 0, 0).summaries,
+            summary_bytes_for(g, g.capacity, 512));
+  const block_summary_view v = summaries_of(*c, 1);
+  ASSERT_EQ(v.n_blocks, 3);  // 1320 positions: blocks of 512 at 0, 512, 1024
+  for (int64_t b = 0; b < v.n_blocks; ++b) {
+    EXPECT_EQ(v.ids[b], b);
+    EXPECT_EQ(v.count[b], std::min<int64_t>(512, kTokens - b * 512));
+    for (int ch = 0; ch < C; ++ch) {  // against the raw keys
+      float mn = INFINITY, mx = -INFINITY;
+      for (int64_t t = b * 512; t < std::min<int64_t>(kTokens, (b + 1) * 512); ++t)
+        mn = std::min(mn, d.k[t * C + ch]), mx = std::max(mx, d.k[t * C + ch]);
+      ASSERT_EQ(v.kmin[b * C + ch], mn);
+      ASSERT_EQ(v.kmax[b * C + ch], mx);
+    }
+  }
+  // A snapshot restores them bit for bit; a damaged record is refused naming the layer.
+  std::vector<uint8_t> snap(c->snapshot_bytes(1));
+  c->snapshot_layer(1, snap.data());
+  auto back = make_cache(spec_for(cache_format::cache_fp16, g, 512), g, *be);
+  back->restore_layer(1, snap.data(), snap.size());
+  const block_summary_view w = summaries_of(*back, 1);
+  ASSERT_EQ(w.n_blocks, v.n_blocks);
+  EXPECT_EQ(std::memcmp(w.kmax, v.kmax, (size_t)v.n_blocks * C * 4), 0);
+  EXPECT_EQ(std::memcmp(w.ksum, v.ksum, (size_t)v.n_blocks * C * 4), 0);
+  auto again = make_cache(spec_for(cache_format::cache_fp16, g, 512), g, *be);
+  test::expect_error_contains([&] { again->restore_layer(1, snap.data(), snap.size() - 4); }, "layer 1");
+}
+
+// The selector's top-k against scores computed here from the raw keys in double: Quest's bound
+// and the mean key, the query turned to the fixed distance by the reference rope.
+TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
+  cache_geometry g = test::quant_geometry(4096);
+  g.rope = with_fixed_distance(g.rope, kLocal);
+  const int C = g.n_head_kv * g.head_dim, hd = g.head_dim, H = g.n_head, grp = H / g.n_head_kv;
+  const int64_t n = 3000;
+  const test::synthetic_kv d = test::make_synthetic_kv(n, C, 9);
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)i;
+  auto be = make_backend(backend_kind::backend_cpu);
+  auto ref = make_backend(backend_kind::backend_ref);
+  auto c = make_cache(spec_for(cache_format::cache_fp32, g, 256), g, *be);
+  for (int l = 0; l < g.n_layer; ++l) c->append(l, layer_input{nullptr, d.k.data(), d.v.data(), pos.data(), n});
+  auto comm = make_local_communicator();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(2 * H * hd);
+  for (float& x : q) x = nd(rng);
+  const std::vector<int32_t> q_pos = {2999, 1800};
+  for (const block_score_rule rule : {block_score_rule::score_minmax, block_score_rule::score_mean}) {
+    retrieval_options o;
+    o.sink = 256, o.local = kLocal, o.block = 256, o.top_k = 3, o.rule = rule;
+    retrieval_selector sel(o, g.rope, H, *be, *comm);
+    const attn_selection& s = sel.select(*c, 0, q.data(), q_pos.data(), 2);
+    for (int64_t i = 0; i < 2; ++i) {
+      std::vector<float> qf(q.begin() + i * H * hd, q.begin() + (i + 1) * H * hd);
+      const int32_t turn = kLocal - q_pos[i];
+      rope_config plain = g.rope;
+      plain.se_group = 1, plain.se_window = 0;
+      ref->rope(qf.data(), &turn, 1, H, plain);
+      std::vector<std::pair<double, int64_t>> scored;
+      for (int64_t b = 0; b * 256 <= q_pos[i]; ++b) {
+        if (!sel.candidate(b, q_pos[i])) continue;
+        double s_b = 0;
+        for (int h = 0; h < H; ++h)
+          for (int ch = 0; ch < hd; ++ch) {
+            const int col = (h / grp) * hd + ch;
+            double mn = INFINITY, mx = -INFINITY, sum = 0;
+            const int64_t e = std::min<int64_t>(n, (b + 1) * 256);
+            for (int64_t t = b * 256; t < e; ++t) mn = std::min(mn, (double)d.k[t * C + col]),
+                                                  mx = std::max(mx, (double)d.k[t * C + col]), sum += d.k[t * C + col];
+            const double qc = qf[h * hd + ch];
+            s_b += rule == block_score_rule::score_minmax ? std::max(qc * mn, qc * mx) : qc * sum / (double)(e - b * 256);
+          }
+        scored.push_back({-s_b, b});
+      }
+      std::sort(scored.begin(), scored.end());
+      std::vector<int64_t> expect;
+      sel.fixed_units(q_pos[i], expect);
+      for (size_t k = 0; k < 3 && k < scored.size(); ++k) expect.push_back(scored[k].second);
+      std::sort(expect.begin(), expect.end());
+      expect.erase(std::unique(expect.begin(), expect.end()), expect.end());
+      const std::vector<int64_t> got(s.units.begin() + s.offsets[i], s.units.begin() + s.offsets[i + 1]);
+      EXPECT_EQ(got, expect) << block_score_rule_name(rule) << " query " << i;
+    }
+  }
+}
+
+TEST(retrieval_options, bad_values_name_the_flag) {
+  retrieval_options o;
+  o.top_k = 0;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--top-k");
+  o = {};
+  o.block = 0;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--block-size");
+  o.block = 300;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--block-size");
+  o = {};
+  o.local = 8192;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--local");
+  o = {};
+  o.sink = -1;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--sink");
+  test::expect_error_contains([] { parse_attention_mode("fast"); }, "--attention");
+}
+
+}  // namespace
+}  // namespace xctx

@@ -1,0 +1,190 @@
+#include "worker/retrieval.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "cache/block_summary.h"
+#include "common/error.h"
+
+namespace xctx {
+
+attention_mode parse_attention_mode(const std::string& name) {
+  if (name == "full") return attention_mode::attention_full;
+  if (name == "retrieval") return attention_mode::attention_retrieval;
+  if (name == "auto") return attention_mode::attention_auto;
+  fail("--attention: unknown mode '", name, "' (full, retrieval, auto)");
+}
+
+const char* attention_mode_name(attention_mode m) {
+  switch (m) {
+    case attention_mode::attention_full: return "full";
+    case attention_mode::attention_retrieval: return "retrieval";
+    case attention_mode::attention_auto: return "auto";
+  }
+  return "?";
+}
+
+block_score_rule parse_block_score_rule(const std::string& name) {
+  if (name == "minmax") return block_score_rule::score_minmax;
+  if (name == "mean") return block_score_rule::score_mean;
+  fail("--block-score: unknown rule '", name, "' (minmax, mean)");
+}
+
+const char* block_score_rule_name(block_score_rule r) {
+  switch (r) {
+    case block_score_rule::score_minmax: return "minmax";
+    case block_score_rule::score_mean: return "mean";
+  }
+  return "?";
+}
+
+void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
+  XCTX_CHECK(o.block > 0 && o.block % kAttnUnit == 0, "--block-size must be a positive multiple of ", kAttnUnit,
+             " (the attention unit), got ", o.block);
+  XCTX_CHECK(o.top_k >= 1 && o.top_k <= 4096, "--top-k must be in [1, 4096], got ", o.top_k);
+  XCTX_CHECK(o.sink >= 0, "--sink must be >= 0, got ", o.sink);
+  XCTX_CHECK(o.local >= 1, "--local must be >= 1, got ", o.local);
+  XCTX_CHECK(o.local < n_ctx_train, "--local ", o.local, " must be below the model's trained window of ", n_ctx_train,
+             " positions: every retrieved key sits at distance --local from the query");
+  XCTX_CHECK(o.sink <= (int64_t)1 << 30, "--sink ", o.sink, " is beyond any context");
+}
+
+std::string describe_retrieval(const retrieval_options& o) {
+  return "retrieval: sink " + std::to_string(o.sink) + ", local " + std::to_string(o.local) + ", top-" +
+         std::to_string(o.top_k) + " blocks of " + std::to_string(o.block) + " (" + block_score_rule_name(o.rule) +
+         "), far keys at distance " + std::to_string(o.local);
+}
+
+retrieval_selector::retrieval_selector(const retrieval_options& o, const rope_config& rope, int n_head, backend& be,
+                                       communicator& comm)
+    : opt_(o), rope_(rope), n_head_(n_head), be_(be), comm_(comm) {
+  XCTX_CHECK(be.host_memory(), "retrieval attention runs on host-memory backends (--backend cpu) so far, not on ",
+             be.name());
+  XCTX_CHECK(fixed_distance_on(rope) && rope.se_window == o.local,
+             "retrieval attention: the keys' rope must place far keys at distance --local (internal)");
+}
+
+bool retrieval_selector::candidate(int64_t id, int64_t p) const {
+  const int64_t first = id * opt_.block, last = first + opt_.block - 1;
+  if (first > p) return false;  // not started for this query
+  const int64_t u0 = attn_unit_of(first), u1 = attn_unit_of(last);
+  const int64_t sink_end = (opt_.sink + kAttnUnit - 1) / kAttnUnit;  // sink units [0, sink_end)
+  const int64_t local_first = attn_unit_of(std::max<int64_t>(0, p - opt_.local + 1));
+  // Wholly seen anyway: every unit of the block in the sink or the local window.
+  for (int64_t u = u0; u <= u1; ++u)
+    if (u >= sink_end && u < local_first) return true;
+  return false;
+}
+
+void retrieval_selector::fixed_units(int64_t p, std::vector<int64_t>& out) const {
+  const int64_t up = attn_unit_of(p);
+  const int64_t sink_end = std::min((opt_.sink + kAttnUnit - 1) / kAttnUnit, up + 1);
+  for (int64_t u = 0; u < sink_end; ++u) out.push_back(u);
+  for (int64_t u = std::max(sink_end, attn_unit_of(std::max<int64_t>(0, p - opt_.local + 1))); u <= up; ++u)
+    out.push_back(u);
+}
+
+namespace {
+
+bool better(const retrieval_selector::scored_block& a, const retrieval_selector::scored_block& b) {
+  return a.score > b.score || (a.score == b.score && a.id < b.id);
+}
+
+}  // namespace
+
+std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::score_blocks(
+    const kv_cache& own, int layer, const float* q, const int32_t* q_pos, int64_t n_q, int64_t keep) {
+  const block_summary_view S = summaries_of(own, layer);
+  const int hd = S.head_dim, H = n_head_, g = H / S.n_head_kv, C = S.n_head_kv * hd;
+  // Queries turned from their positions to the fixed distance: R(W - p)·R(p)·q = R(W)·q, the
+  // query the kernels use against far keys (which sit unrotated, at position 0).
+  qf_.assign(q, q + (size_t)n_q * H * hd);
+  turn_.resize((size_t)n_q);
+  for (int64_t i = 0; i < n_q; ++i) turn_[(size_t)i] = (int32_t)(opt_.local - q_pos[i]);
+  rope_config plain = rope_;
+  plain.se_group = 1, plain.se_window = 0;
+  be_.rope(qf_.data(), turn_.data(), n_q, H, plain);
+
+  std::vector<std::vector<scored_block>> out((size_t)n_q);
+  std::vector<scored_block> cand;
+  for (int64_t i = 0; i < n_q; ++i) {
+    cand.clear();
+    const float* qi = qf_.data() + (size_t)i * H * hd;
+    for (int64_t b = 0; b < S.n_blocks; ++b) {
+      if (!candidate(S.ids[b], q_pos[i])) continue;
+      const float* mn = S.kmin + (size_t)b * C;
+      const float* mx = S.kmax + (size_t)b * C;
+      const float* sm = S.ksum + (size_t)b * C;
+      double s = 0.0;
+      for (int h = 0; h < H; ++h) {
+        const float* qh = qi + (size_t)h * hd;
+        const int c0 = (h / g) * hd;
+        if (opt_.rule == block_score_rule::score_minmax) {
+          for (int c = 0; c < hd; ++c) s += std::max((double)qh[c] * mn[c0 + c], (double)qh[c] * mx[c0 + c]);
+        } else {
+          double d = 0.0;
+          for (int c = 0; c < hd; ++c) d += (double)qh[c] * sm[c0 + c];
+          s += d / std::max<int32_t>(S.count[b], 1);
+        }
+      }
+      cand.push_back({s, S.ids[b]});
+    }
+    const size_t k = std::min<size_t>((size_t)keep, cand.size());
+    std::partial_sort(cand.begin(), cand.begin() + (ptrdiff_t)k, cand.end(), better);
+    out[(size_t)i].assign(cand.begin(), cand.begin() + (ptrdiff_t)k);
+  }
+  const size_t per_block = opt_.rule == block_score_rule::score_minmax ? 2 : 1;
+  summary_bytes_read_ += (size_t)S.n_blocks * (per_block * C * sizeof(float) + 12);
+  return out;
+}
+
+const attn_selection& retrieval_selector::select(const kv_cache& own, int layer, const float* q, const int32_t* q_pos,
+                                                 int64_t n_q) {
+  const int k = opt_.top_k;
+  std::vector<std::vector<scored_block>> mine = score_blocks(own, layer, q, q_pos, n_q, k);
+  const int p = comm_.size();
+  std::vector<std::vector<scored_block>> best((size_t)n_q);
+  if (p == 1) {
+    best = std::move(mine);
+  } else {
+    // Fixed-size records: k slots per query, unused ones with id -1.
+    std::vector<scored_block> send((size_t)n_q * k, scored_block{-std::numeric_limits<double>::infinity(), -1});
+    for (int64_t i = 0; i < n_q; ++i)
+      std::copy(mine[(size_t)i].begin(), mine[(size_t)i].end(), send.begin() + i * k);
+    std::vector<scored_block> recv(send.size() * p);
+    const size_t bytes = send.size() * sizeof(scored_block);
+    comm_.all_gather(send.data(), recv.data(), bytes);
+    gather_bytes_sent_ += bytes;
+    for (int64_t i = 0; i < n_q; ++i) {
+      std::vector<scored_block>& b = best[(size_t)i];
+      for (int r = 0; r < p; ++r)
+        for (int j = 0; j < k; ++j) {
+          const scored_block& x = recv[((size_t)r * n_q + i) * k + j];
+          if (x.id >= 0) b.push_back(x);
+        }
+      const size_t keep = std::min<size_t>((size_t)k, b.size());
+      std::partial_sort(b.begin(), b.begin() + (ptrdiff_t)keep, b.end(), better);
+      b.resize(keep);
+    }
+  }
+  sel_.offsets.assign(1, 0);
+  sel_.units.clear();
+  const int64_t units_per_block = opt_.block / kAttnUnit;
+  std::vector<int64_t> u;
+  for (int64_t i = 0; i < n_q; ++i) {
+    u.clear();
+    fixed_units(q_pos[i], u);
+    const int64_t up = attn_unit_of(q_pos[i]);
+    for (const scored_block& b : best[(size_t)i])
+      for (int64_t x = 0; x < units_per_block; ++x)
+        if (b.id * units_per_block + x <= up) u.push_back(b.id * units_per_block + x);
+    std::sort(u.begin(), u.end());
+    u.erase(std::unique(u.begin(), u.end()), u.end());
+    sel_.units.insert(sel_.units.end(), u.begin(), u.end());
+    sel_.offsets.push_back((int64_t)sel_.units.size());
+  }
+  return sel_;
+}
+
+}  // namespace xctx

@@ -1,0 +1,96 @@
+// Retrieval attention (docs/retrieval.md): a training-free way for a short-window model to use a
+// context far beyond it, after InfLLM (Xiao et al. 2024) with Quest's block bound (Tang et al.
+// 2024). Each query attends to
+//   - the sink: the first S positions,
+//   - the local window: the last W positions, at their exact relative positions,
+//   - the top-k blocks of B positions of everything else, chosen per query by a score from the
+//     blocks' summaries (cache/block_summary.h),
+// and every attended key farther than W sits at the one distance W (with_fixed_distance in
+// kernels/ops.h), so no relative position leaves the trained window.
+//
+// Sharded: every rank scores its own blocks, one all-gather of each rank's best k (score, block
+// id) per query gives every rank the same global top-k (ties to the lower block id), and each
+// rank attends its share of the selected units; the exact merge combines them as for full
+// attention. Blocks never straddle ranks (cache_alignment), so a block's score is computed by
+// one rank from the same keys on any rank count: the selection, and so the logits, are the same
+// bits on any number of ranks (CPU backend).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache/cache.h"
+#include "comm/communicator.h"
+
+namespace xctx {
+
+// full: every query sees every earlier key. retrieval: as above. auto: full while the prompt and
+// the generation fit the trained window, retrieval beyond it (resolve_attention_mode).
+enum class attention_mode : uint8_t { attention_full, attention_retrieval, attention_auto };
+attention_mode parse_attention_mode(const std::string& name);  // full | retrieval | auto
+const char* attention_mode_name(attention_mode m);
+
+// How a block is scored against a query (head scores summed over the layer's query heads, as
+// InfLLM sums its relevance over heads: one selection per query and layer).
+//   minmax: Quest's upper bound of q·k over the block, Σ_c max(q_c·min_c, q_c·max_c);
+//   mean:   q · (mean key of the block), the representative vector of one.
+enum class block_score_rule : uint8_t { score_minmax, score_mean };
+block_score_rule parse_block_score_rule(const std::string& name);  // minmax | mean
+const char* block_score_rule_name(block_score_rule r);
+
+struct retrieval_options {
+  int64_t sink = 256;    // S: the first positions every query sees (rounded up to kAttnUnit)
+  int64_t local = 4096;  // W: the window at exact positions; also the distance of everything else
+  int64_t block = 256;   // B: positions per retrievable block, a multiple of kAttnUnit
+  int top_k = 16;        // k: blocks retrieved per query and layer
+  block_score_rule rule = block_score_rule::score_minmax;
+};
+
+// Throws xctx::Error naming the flag (--sink, --local, --block-size, --top-k) for values the
+// mechanism cannot run with: W must leave room inside the trained window for the distance W
+// plus the local window (2·W <= n_ctx_train), B a positive multiple of kAttnUnit, k >= 1.
+void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train);
+// "retrieval: sink 256, local 4096, top-16 blocks of 256 (minmax)" for run headers.
+std::string describe_retrieval(const retrieval_options& o);
+
+// Per-query selection for one layer. Collective when the communicator has more than one rank.
+class retrieval_selector {
+ public:
+  // rope: the keys' rope (the fixed-distance rope of the run); be: host-memory backends only.
+  retrieval_selector(const retrieval_options& o, const rope_config& rope, int n_head, backend& be, communicator& comm);
+
+  // The units each query sees: sink, local window and its top-k blocks over all ranks.
+  // q: [n_q, n_head, head_dim] with RoPE at q_pos (backend memory, host here).
+  const attn_selection& select(const kv_cache& own, int layer, const float* q, const int32_t* q_pos, int64_t n_q);
+
+  // One rank's block scores for the queries, highest first (ties: lower block id), at most k
+  // per query: [n_q][<= k] of (score, block id). Exposed for tests and the needle-rank tool.
+  struct scored_block {
+    double score;
+    int64_t id;
+  };
+  std::vector<std::vector<scored_block>> score_blocks(const kv_cache& own, int layer, const float* q,
+                                                      const int32_t* q_pos, int64_t n_q, int64_t keep);
+  // Whether block `id` is a candidate for the query at position p (started, and not wholly
+  // inside the sink and the local window, which every query sees anyway).
+  bool candidate(int64_t id, int64_t p) const;
+  // The units every query at p sees without retrieval: the sink's and the local window's.
+  void fixed_units(int64_t p, std::vector<int64_t>& out) const;
+
+  uint64_t gather_bytes_sent() const { return gather_bytes_sent_; }
+  uint64_t summary_bytes_read() const { return summary_bytes_read_; }
+
+ private:
+  retrieval_options opt_;
+  rope_config rope_;
+  int n_head_;
+  backend& be_;
+  communicator& comm_;
+  attn_selection sel_;
+  std::vector<float> qf_;  // [n_q, n_head, head_dim] queries turned to the fixed distance
+  std::vector<int32_t> turn_;
+  uint64_t gather_bytes_sent_ = 0, summary_bytes_read_ = 0;
+};
+
+}  // namespace xctx
