@@ -8,8 +8,9 @@ CSV + Markdown + PNG in benchmarks/results/.
 
 Every run is `xctx passkey` under launch/xctx-mpirun with --json. Contexts past the model's
 trained window use SelfExtend (--rope-scaling selfextend) with --window W and the smallest
-power-of-two group whose reach covers the prompt (worker/llama_engine.h, rope_reach); the run
-header in the JSON records what ran. A format the node cannot hold is refused up front by the
+power-of-two group whose reach covers the prompt (worker/llama_engine.h, rope_reach), or with
+--attention retrieval the retrieval attention of docs/retrieval.md (write those rows to their own
+--out, e.g. benchmarks/results/long_context_retrieval); the run header in the JSON records what ran. A format the node cannot hold is refused up front by the
 fit check: the row says "refused" with the check's message. nuq formats need a calibration:
 one is made with `xctx calibrate` when --calib does not exist.
 
@@ -109,9 +110,15 @@ def run(args, fmt, ctx):
         cmd += ["--anchor", str(args.anchor)]
     if fmt.startswith("nuq"):
         cmd += ["--calib", args.calib]
-    if ctx + 64 > TRAINED:
+    if args.attention == "retrieval":
+        # Retrieval attention (docs/retrieval.md): sink + local window + top-k blocks, far keys at
+        # distance --local; no RoPE flags. Full attention within the trained window.
+        cmd += ["--attention", "retrieval" if ctx + 64 > TRAINED else "full", "--local", str(args.local),
+                "--top-k", str(args.top_k), "--block-size", str(args.block_size), "--sink", str(args.sink),
+                "--block-score", args.block_score]
+    elif ctx + 64 > TRAINED:
         g = self_extend_group(capacity, args.window)
-        cmd += ["--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
+        cmd += ["--attention", "full", "--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
     load_before = loadavg()
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=args.timeout)
@@ -240,6 +247,13 @@ def main():
     ap.add_argument("--block", default="1K", help="star prefill: tokens per block (the anchor is one block unless --anchor)")
     ap.add_argument("--anchor", default="", help="star prefill: anchor tokens")
     ap.add_argument("--window", type=int, default=1024, help="SelfExtend neighbour window past the trained context")
+    ap.add_argument("--attention", default="selfextend", choices=["selfextend", "retrieval"],
+                    help="past the trained window: SelfExtend positions over full attention, or retrieval attention")
+    ap.add_argument("--local", default="4K", help="retrieval: local window (and the far keys' distance)")
+    ap.add_argument("--top-k", type=int, default=16, help="retrieval: blocks per query and layer")
+    ap.add_argument("--block-size", default="256", help="retrieval: positions per block")
+    ap.add_argument("--sink", default="256", help="retrieval: sink positions")
+    ap.add_argument("--block-score", default="minmax", help="retrieval: minmax | mean")
     ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per run")
     ap.add_argument("--build-note", default="Release (-O3 -DNDEBUG), portable x86-64 with run-time AVX2/AVX-512 dispatch (launch/build)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))

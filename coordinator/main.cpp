@@ -239,6 +239,9 @@ int main(int argc, char** argv) {
   pkc->add_flag("--chat", pk.chat, "wrap the prompt in the model's chat template");
   pkc->add_option("--max-answer-tokens", pk.max_answer_tokens, "greedy tokens decoded at most per answer (stops at a complete 5-digit number)")->default_val(24);
   pkc->add_option("--json", pk.json_path, "also write per-trial results and the summary to this JSON file");
+  pkc->add_flag("--needle-rank", pk.needle_rank,
+                "retrieval, one rank: report per layer and KV head the rank of the key's block under each scoring "
+                "rule (in --json)");
   add_run_options(pkc, pk.run, pk_cache, pk_ctx, pk_rope, pk_cf);
   sequence_flags pk_seq;
   add_sequence_options(pkc, pk_seq);

@@ -378,6 +378,7 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
       const double build_s = build_clock.seconds();
       const int64_t n_prompt = (int64_t)(prompt.context_ids.size() + prompt.suffix_ids.size());
 
+      if (hooks.before_trial) hooks.before_trial(prompt.key_token);
       sequence_hooks seq_hooks;
       // Decoding ends as soon as the key (or a wrong 5-digit number) is complete: at 1M tokens
       // every step costs a pass over the whole sharded cache.
@@ -413,6 +414,7 @@ nlohmann::json passkey_trials(const passkey_options& opt, const tokenizer& tok, 
                         {"prefill_s", out.prefill_s},
                         {"decode_s", out.decode_s},
                         {"decode_steps", out.decode_steps}});
+      if (hooks.annotate_trial) hooks.annotate_trial(trials.back());
       if (hooks.on_trial) hooks.on_trial(trials.back());
     }
   }
@@ -482,6 +484,18 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
                 tr["decode_s"].get<double>());
     std::fflush(stdout);
   };
+  if (opt.needle_rank) {
+    XCTX_CHECK(runner.selector() != nullptr, "--needle-rank measures retrieval attention's block selection: it needs "
+                                             "--attention retrieval (or auto past the trained window)");
+    hooks.before_trial = [&](int64_t key_pos) { runner.selector()->set_probe(key_pos); };
+    hooks.annotate_trial = [&](nlohmann::json& tr) {
+      nlohmann::json layers = nlohmann::json::array();
+      for (const auto& r : runner.selector()->probe_results())
+        layers.push_back({{"layer", r.layer}, {"candidates", r.candidates}, {"minmax", r.rank_minmax},
+                          {"mean", r.rank_mean}, {"minmax_kv", r.rank_minmax_kv}, {"mean_kv", r.rank_mean_kv}});
+      tr["needle_rank"] = layers;
+    };
+  }
   const nlohmann::json trials = passkey_trials(opt, *s.tok, s.chat_template, driver, hooks);
   driver.finish();
 
@@ -510,6 +524,11 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
                                 {"filler", opt.filler},
                                 {"chat", opt.chat},
                                 {"prefill", describe_prefill(opt.seq, opt.context)},
+                                {"attention", describe_attention(opt.seq)},
+                                {"retrieval_bytes_sent_rank0", runner.stats().retrieval_bytes_sent},
+                                {"merge_bytes_sent_rank0", runner.stats().gather_bytes_sent},
+                                {"summary_bytes_read_rank0", runner.stats().retrieval_summary_bytes_read},
+                                {"decode_tokens_rank0", runner.stats().decode_tokens},
                                 {"rope", describe_rope(engine.rope(), hp.n_ctx_train)},
                                 {"cache", format_traits(opt.run.cache).name},
                                 {"ranks", comm.size()},

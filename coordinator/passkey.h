@@ -31,6 +31,9 @@ struct passkey_options {
   // 24 tokens leave room for that; decoding stops early once a 5-digit number is complete.
   int max_answer_tokens = 24;
   std::string json_path;  // non-empty: results written there as JSON
+  // Retrieval only, one rank: each trial also reports, per layer and KV head, the rank of the
+  // key's block among all candidate blocks under each scoring rule (docs/retrieval.md).
+  bool needle_rank = false;
   run_params run;
   sequence_options seq;
 };
@@ -49,6 +52,8 @@ struct passkey_hooks {  // rank 0
   std::function<void(size_t depth_index, int trial, int64_t done, int64_t total)> prefill_progress;
   std::function<void(const nlohmann::json& trial)> on_trial;  // each trial's result as it ends
   std::function<bool()> should_stop;  // polled between trials and decode steps
+  std::function<void(int64_t key_pos)> before_trial;     // the key's first token position
+  std::function<void(nlohmann::json& trial)> annotate_trial;  // adds fields before on_trial
   std::function<void(bool decoding)> on_phase;  // each trial's prefill and answer (sequence_hooks)
 };
 // Rank 0: every (depth, trial) of opt as one sequence of the driver; returns the trials' JSON

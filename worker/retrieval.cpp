@@ -1,6 +1,7 @@
 #include "worker/retrieval.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 
@@ -91,20 +92,25 @@ bool better(const retrieval_selector::scored_block& a, const retrieval_selector:
   return a.score > b.score || (a.score == b.score && a.id < b.id);
 }
 
+// One query head's score of one block: Quest's bound Σ_c max(q_c·min_c, q_c·max_c), or q · mean.
+double head_score(block_score_rule rule, const float* qh, const float* mn, const float* mx, const float* sm,
+                  int32_t count, int hd) {
+  double s = 0.0;
+  if (rule == block_score_rule::score_minmax) {
+    for (int c = 0; c < hd; ++c) s += std::max((double)qh[c] * mn[c], (double)qh[c] * mx[c]);
+    return s;
+  }
+  for (int c = 0; c < hd; ++c) s += (double)qh[c] * sm[c];
+  return s / std::max<int32_t>(count, 1);
+}
+
 }  // namespace
 
 std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::score_blocks(
     const kv_cache& own, int layer, const float* q, const int32_t* q_pos, int64_t n_q, int64_t keep) {
   const block_summary_view S = summaries_of(own, layer);
   const int hd = S.head_dim, H = n_head_, g = H / S.n_head_kv, C = S.n_head_kv * hd;
-  // Queries turned from their positions to the fixed distance: R(W - p)·R(p)·q = R(W)·q, the
-  // query the kernels use against far keys (which sit unrotated, at position 0).
-  qf_.assign(q, q + (size_t)n_q * H * hd);
-  turn_.resize((size_t)n_q);
-  for (int64_t i = 0; i < n_q; ++i) turn_[(size_t)i] = (int32_t)(opt_.local - q_pos[i]);
-  rope_config plain = rope_;
-  plain.se_group = 1, plain.se_window = 0;
-  be_.rope(qf_.data(), turn_.data(), n_q, H, plain);
+  turn_queries(q, q_pos, n_q, H, hd);
 
   std::vector<std::vector<scored_block>> out((size_t)n_q);
   std::vector<scored_block> cand;
@@ -118,15 +124,8 @@ std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::s
       const float* sm = S.ksum + (size_t)b * C;
       double s = 0.0;
       for (int h = 0; h < H; ++h) {
-        const float* qh = qi + (size_t)h * hd;
         const int c0 = (h / g) * hd;
-        if (opt_.rule == block_score_rule::score_minmax) {
-          for (int c = 0; c < hd; ++c) s += std::max((double)qh[c] * mn[c0 + c], (double)qh[c] * mx[c0 + c]);
-        } else {
-          double d = 0.0;
-          for (int c = 0; c < hd; ++c) d += (double)qh[c] * sm[c0 + c];
-          s += d / std::max<int32_t>(S.count[b], 1);
-        }
+        s += head_score(opt_.rule, qi + (size_t)h * hd, mn + c0, mx + c0, sm + c0, S.count[b], hd);
       }
       cand.push_back({s, S.ids[b]});
     }
@@ -139,10 +138,80 @@ std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::s
   return out;
 }
 
+void retrieval_selector::turn_queries(const float* q, const int32_t* q_pos, int64_t n_q, int H, int hd) {
+  // Queries turned from their positions to the fixed distance: R(W - p)·R(p)·q = R(W)·q, the
+  // query the kernels use against far keys (which sit unrotated, at position 0).
+  qf_.assign(q, q + (size_t)n_q * H * hd);
+  turn_.resize((size_t)n_q);
+  for (int64_t i = 0; i < n_q; ++i) turn_[(size_t)i] = (int32_t)(opt_.local - q_pos[i]);
+  rope_config plain = rope_;
+  plain.se_group = 1, plain.se_window = 0;
+  be_.rope(qf_.data(), turn_.data(), n_q, H, plain);
+}
+
+void retrieval_selector::set_probe(int64_t pos) {
+  XCTX_CHECK(pos < 0 || comm_.size() == 1, "the needle-rank probe runs on one rank (got ", comm_.size(), ")");
+  probe_pos_ = pos;
+  probe_.clear();
+  probed_.clear();
+}
+
+void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t* q_pos, int64_t n_q) {
+  const block_summary_view S = summaries_of(own, layer);
+  const int hd = S.head_dim, H = n_head_, nkv = S.n_head_kv, g = H / nkv, C = nkv * hd;
+  const int64_t i = n_q - 1, p = q_pos[i];  // the last query: the one that predicts the answer
+  const int64_t needle = floor_div(probe_pos_, opt_.block);
+  const float* qi = qf_.data() + (size_t)i * H * hd;
+  probe_layer r;
+  r.layer = layer;
+  r.rank_minmax_kv.assign((size_t)nkv, 0), r.rank_mean_kv.assign((size_t)nkv, 0);
+  // [candidates][rule][nkv + 1]: per KV head's query heads, and their sum (the layer).
+  std::vector<std::array<std::vector<double>, 2>> sc;
+  std::vector<int64_t> ids;
+  int64_t at = -1;
+  for (int64_t b = 0; b < S.n_blocks; ++b) {
+    if (!candidate(S.ids[b], p)) continue;
+    if (S.ids[b] == needle) at = (int64_t)ids.size();
+    ids.push_back(S.ids[b]);
+    std::array<std::vector<double>, 2> s;
+    for (int rule = 0; rule < 2; ++rule) {
+      s[rule].assign((size_t)nkv + 1, 0.0);
+      for (int h = 0; h < H; ++h) {
+        const int c0 = (h / g) * hd;
+        const double x = head_score(rule == 0 ? block_score_rule::score_minmax : block_score_rule::score_mean,
+                                    qi + (size_t)h * hd, S.kmin + (size_t)b * C + c0, S.kmax + (size_t)b * C + c0,
+                                    S.ksum + (size_t)b * C + c0, S.count[b], hd);
+        s[rule][(size_t)(h / g)] += x;
+        s[rule][(size_t)nkv] += x;
+      }
+    }
+    sc.push_back(std::move(s));
+  }
+  r.candidates = (int64_t)ids.size();
+  if (at >= 0) {
+    const auto rank_of = [&](int rule, int col) {
+      int64_t better_count = 0;
+      const double mine = sc[(size_t)at][rule][(size_t)col];
+      for (size_t j = 0; j < ids.size(); ++j) {
+        const double x = sc[j][rule][(size_t)col];
+        if (x > mine || (x == mine && ids[j] < ids[(size_t)at])) ++better_count;
+      }
+      return better_count + 1;
+    };
+    r.rank_minmax = rank_of(0, nkv), r.rank_mean = rank_of(1, nkv);
+    for (int h = 0; h < nkv; ++h) r.rank_minmax_kv[(size_t)h] = rank_of(0, h), r.rank_mean_kv[(size_t)h] = rank_of(1, h);
+  }
+  probe_.push_back(std::move(r));
+}
+
 const attn_selection& retrieval_selector::select(const kv_cache& own, int layer, const float* q, const int32_t* q_pos,
                                                  int64_t n_q) {
   const int k = opt_.top_k;
   std::vector<std::vector<scored_block>> mine = score_blocks(own, layer, q, q_pos, n_q, k);
+  if (probe_pos_ >= 0 && n_q > 0) {  // score_blocks left the turned queries in qf_
+    if ((int)probed_.size() <= layer) probed_.resize((size_t)layer + 1, false);
+    if (!probed_[(size_t)layer]) probed_[(size_t)layer] = true, run_probe(own, layer, q_pos, n_q);
+  }
   const int p = comm_.size();
   std::vector<std::vector<scored_block>> best((size_t)n_q);
   if (p == 1) {

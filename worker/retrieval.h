@@ -78,6 +78,20 @@ class retrieval_selector {
   // The units every query at p sees without retrieval: the sink's and the local window's.
   void fixed_units(int64_t p, std::vector<int64_t>& out) const;
 
+  // The needle-rank measurement (issue 53's tool; `passkey --needle-rank`): with a probe position
+  // set, the first selection of each layer (the suffix's) also ranks the block holding that
+  // position among all candidate blocks, for the last query, under both rules, for the whole
+  // layer (heads summed) and for each KV head's query heads alone. Rank 1 = the best block; 0 =
+  // the block is in the sink or the local window (always seen). One rank only.
+  struct probe_layer {
+    int layer = 0;
+    int64_t candidates = 0;
+    int64_t rank_minmax = 0, rank_mean = 0;                 // heads summed
+    std::vector<int64_t> rank_minmax_kv, rank_mean_kv;     // [n_head_kv]
+  };
+  void set_probe(int64_t pos);  // -1: off (and clears the results)
+  const std::vector<probe_layer>& probe_results() const { return probe_; }
+
   uint64_t gather_bytes_sent() const { return gather_bytes_sent_; }
   uint64_t summary_bytes_read() const { return summary_bytes_read_; }
 
@@ -90,6 +104,12 @@ class retrieval_selector {
   attn_selection sel_;
   std::vector<float> qf_;  // [n_q, n_head, head_dim] queries turned to the fixed distance
   std::vector<int32_t> turn_;
+  // The queries of the last score_blocks call turned to the fixed distance, and the probe.
+  void turn_queries(const float* q, const int32_t* q_pos, int64_t n_q, int H, int hd);
+  void run_probe(const kv_cache& own, int layer, const int32_t* q_pos, int64_t n_q);
+  int64_t probe_pos_ = -1;
+  std::vector<probe_layer> probe_;
+  std::vector<bool> probed_;  // [n_layer] the layer's first selection was probed
   uint64_t gather_bytes_sent_ = 0, summary_bytes_read_ = 0;
 };
 

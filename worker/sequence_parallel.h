@@ -157,6 +157,8 @@ class sequence_parallel_runner {
   prefill_mode mode() const { return mode_; }  // the current sequence's (auto resolved)
   const kv_cache& cache() const { return *cache_; }
   const sequence_comm_stats& stats() const { return stats_; }
+  // Retrieval attention's selector (null with full attention): for the needle-rank probe.
+  retrieval_selector* selector() { return selector_.get(); }
   // The memory plan's estimate for the sequence the cache was last sized for (worker/memory_plan.h):
   // the most any rank needs, the figure the fit check compares against the node's memory.
   size_t planned_bytes() const { return planned_bytes_; }

@@ -216,6 +216,18 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
       expect.erase(std::unique(expect.begin(), expect.end()), expect.end());
       const std::vector<int64_t> got(s.units.begin() + s.offsets[i], s.units.begin() + s.offsets[i + 1]);
       EXPECT_EQ(got, expect) << block_score_rule_name(rule) << " query " << i;
+      if (i == 1) {  // the needle-rank probe ranks a block as the brute force does, for the last query
+        for (const size_t at : {size_t(0), size_t(2), scored.size() - 1}) {
+          retrieval_selector probe(o, g.rope, H, *be, *comm);
+          probe.set_probe(scored[at].second * 256 + 17);
+          probe.select(*c, 0, q.data(), q_pos.data(), 2);
+          ASSERT_EQ(probe.probe_results().size(), 1u);
+          const auto& r = probe.probe_results()[0];
+          EXPECT_EQ(rule == block_score_rule::score_minmax ? r.rank_minmax : r.rank_mean, (int64_t)at + 1)
+              << block_score_rule_name(rule) << " block " << scored[at].second;
+          EXPECT_EQ(r.candidates, (int64_t)scored.size());
+        }
+      }
     }
   }
 }
