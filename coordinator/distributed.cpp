@@ -74,9 +74,12 @@ nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner&
     int64_t tokens;
     uint64_t used, allocated, ring_sent, gather_sent, gather_recv, peak_rss, base_rss, planned;
     rss_parts now, base;
+    uint64_t selection_sent, summary_read, units_attended, decode_tokens;
   } mine{runner.cache().n_tokens(0), runner.cache().bytes_used(), runner.cache().bytes_allocated(),
          runner.stats().ring_bytes_sent, runner.stats().gather_bytes_sent, runner.stats().gather_bytes_recv,
-         peak_rss_bytes(), base_rss, runner.planned_bytes(), current_rss_parts(), base_parts};
+         peak_rss_bytes(), base_rss, runner.planned_bytes(), current_rss_parts(), base_parts,
+         runner.stats().retrieval_bytes_sent, runner.stats().retrieval_summary_bytes_read,
+         runner.stats().retrieval_units_attended, runner.stats().decode_tokens};
   const auto parts_json = [](const rss_parts& p) {
     return nlohmann::json{{"anon", p.anon}, {"file", p.file}, {"shmem", p.shmem}, {"malloc_free", p.malloc_free}};
   };
@@ -87,7 +90,9 @@ nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner&
   for (const shard_report& s : all)
     out.push_back({{"tokens", s.tokens}, {"cache_used", s.used}, {"cache_allocated", s.allocated},
                    {"ring_sent", s.ring_sent}, {"peak_rss_bytes", s.peak_rss}, {"base_rss_bytes", s.base_rss},
-                   {"planned_bytes", s.planned},
+                   {"planned_bytes", s.planned}, {"partials_sent", s.gather_sent},
+                   {"selection_sent", s.selection_sent}, {"summary_bytes_read", s.summary_read},
+                   {"units_attended", s.units_attended}, {"merged_tokens", s.decode_tokens},
                    {"rss_parts", parts_json(s.now)}, {"base_rss_parts", parts_json(s.base)}});
   std::fprintf(stderr, "[xctx] %-5s %10s %12s %12s %12s %14s\n", "rank", "tokens", "cache used", "allocated",
                "ring sent", "partials sent");
@@ -101,6 +106,15 @@ nlohmann::json report_shards(communicator& comm, const sequence_parallel_runner&
   }
   std::fprintf(stderr, "[xctx] cache %s, %d ranks, %s in all\n", format_traits(fmt).name, comm.size(),
                format_bytes((double)total).c_str());
+  if (runner.selector() != nullptr) {  // retrieval: the selection's own collective and reads, per merged token
+    const shard_report& s = all[0];
+    const double t = (double)std::max<uint64_t>(s.decode_tokens, 1);
+    std::fprintf(stderr,
+                 "[xctx] retrieval (rank 0, per merged token): selection gather %s beside the merge's %s, block "
+                 "summaries read %s, %.0f units of %d tokens attended over all layers\n",
+                 format_bytes(s.selection_sent / t).c_str(), format_bytes(s.gather_sent / t).c_str(),
+                 format_bytes(s.summary_read / t).c_str(), s.units_attended / t, kAttnUnit);
+  }
   return out;
 }
 

@@ -94,6 +94,8 @@ class retrieval_selector {
 
   uint64_t gather_bytes_sent() const { return gather_bytes_sent_; }
   uint64_t summary_bytes_read() const { return summary_bytes_read_; }
+  // (query, unit) pairs selected that this rank holds, summed over calls: what its attention reads.
+  uint64_t own_units_selected() const { return own_units_; }
 
  private:
   retrieval_options opt_;
@@ -110,7 +112,7 @@ class retrieval_selector {
   int64_t probe_pos_ = -1;
   std::vector<probe_layer> probe_;
   std::vector<bool> probed_;  // [n_layer] the layer's first selection was probed
-  uint64_t gather_bytes_sent_ = 0, summary_bytes_read_ = 0;
+  uint64_t gather_bytes_sent_ = 0, summary_bytes_read_ = 0, own_units_ = 0;
 };
 
 }  // namespace xctx

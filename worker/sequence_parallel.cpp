@@ -202,12 +202,14 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
   const cache_geometry& g = own_.geometry();
   const attn_selection* select = nullptr;
   if (selector_ != nullptr) {
-    const uint64_t sent = selector_->gather_bytes_sent(), read = selector_->summary_bytes_read();
+    const uint64_t sent = selector_->gather_bytes_sent(), read = selector_->summary_bytes_read(),
+                   units = selector_->own_units_selected();
     const stopwatch clock;
     select = &selector_->select(own_, layer, q, q_pos, n_q);  // collective: every rank, every layer
     stats_.gather_seconds += clock.seconds();
     stats_.retrieval_bytes_sent += selector_->gather_bytes_sent() - sent;
     stats_.retrieval_summary_bytes_read += selector_->summary_bytes_read() - read;
+    stats_.retrieval_units_attended += selector_->own_units_selected() - units;
   }
   sum_.begin(n_q, g.n_head, g.head_dim);
   sum_.add(own_, layer, q, q_pos, n_q, attend_path::attend_decode, select);

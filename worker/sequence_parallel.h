@@ -92,6 +92,7 @@ struct sequence_comm_stats {
   // bytes scored.
   uint64_t retrieval_bytes_sent = 0;
   uint64_t retrieval_summary_bytes_read = 0;
+  uint64_t retrieval_units_attended = 0;  // (query, layer, unit) triples of this rank's shard attended
 };
 
 // Bytes of the serialized exact partial (kernels/softmax_acc.h) one rank contributes per token
@@ -159,6 +160,7 @@ class sequence_parallel_runner {
   const sequence_comm_stats& stats() const { return stats_; }
   // Retrieval attention's selector (null with full attention): for the needle-rank probe.
   retrieval_selector* selector() { return selector_.get(); }
+  const retrieval_selector* selector() const { return selector_.get(); }
   // The memory plan's estimate for the sequence the cache was last sized for (worker/memory_plan.h):
   // the most any rank needs, the figure the fit check compares against the node's memory.
   size_t planned_bytes() const { return planned_bytes_; }
