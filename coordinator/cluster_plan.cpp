@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cache/block_summary.h"
 #include "common/error.h"
 #include "model/gguf.h"
 #include "model/weights.h"
@@ -325,6 +326,26 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
   // Decode step on the slowest (fullest) rank.
   const double bw = in.device.bandwidth * in.bandwidth_efficiency;
   const double flops = in.device.peak_flops * in.flops_efficiency;
+  if (in.retrieval != nullptr) {
+    const retrieval_options& r = *in.retrieval;
+    const cache_geometry geo = plan_geometry(hp, in.context);
+    const double blocks = (double)p.tokens_per_rank / (double)r.block;
+    const double C = (double)hp.n_head_kv * hp.head_dim;
+    p.summary_bytes_per_token = (double)summary_bytes_per_block(geo) * hp.n_layer / (double)r.block;
+    p.selection_bytes_per_token_layer = (double)r.top_k * 16.0;
+    const double tokens_read = std::min<double>((double)p.tokens_per_rank, (double)(r.sink + r.local + r.top_k * r.block));
+    const double summaries_read = blocks * hp.n_layer * (2.0 * C * sizeof(float) + 12.0);
+    p.retrieval_bytes_read = p.weight_bytes + summaries_read + tokens_read * p.bytes_per_token;
+    const double score_flops = blocks * hp.n_layer * hp.n_head * hp.head_dim * 4.0;  // two products per channel
+    const double compute = (rebuild_flops_per_token_layer(hp, f) * hp.n_layer * tokens_read +
+                            attention_flops(hp, tokens_read) + block_flops_per_token(hp) + score_flops) / flops;
+    const double gathers = in.ranks > 1 ? hp.n_layer * (in.ranks - 1) *
+                                              (2.0 * in.network.latency_s +
+                                               (merge_bytes_o_lse(hp) + p.selection_bytes_per_token_layer) /
+                                                   in.network.bandwidth)
+                                        : 0.0;
+    p.retrieval_decode_s = std::max(p.retrieval_bytes_read / bw, compute) + gathers;
+  }
   const double n_s = (double)p.tokens_per_rank;
   const double rebuild = rebuild_flops_per_token_layer(hp, f) * hp.n_layer;
   p.decode_memory_s = (p.weight_bytes + p.cache_bytes_per_rank) / bw;

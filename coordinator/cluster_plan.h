@@ -10,6 +10,7 @@
 
 #include "cache/format.h"
 #include "model/hparams.h"
+#include "worker/retrieval.h"
 
 namespace xctx {
 
@@ -112,6 +113,9 @@ struct plan_inputs {
   int64_t star_block = 4096;         // star prefill block (= anchor) tokens
   const cpu_profile* cpu = nullptr;  // set: project for this measured CPU machine instead of `device`
   int hosts = 1;                     // with cpu: hosts the ranks span (collectives cross them when > 1)
+  // Set (contexts past the trained window): also project the decode step under retrieval
+  // attention (worker/retrieval.h).
+  const retrieval_options* retrieval = nullptr;
 };
 
 // One cache format's plan. Times are projections (roofline), not measurements.
@@ -129,6 +133,14 @@ struct format_plan {
   // Prefill: ring (exact) = local FLOPs + P-1 cache blocks passed per layer; star = local FLOPs
   // over [anchor | block] + the anchor recomputed on every rank.
   double prefill_ring_s = 0, prefill_star_s = 0;
+  // Retrieval (plan_inputs::retrieval): the block summaries' bytes per token (inside
+  // bytes_per_token's cache when on), the selection's all-gather per token and layer (each rank's
+  // k (score, id) records), and a decode step on the fullest rank that reads the weights, the
+  // min/max of its blocks' summaries and at most S + W + k·B tokens of its cache (all of the
+  // sink, the local window and the selected blocks on one rank: a bound).
+  double summary_bytes_per_token = 0, selection_bytes_per_token_layer = 0;
+  double retrieval_bytes_read = 0;  // per decode step on the fullest rank
+  double retrieval_decode_s = 0;
 };
 format_plan plan_format(const plan_inputs& in, cache_format f);
 

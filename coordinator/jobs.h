@@ -61,6 +61,7 @@ struct plan_options {
   std::string cpu_profile;  // set: one CPU machine measured by benchmarks/scaling.py instead of GPUs
   int hosts = 1;            // with cpu_profile: hosts (network namespaces) the ranks span
   bool json = false;
+  retrieval_options retrieval;  // projected too when the context is past the model's trained window
 };
 int run_plan(const plan_options& opt);
 

@@ -203,6 +203,11 @@ int main(int argc, char** argv) {
       ->default_val(1)
       ->needs("--cpu-profile");
   pl->add_flag("--json", plan.json, "one JSON object instead of the table");
+  pl->add_option("--top-k", plan.retrieval.top_k, "retrieval (contexts past the trained window): blocks per query")
+      ->default_val(16);
+  pl->add_option("--local", plan.retrieval.local, "retrieval: local window tokens")->default_val(4096);
+  pl->add_option("--block-size", plan.retrieval.block, "retrieval: tokens per block")->default_val(256);
+  pl->add_option("--sink", plan.retrieval.sink, "retrieval: sink tokens")->default_val(256);
   xctx::doctor_options doc;
   auto* dr = app.add_subcommand("doctor", "backends, CPU kernels, BLAS/MPI/NCCL/CUDA versions, devices and what each rank binds to");
   dr->add_option("--json", doc.json_path, "also write the report to this JSON file");

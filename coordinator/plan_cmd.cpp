@@ -74,6 +74,11 @@ int run_plan(const plan_options& opt) {
     in.cpu = &cpu;
     in.hosts = opt.hosts;
   }
+  const bool retrieval = in.context > in.hp.n_ctx_train;  // what auto runs past the trained window
+  if (retrieval) {
+    check_retrieval_options(opt.retrieval, in.hp.n_ctx_train);
+    in.retrieval = &opt.retrieval;
+  }
   std::vector<format_plan> plans;
   for (cache_format f : formats) plans.push_back(plan_format(in, f));
   const model_hparams& hp = in.hp;
@@ -100,7 +105,14 @@ int run_plan(const plan_options& opt) {
                               {"decode_compute_s", p.decode_rebuild_s},
                               {"decode_merge_s", p.decode_merge_s},
                               {"prefill_ring_s", p.prefill_ring_s},
-                              {"prefill_star_s", p.prefill_star_s}});
+                              {"prefill_star_s", p.prefill_star_s},
+                              {"retrieval", retrieval && in.cpu == nullptr
+                                                ? nlohmann::json{{"summary_bytes_per_token", p.summary_bytes_per_token},
+                                                                 {"selection_bytes_per_token_layer",
+                                                                  p.selection_bytes_per_token_layer},
+                                                                 {"bytes_read_per_step", p.retrieval_bytes_read},
+                                                                 {"decode_s", p.retrieval_decode_s}}
+                                                : nlohmann::json()}});
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
@@ -141,6 +153,22 @@ int run_plan(const plan_options& opt) {
               "above), %.0f B as the CPU backend's exact accumulator; each rank receives %d times that\n",
               merge_bytes_o_lse(hp), merge_bytes_exact(hp), in.ranks);
   if (in.cpu != nullptr) return 0;
+  if (retrieval) {
+    const retrieval_options& r = opt.retrieval;
+    std::printf("\nretrieval attention past the trained %d positions (%s; docs/retrieval.md): the fullest rank "
+                "reads the weights, its blocks' min/max and at most %lld tokens per step\n\n",
+                hp.n_ctx_train, describe_retrieval(r).c_str(), (long long)(r.sink + r.local + r.top_k * r.block));
+    std::printf("| format | summaries B/token | bytes read per step | of the full step's | decode step | tok/s | "
+                "selection gather B per token and layer (beside the merge's %.0f) |\n|---|---|---|---|---|---|---|\n",
+                merge_bytes_o_lse(hp));
+    for (const format_plan& p : plans)
+      std::printf("| %s | %.0f | %s | %.1f%% | %s | %.1f | %.0f |\n", format_traits(p.format).name,
+                  p.summary_bytes_per_token, format_bytes(p.retrieval_bytes_read).c_str(),
+                  100.0 * p.retrieval_bytes_read / (p.weight_bytes + p.cache_bytes_per_rank),
+                  seconds_text(p.retrieval_decode_s).c_str(), 1.0 / p.retrieval_decode_s,
+                  p.selection_bytes_per_token_layer);
+    std::printf("\n");
+  }
   std::printf("XQuant 3.4 on %s (ridge %.0f FLOP/B): K/V rebuild stays under the weights' stream up to %s tokens "
               "per rank at 2-bit X (%s formula)\n",
               in.device.name.c_str(), ridge,

@@ -47,6 +47,29 @@ TEST(cluster_plan, kvquant_table6_llama7b_sizes_are_reproduced) {
   EXPECT_DOUBLE_EQ(plan_format(in, cache_format::cache_fp16).bytes_per_token, 2.0 * fp16_per_token + 4.0);
 }
 
+// Retrieval's projection: the fullest rank reads the weights, the min/max of its blocks'
+// summaries and S + W + k·B tokens of its cache, so the step stops growing with the context.
+TEST(cluster_plan, retrieval_step_reads_the_weights_summaries_and_the_selected_tokens) {
+  plan_inputs in;
+  in.hp = preset("llama-3-8b"), in.ranks = 8, in.device = find_device("h100"), in.network = find_network("nvlink4");
+  retrieval_options r;  // sink 256, local 4096, top-16 blocks of 256
+  in.retrieval = &r;
+  double last = 0;
+  for (const int64_t ctx : {int64_t(1) << 20, int64_t(10) << 20}) {
+    in.context = ctx;
+    const format_plan p = plan_format(in, cache_format::cache_nuq3_1pct);
+    const double C = (double)in.hp.n_head_kv * in.hp.head_dim;
+    const double summaries = (double)p.tokens_per_rank / 256 * in.hp.n_layer * (2 * C * 4 + 12);
+    EXPECT_NEAR(p.retrieval_bytes_read, p.weight_bytes + summaries + (256 + 4096 + 16 * 256) * p.bytes_per_token,
+                1e-6 * p.retrieval_bytes_read);
+    EXPECT_DOUBLE_EQ(p.summary_bytes_per_token, (12.0 + 3 * C * 4) * in.hp.n_layer / 256);
+    EXPECT_DOUBLE_EQ(p.selection_bytes_per_token_layer, 16.0 * 16);
+    EXPECT_LT(p.retrieval_decode_s, p.decode_s) << ctx;
+    if (last > 0) EXPECT_LT(p.retrieval_decode_s, 1.5 * last) << "10x the context, the step nearly flat";
+    last = p.retrieval_decode_s;
+  }
+}
+
 // XQuant §3.4: H100 (756 TFLOPs / 2 TB/s = ridge 378), d = 4K, 2-bit X: 2.3K tokens for
 // Llama-2-7B (MHA, eq. 3) and 40.6K for Llama-3.1-8B (GQA g = 4, eq. 4). The paper's K is 1000.
 TEST(cluster_plan, xquant_ridge_lengths_are_reproduced) {
