@@ -93,15 +93,28 @@ bool better(const retrieval_selector::scored_block& a, const retrieval_selector:
 }
 
 // One query head's score of one block: Quest's bound Σ_c max(q_c·min_c, q_c·max_c), or q · mean.
+// Float lanes (the loops vectorize; a decode step scores every block of the shard in every
+// layer), summed in a fixed order, so every rank computes a block's score to the same bits.
 double head_score(block_score_rule rule, const float* qh, const float* mn, const float* mx, const float* sm,
                   int32_t count, int hd) {
-  double s = 0.0;
+  constexpr int kLanes = 8;
+  float lane[kLanes] = {};
+  int c = 0;
   if (rule == block_score_rule::score_minmax) {
-    for (int c = 0; c < hd; ++c) s += std::max((double)qh[c] * mn[c], (double)qh[c] * mx[c]);
-    return s;
+    for (; c + kLanes <= hd; c += kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        const float a = qh[c + j] * mn[c + j], b = qh[c + j] * mx[c + j];
+        lane[j] += a > b ? a : b;
+      }
+    for (; c < hd; ++c) lane[0] += std::max(qh[c] * mn[c], qh[c] * mx[c]);
+  } else {
+    for (; c + kLanes <= hd; c += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] += qh[c + j] * sm[c + j];
+    for (; c < hd; ++c) lane[0] += qh[c] * sm[c];
   }
-  for (int c = 0; c < hd; ++c) s += (double)qh[c] * sm[c];
-  return s / std::max<int32_t>(count, 1);
+  double s = 0.0;
+  for (int j = 0; j < kLanes; ++j) s += lane[j];
+  return rule == block_score_rule::score_minmax ? s : s / std::max<int32_t>(count, 1);
 }
 
 }  // namespace
