@@ -12,6 +12,7 @@
 #include "coordinator/session.h"
 #include "model/gguf.h"
 #include "worker/llama_engine.h"
+#include "worker/retrieval.h"
 
 namespace xctx {
 namespace {
@@ -124,6 +125,16 @@ int run_info(const info_options& opt) {
     row("scales and zero points", b.scales, scales);
     row("per-layer tables", b.tables, "LUTs, key channel scales/zeros, outlier thresholds (f32)");
     row("sparse outliers", b.outliers, "fp16 value + uint16 channel; key column offsets uint32 (nominal 1%)");
+    if (n > w.hp.n_ctx_train) {  // what --attention auto runs there: retrieval, with block summaries
+      const retrieval_options r;
+      cache_spec with_summaries = spec;
+      with_summaries.options.summary_block = r.block;
+      const cache_bytes bs = cache_bytes_for(with_summaries, g, n, n_sink, key_out);
+      std::printf("  past the trained %d positions, retrieval attention adds block summaries (blocks of %lld):\n",
+                  w.hp.n_ctx_train, (long long)r.block);
+      row("block summaries", bs.summaries, "per block, layer, KV head: key min, max, sum (f32), id, count");
+      std::printf("    %-26s %12s\n", "total with summaries", format_bytes((double)bs.total()).c_str());
+    }
     if (t.needs_calibration) std::printf("  needs --calib FILE (xctx calibrate)\n");
   }
   return 0;
