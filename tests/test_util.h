@@ -45,6 +45,17 @@ void expect_error_contains(F&& f, const std::string& part) {
   }
 }
 
+// A retrieval selection from per-query unit lists (kernels/ops.h, attn_selection).
+inline attn_selection selection_of(const std::vector<std::vector<int64_t>>& per_query) {
+  attn_selection s;
+  s.offsets.push_back(0);
+  for (const auto& u : per_query) {
+    s.units.insert(s.units.end(), u.begin(), u.end());
+    s.offsets.push_back((int64_t)s.units.size());
+  }
+  return s;
+}
+
 inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }
 inline std::string data_path(const std::string& rel) { return source_path("tests/data/" + rel); }
 

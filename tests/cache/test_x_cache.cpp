@@ -28,64 +28,12 @@ using test::x_geometry;
 constexpr double kEps = FLT_EPSILON;
 constexpr double kFp16Rel = 1.0 / 2048.0;
 constexpr double kFp16Abs = 1.0 / 33554432.0;
-constexpr int kTestWindow = 24;  // group_size: window (and xquant scale group) of 24 tokens
-
-struct x_case {
-  cache_format format;
-  bool gqa;
-  bool ch0;
-};
-std::string case_name(const x_case& c) {
-  std::string s = format_traits(c.format).name;
-  for (char& ch : s)
-    if (ch == '-') ch = '_';
-  return s + (c.gqa ? "_gqa" : "_mha") + (c.ch0 ? "_ch0" : "");
-}
-
-cache_spec spec_for(const x_case& c, const model_weights& w, cl_ring_mode ring = cl_ring_mode::cl_ring_deltas) {
-  cache_options o;
-  o.cl_ring = ring;
-  o.group_size = kTestWindow;
-  o.clkv_group = 8;
-  o.x_fp16_first_channel = c.ch0;
-  o.cl_hi_layers = 2;  // a 4-layer test model: layers 0-1 X at 4 bits, base 1, deltas 2-3
-  o.clkv_value_share_from = 2;
-  if (format_needs_x_factors(c.format)) o.factors = build_x_factors(w, x_factor_kind_for(c.format));
-  return cache_spec(c.format, o);
-}
-
-struct filled {
-  test::x_model model;
-  cache_spec spec;
-  std::unique_ptr<kv_cache> cache;
-  std::vector<std::vector<float>> x, k, v;  // per layer [n, d], [n, kv], [n, kv]
-  std::vector<int32_t> pos;
-};
-
-// Appends n tokens chunk by chunk, layers 0..L-1 per chunk (the engine's order).
-filled fill(backend& be, const x_case& c, const cache_geometry& g, int64_t n, int32_t step,
-            const std::vector<int64_t>& chunks, uint32_t seed, cl_ring_mode ring = cl_ring_mode::cl_ring_deltas) {
-  filled f;
-  f.model = make_x_model(g, seed, true);
-  f.spec = spec_for(c, f.model.w, ring);
-  f.cache = make_cache(f.spec, g, be);
-  f.x = make_layer_inputs(g, n, seed + 1);
-  f.k.resize(g.n_layer), f.v.resize(g.n_layer);
-  for (int l = 0; l < g.n_layer; ++l) test::project_kv(f.model, l, f.x[l], n, f.k[l], f.v[l]);
-  f.pos.resize(n);
-  for (int64_t i = 0; i < n; ++i) f.pos[i] = (int32_t)(i * step);
-  const int d = g.n_embd, C = g.n_head_kv * g.head_dim;
-  int64_t at = 0;
-  size_t ci = 0;
-  while (at < n) {
-    const int64_t m = std::min(n - at, chunks.empty() ? n : chunks[ci++ % chunks.size()]);
-    for (int l = 0; l < g.n_layer; ++l)
-      f.cache->append(l, layer_input{f.x[l].data() + at * d, f.k[l].data() + at * C, f.v[l].data() + at * C,
-                                     f.pos.data() + at, m});
-    at += m;
-  }
-  return f;
-}
+using test::case_name;
+using test::fill;
+using test::filled;
+using test::kTestWindow;
+using test::spec_for;
+using test::x_case;
 
 // |decoded - x| for a uniform code: half a step, the fp16 rounding of scale/zero/row, and with
 // calibration eta the endpoints moved inward by eta * step * levels (ACL Eq. 12).

@@ -41,15 +41,7 @@ std::unique_ptr<kv_cache> filled(backend& be, cache_format f, const cache_geomet
   return c;
 }
 
-attn_selection selection_of(const std::vector<std::vector<int64_t>>& per_query) {
-  attn_selection s;
-  s.offsets.push_back(0);
-  for (const auto& u : per_query) {
-    s.units.insert(s.units.end(), u.begin(), u.end());
-    s.offsets.push_back((int64_t)s.units.size());
-  }
-  return s;
-}
+using test::selection_of;
 
 class retrieval_kernels : public ::testing::TestWithParam<cache_format> {};
 
@@ -98,6 +90,7 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
     o_ab.resize(o_sel.size()), l_ab.resize(l_sel.size());
     parts.finish(o_ab.data(), l_ab.data());
     EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
+    EXPECT_NE(std::memcmp(o_sel.data(), o_none.data(), o_sel.size() * 4), 0) << "the selection changed nothing";
     if (nq == n_q) {  // an empty list sees nothing
       for (int h = 0; h < g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * g.n_head + h]) && l_sel[2 * g.n_head + h] < 0);
     }

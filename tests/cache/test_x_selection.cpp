@@ -1,0 +1,80 @@
+// Retrieval's unit selection on the X caches (xquant, xquant-cl, clkv), both CPU kernels (the
+// per-unit rebuild of prefill, the absorbed / fused decode), at the fixed-distance rope: every unit
+// listed gives the unselected attention bitwise, a selection's result is the exact sum of its
+// parts' (so an unlisted unit adds nothing and a listed one all of its visible keys), and an empty
+// list sees nothing. tests/worker/test_retrieval.cpp does the same for the KV formats and compares
+// them with the reference backend's key-by-key masking.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "cache/x_test_util.h"
+#include "kernels/softmax_acc.h"
+#include "test_util.h"
+
+namespace xctx {
+namespace {
+
+using test::selection_of;
+
+class x_selection : public ::testing::TestWithParam<test::x_case> {};
+
+TEST_P(x_selection, units_are_masked_exactly) {
+  const test::x_case c = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t n = 4 * 256 + 30;
+  cache_geometry g = test::x_geometry(c.gqa, n + 4);
+  g.rope = with_fixed_distance(g.rope, 300);
+  test::filled f = test::fill(*be, c, g, n, 1, {500, 200}, 41);
+  const int qd = g.n_head * g.head_dim;
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(3 * qd);
+  for (float& x : q) x = 0.3f * nd(rng);
+  const std::vector<int32_t> q_pos = {(int32_t)n - 1, 700, (int32_t)n - 1};
+  const attn_selection sel = selection_of({{0, 2, 4}, {1, 2}, {}});
+  const attn_selection a = selection_of({{0, 4}, {2}, {}}), b = selection_of({{2}, {1}, {}});
+  const attn_selection all = selection_of({{0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 4}});
+  for (int layer : {0, g.n_layer - 1})
+    for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
+      SCOPED_TRACE(test::case_name(c) + " layer " + std::to_string(layer) +
+                   (path == attend_path::attend_decode ? " decode" : " prefill"));
+      const int64_t nq = path == attend_path::attend_decode ? 1 : 3;
+      const auto first = [&](const attn_selection& s) { return selection_of({{s.units.begin(), s.units.begin() + s.offsets[1]}}); };
+      const auto run = [&](const attn_selection* s) {
+        softmax_acc acc(nq * g.n_head, g.head_dim);
+        attn_selection one;
+        if (s != nullptr && nq == 1) one = first(*s);
+        f.cache->attend(layer, q.data(), q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
+        return acc;
+      };
+      const auto finish = [&](const softmax_acc& acc, std::vector<float>& o, std::vector<float>& l) {
+        o.resize(nq * qd), l.resize(nq * g.n_head);
+        acc.finish(o.data(), l.data());
+      };
+      std::vector<float> o_none, l_none, o_all, l_all, o_sel, l_sel, o_ab, l_ab;
+      finish(run(nullptr), o_none, l_none);
+      finish(run(&all), o_all, l_all);
+      EXPECT_EQ(std::memcmp(o_none.data(), o_all.data(), o_all.size() * 4), 0) << "every unit listed = no selection";
+      EXPECT_EQ(std::memcmp(l_none.data(), l_all.data(), l_all.size() * 4), 0);
+      finish(run(&sel), o_sel, l_sel);
+      softmax_acc parts = run(&a);
+      parts.merge(run(&b));
+      finish(parts, o_ab, l_ab);
+      EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
+      EXPECT_NE(std::memcmp(o_sel.data(), o_none.data(), o_sel.size() * 4), 0) << "the selection changed nothing";
+      if (nq == 3)
+        for (int h = 0; h < g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * g.n_head + h])) << "empty list, head " << h;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(formats, x_selection,
+                         ::testing::Values(test::x_case{cache_format::cache_xquant3, true, false},
+                                           test::x_case{cache_format::cache_xquant_cl3, true, false},
+                                           test::x_case{cache_format::cache_clkv, true, false}),
+                         [](const auto& i) { return test::case_name(i.param); });
+
+}  // namespace
+}  // namespace xctx
