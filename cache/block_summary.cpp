@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/half.h"
 
 namespace xctx {
 
@@ -16,11 +17,29 @@ int64_t summary_blocks_for(int64_t capacity, int64_t block) {
 }
 
 size_t summary_bytes_per_block(const cache_geometry& g) {
-  return sizeof(int64_t) + sizeof(int32_t) + 3 * (size_t)g.n_head_kv * g.head_dim * sizeof(float);
+  return sizeof(int64_t) + sizeof(int32_t) + 3 * (size_t)g.n_head_kv * g.head_dim * sizeof(uint16_t);
 }
 
+namespace {
+size_t shadow_bytes(const cache_geometry& g) { return 3 * (size_t)g.n_head_kv * g.head_dim * sizeof(float); }
+}  // namespace
+
 size_t summary_bytes_for(const cache_geometry& g, int64_t capacity, int64_t block) {
-  return (size_t)g.n_layer * (size_t)summary_blocks_for(capacity, block) * summary_bytes_per_block(g);
+  return (size_t)g.n_layer * ((size_t)summary_blocks_for(capacity, block) * summary_bytes_per_block(g) + shadow_bytes(g));
+}
+
+// bf16 is the top half of a float: dropping the low half rounds toward zero, so a value that
+// lost bits moves one step away from zero to round up (positive) or down (negative).
+uint16_t bf16_round_down(float x) {
+  const uint32_t b = float_to_bits(x);
+  const uint16_t t = (uint16_t)(b >> 16);
+  return (b & 0xffffu) != 0 && (b >> 31) != 0 ? (uint16_t)(t + 1) : t;
+}
+
+uint16_t bf16_round_up(float x) {
+  const uint32_t b = float_to_bits(x);
+  const uint16_t t = (uint16_t)(b >> 16);
+  return (b & 0xffffu) != 0 && (b >> 31) == 0 ? (uint16_t)(t + 1) : t;
 }
 
 namespace {
@@ -38,7 +57,8 @@ class summarized_cache final : public kv_cache {
       L.count.resize((size_t)max_blocks_);
       L.kmin.resize((size_t)max_blocks_ * C_);
       L.kmax.resize((size_t)max_blocks_ * C_);
-      L.ksum.resize((size_t)max_blocks_ * C_);
+      L.kmean.resize((size_t)max_blocks_ * C_);
+      L.shadow.resize((size_t)3 * C_);
     }
   }
 
@@ -55,6 +75,9 @@ class summarized_cache final : public kv_cache {
       k = host_k_.data();
     }
     layer_sums& L = layers_.at((size_t)layer);
+    float* mn = L.shadow.data();  // the open block's running min, max, sum
+    float* mx = mn + C_;
+    float* sm = mx + C_;
     for (int64_t t = 0; t < in.n; ++t) {
       const int64_t id = floor_div(in.pos[t], block_);
       if (L.n == 0 || L.ids[(size_t)L.n - 1] != id) {
@@ -62,25 +85,23 @@ class summarized_cache final : public kv_cache {
                    " after ", L.ids[(size_t)L.n - 1], ")");
         XCTX_CHECK(L.n < max_blocks_, "block summaries: layer ", layer, " touches more than ", max_blocks_,
                    " blocks of ", block_, " (shard boundaries off the block grid?)");
+        if (L.n > 0) store_open(L);  // the block before is complete
         const size_t b = (size_t)L.n++;
         L.ids[b] = id;
         L.count[b] = 0;
-        std::fill_n(L.kmin.begin() + b * C_, C_, std::numeric_limits<float>::infinity());
-        std::fill_n(L.kmax.begin() + b * C_, C_, -std::numeric_limits<float>::infinity());
-        std::fill_n(L.ksum.begin() + b * C_, C_, 0.0f);
+        std::fill_n(mn, C_, std::numeric_limits<float>::infinity());
+        std::fill_n(mx, C_, -std::numeric_limits<float>::infinity());
+        std::fill_n(sm, C_, 0.0f);
       }
-      const size_t b = (size_t)L.n - 1;
       const float* row = k + (size_t)t * C_;
-      float* mn = L.kmin.data() + b * C_;
-      float* mx = L.kmax.data() + b * C_;
-      float* sm = L.ksum.data() + b * C_;
       for (int c = 0; c < C_; ++c) {
         mn[c] = std::min(mn[c], row[c]);
         mx[c] = std::max(mx[c], row[c]);
         sm[c] += row[c];
       }
-      ++L.count[b];
+      ++L.count[(size_t)L.n - 1];
     }
+    if (L.n > 0 && in.n > 0) store_open(L);
   }
 
   block_summary_view view(int layer) const {
@@ -91,7 +112,7 @@ class summarized_cache final : public kv_cache {
     v.n_head_kv = g.n_head_kv, v.head_dim = g.head_dim;
     v.n_blocks = L.n;
     v.ids = L.ids.data(), v.count = L.count.data();
-    v.kmin = L.kmin.data(), v.kmax = L.kmax.data(), v.ksum = L.ksum.data();
+    v.kmin = L.kmin.data(), v.kmax = L.kmax.data(), v.kmean = L.kmean.data();
     return v;
   }
 
@@ -115,9 +136,11 @@ class summarized_cache final : public kv_cache {
     inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
   }
 
-  // Snapshot: uint64 inner bytes | the inner snapshot | int64 n_blocks | ids | counts | min | max | sum.
+  // Snapshot: uint64 inner bytes | the inner snapshot | int64 n_blocks | ids | counts | min | max |
+  // mean | the open block's f32 shadow (min, max, sum), so appends after a restore go on exactly.
   size_t snapshot_bytes(int layer) const override {
-    return 16 + inner_->snapshot_bytes(layer) + (size_t)layers_.at((size_t)layer).n * summary_bytes_per_block(geometry());
+    return 16 + inner_->snapshot_bytes(layer) + (size_t)layers_.at((size_t)layer).n * summary_bytes_per_block(geometry()) +
+           shadow_bytes(geometry());
   }
   void snapshot_layer(int layer, void* dst) const override {
     auto* out = static_cast<uint8_t*>(dst);
@@ -133,8 +156,8 @@ class summarized_cache final : public kv_cache {
       out += bytes;
     };
     put(L.ids.data(), (size_t)L.n * 8), put(L.count.data(), (size_t)L.n * 4);
-    put(L.kmin.data(), (size_t)L.n * C_ * 4), put(L.kmax.data(), (size_t)L.n * C_ * 4);
-    put(L.ksum.data(), (size_t)L.n * C_ * 4);
+    put(L.kmin.data(), (size_t)L.n * C_ * 2), put(L.kmax.data(), (size_t)L.n * C_ * 2);
+    put(L.kmean.data(), (size_t)L.n * C_ * 2), put(L.shadow.data(), L.shadow.size() * 4);
   }
   void restore_layer(int layer, const void* block, size_t bytes) override {
     const auto* in = static_cast<const uint8_t*>(block);
@@ -149,9 +172,10 @@ class summarized_cache final : public kv_cache {
     std::memcpy(&n, in, 8);
     in += 8;
     const size_t per = summary_bytes_per_block(geometry());
-    XCTX_CHECK(n >= 0 && n <= max_blocks_ && (size_t)n * per == bytes - 16 - inner_bytes, "cache snapshot: layer ",
-               layer, " has ", bytes - 16 - inner_bytes, " bytes of block summaries, not ", n, " blocks of ", per,
-               " bytes (a cache of another block size?)");
+    XCTX_CHECK(n >= 0 && n <= max_blocks_ && (size_t)n * per + shadow_bytes(geometry()) == bytes - 16 - inner_bytes,
+               "cache snapshot: layer ", layer, " has ", bytes - 16 - inner_bytes, " bytes of block summaries, not ", n,
+               " blocks of ", per, " bytes and the open block's ", shadow_bytes(geometry()),
+               " (a cache of another block size?)");
     layer_sums& L = layers_.at((size_t)layer);
     L.n = n;
     const auto get = [&](void* p, size_t bytes_) {
@@ -159,8 +183,8 @@ class summarized_cache final : public kv_cache {
       in += bytes_;
     };
     get(L.ids.data(), (size_t)n * 8), get(L.count.data(), (size_t)n * 4);
-    get(L.kmin.data(), (size_t)n * C_ * 4), get(L.kmax.data(), (size_t)n * C_ * 4);
-    get(L.ksum.data(), (size_t)n * C_ * 4);
+    get(L.kmin.data(), (size_t)n * C_ * 2), get(L.kmax.data(), (size_t)n * C_ * 2);
+    get(L.kmean.data(), (size_t)n * C_ * 2), get(L.shadow.data(), L.shadow.size() * 4);
     for (int64_t b = 1; b < n; ++b)
       XCTX_CHECK(L.ids[(size_t)b] > L.ids[(size_t)b - 1], "cache snapshot: layer ", layer,
                  " block summaries out of order");
@@ -171,12 +195,13 @@ class summarized_cache final : public kv_cache {
     for (layer_sums& L : layers_) L.n = 0;
   }
   size_t bytes_allocated() const override {
-    return inner_->bytes_allocated() + layers_.size() * (size_t)max_blocks_ * summary_bytes_per_block(geometry());
+    return inner_->bytes_allocated() +
+           layers_.size() * ((size_t)max_blocks_ * summary_bytes_per_block(geometry()) + shadow_bytes(geometry()));
   }
   size_t bytes_used() const override {
     size_t n = 0;
     for (const layer_sums& L : layers_) n += (size_t)L.n;
-    return inner_->bytes_used() + n * summary_bytes_per_block(geometry());
+    return inner_->bytes_used() + n * summary_bytes_per_block(geometry()) + layers_.size() * shadow_bytes(geometry());
   }
 
  private:
@@ -184,8 +209,22 @@ class summarized_cache final : public kv_cache {
     int64_t n = 0;  // blocks in use
     std::vector<int64_t> ids;
     std::vector<int32_t> count;
-    std::vector<float> kmin, kmax, ksum;  // [max_blocks, C]
+    std::vector<uint16_t> kmin, kmax, kmean;  // [max_blocks, C] bf16
+    std::vector<float> shadow;                // [3, C] the open block's min, max, sum in f32
   };
+  // The open (last) block's bf16 summary from its shadow.
+  void store_open(layer_sums& L) const {
+    const size_t b = (size_t)L.n - 1;
+    const float* mn = L.shadow.data();
+    const float* mx = mn + C_;
+    const float* sm = mx + C_;
+    const float inv = 1.0f / (float)std::max<int32_t>(L.count[b], 1);
+    for (int c = 0; c < C_; ++c) {
+      L.kmin[b * C_ + c] = bf16_round_down(mn[c]);
+      L.kmax[b * C_ + c] = bf16_round_up(mx[c]);
+      L.kmean[b * C_ + c] = fp32_to_bf16(sm[c] * inv);
+    }
+  }
   std::unique_ptr<kv_cache> inner_;
   backend& be_;
   int64_t block_;

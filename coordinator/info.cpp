@@ -132,7 +132,7 @@ int run_info(const info_options& opt) {
       const cache_bytes bs = cache_bytes_for(with_summaries, g, n, n_sink, key_out);
       std::printf("  past the trained %d positions, retrieval attention adds block summaries (blocks of %lld):\n",
                   w.hp.n_ctx_train, (long long)r.block);
-      row("block summaries", bs.summaries, "per block, layer, KV head: key min, max, sum (f32), id, count");
+      row("block summaries", bs.summaries, "per block, layer, KV head: key min, max, mean (bf16), id, count");
       std::printf("    %-26s %12s\n", "total with summaries", format_bytes((double)bs.total()).c_str());
     }
     if (t.needs_calibration) std::printf("  needs --calib FILE (xctx calibrate)\n");

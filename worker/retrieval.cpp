@@ -7,6 +7,7 @@
 
 #include "cache/block_summary.h"
 #include "common/error.h"
+#include "common/half.h"
 
 namespace xctx {
 
@@ -92,29 +93,32 @@ bool better(const retrieval_selector::scored_block& a, const retrieval_selector:
   return a.score > b.score || (a.score == b.score && a.id < b.id);
 }
 
-// One query head's score of one block: Quest's bound Σ_c max(q_c·min_c, q_c·max_c), or q · mean.
-// Float lanes (the loops vectorize; a decode step scores every block of the shard in every
-// layer), summed in a fixed order, so every rank computes a block's score to the same bits.
-double head_score(block_score_rule rule, const float* qh, const float* mn, const float* mx, const float* sm,
-                  int32_t count, int hd) {
+inline float bf16_value(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+
+// One query head's score of one block from its bf16 summary: Quest's bound
+// Σ_c max(q_c·min_c, q_c·max_c), or q · mean. Float lanes (the loops vectorize; a decode step
+// scores every block of the shard in every layer), summed in a fixed order, so every rank
+// computes a block's score to the same bits.
+double head_score(block_score_rule rule, const float* qh, const uint16_t* mn, const uint16_t* mx,
+                  const uint16_t* mean, int hd) {
   constexpr int kLanes = 8;
   float lane[kLanes] = {};
   int c = 0;
   if (rule == block_score_rule::score_minmax) {
     for (; c + kLanes <= hd; c += kLanes)
       for (int j = 0; j < kLanes; ++j) {
-        const float a = qh[c + j] * mn[c + j], b = qh[c + j] * mx[c + j];
+        const float a = qh[c + j] * bf16_value(mn[c + j]), b = qh[c + j] * bf16_value(mx[c + j]);
         lane[j] += a > b ? a : b;
       }
-    for (; c < hd; ++c) lane[0] += std::max(qh[c] * mn[c], qh[c] * mx[c]);
+    for (; c < hd; ++c) lane[0] += std::max(qh[c] * bf16_value(mn[c]), qh[c] * bf16_value(mx[c]));
   } else {
     for (; c + kLanes <= hd; c += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane[j] += qh[c + j] * sm[c + j];
-    for (; c < hd; ++c) lane[0] += qh[c] * sm[c];
+      for (int j = 0; j < kLanes; ++j) lane[j] += qh[c + j] * bf16_value(mean[c + j]);
+    for (; c < hd; ++c) lane[0] += qh[c] * bf16_value(mean[c]);
   }
   double s = 0.0;
   for (int j = 0; j < kLanes; ++j) s += lane[j];
-  return rule == block_score_rule::score_minmax ? s : s / std::max<int32_t>(count, 1);
+  return s;
 }
 
 }  // namespace
@@ -132,13 +136,13 @@ std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::s
     const float* qi = qf_.data() + (size_t)i * H * hd;
     for (int64_t b = 0; b < S.n_blocks; ++b) {
       if (!candidate(S.ids[b], q_pos[i])) continue;
-      const float* mn = S.kmin + (size_t)b * C;
-      const float* mx = S.kmax + (size_t)b * C;
-      const float* sm = S.ksum + (size_t)b * C;
+      const uint16_t* mn = S.kmin + (size_t)b * C;
+      const uint16_t* mx = S.kmax + (size_t)b * C;
+      const uint16_t* mean = S.kmean + (size_t)b * C;
       double s = 0.0;
       for (int h = 0; h < H; ++h) {
         const int c0 = (h / g) * hd;
-        s += head_score(opt_.rule, qi + (size_t)h * hd, mn + c0, mx + c0, sm + c0, S.count[b], hd);
+        s += head_score(opt_.rule, qi + (size_t)h * hd, mn + c0, mx + c0, mean + c0, hd);
       }
       cand.push_back({s, S.ids[b]});
     }
@@ -147,7 +151,7 @@ std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::s
     out[(size_t)i].assign(cand.begin(), cand.begin() + (ptrdiff_t)k);
   }
   const size_t per_block = opt_.rule == block_score_rule::score_minmax ? 2 : 1;
-  summary_bytes_read_ += (size_t)S.n_blocks * (per_block * C * sizeof(float) + 12);
+  summary_bytes_read_ += (size_t)S.n_blocks * (per_block * C * sizeof(uint16_t) + 12);
   return out;
 }
 
@@ -193,7 +197,7 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
         const int c0 = (h / g) * hd;
         const double x = head_score(rule == 0 ? block_score_rule::score_minmax : block_score_rule::score_mean,
                                     qi + (size_t)h * hd, S.kmin + (size_t)b * C + c0, S.kmax + (size_t)b * C + c0,
-                                    S.ksum + (size_t)b * C + c0, S.count[b], hd);
+                                    S.kmean + (size_t)b * C + c0, hd);
         s[rule][(size_t)(h / g)] += x;
         s[rule][(size_t)nkv] += x;
       }

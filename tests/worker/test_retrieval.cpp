@@ -12,6 +12,7 @@
 #include "cache/block_summary.h"
 #include "cache/quant_test_util.h"
 #include "comm/communicator.h"
+#include "common/half.h"
 #include "test_util.h"
 #include "worker/retrieval.h"
 
@@ -133,12 +134,15 @@ TEST(block_summaries, bytes_equal_the_formula_and_snapshots_carry_them) {
   for (int64_t b = 0; b < v.n_blocks; ++b) {
     EXPECT_EQ(v.ids[b], b);
     EXPECT_EQ(v.count[b], std::min<int64_t>(512, kTokens - b * 512));
-    for (int ch = 0; ch < C; ++ch) {  // against the raw keys
+    for (int ch = 0; ch < C; ++ch) {  // against the raw keys: bf16, min rounded down, max up
       float mn = INFINITY, mx = -INFINITY;
       for (int64_t t = b * 512; t < std::min<int64_t>(kTokens, (b + 1) * 512); ++t)
         mn = std::min(mn, d.k[t * C + ch]), mx = std::max(mx, d.k[t * C + ch]);
-      ASSERT_EQ(v.kmin[b * C + ch], mn);
-      ASSERT_EQ(v.kmax[b * C + ch], mx);
+      ASSERT_EQ(v.kmin[b * C + ch], bf16_round_down(mn));
+      ASSERT_EQ(v.kmax[b * C + ch], bf16_round_up(mx));
+      ASSERT_LE(bf16_to_fp32(v.kmin[b * C + ch]), mn);
+      ASSERT_GE(bf16_to_fp32(v.kmax[b * C + ch]), mx);
+      ASSERT_LE(mx - mn, 1.02f * (bf16_to_fp32(v.kmax[b * C + ch]) - bf16_to_fp32(v.kmin[b * C + ch])) + 1e-6f);
     }
   }
   // A snapshot restores them bit for bit; a damaged record is refused naming the layer.
@@ -148,8 +152,13 @@ TEST(block_summaries, bytes_equal_the_formula_and_snapshots_carry_them) {
   back->restore_layer(1, snap.data(), snap.size());
   const block_summary_view w = summaries_of(*back, 1);
   ASSERT_EQ(w.n_blocks, v.n_blocks);
-  EXPECT_EQ(std::memcmp(w.kmax, v.kmax, (size_t)v.n_blocks * C * 4), 0);
-  EXPECT_EQ(std::memcmp(w.ksum, v.ksum, (size_t)v.n_blocks * C * 4), 0);
+  EXPECT_EQ(std::memcmp(w.kmax, v.kmax, (size_t)v.n_blocks * C * 2), 0);
+  EXPECT_EQ(std::memcmp(w.kmean, v.kmean, (size_t)v.n_blocks * C * 2), 0);
+  // The open block goes on growing after a restore exactly as in the original.
+  const int32_t next = (int32_t)kTokens;
+  c->append(1, layer_input{nullptr, d.k.data(), d.v.data(), &next, 1});
+  back->append(1, layer_input{nullptr, d.k.data(), d.v.data(), &next, 1});
+  EXPECT_EQ(std::memcmp(summaries_of(*back, 1).kmean, summaries_of(*c, 1).kmean, (size_t)v.n_blocks * C * 2), 0);
   auto again = make_cache(spec_for(cache_format::cache_fp16, g, 512), g, *be);
   test::expect_error_contains([&] { again->restore_layer(1, snap.data(), snap.size() - 4); }, "layer 1");
 }
@@ -192,12 +201,15 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
         for (int h = 0; h < H; ++h)
           for (int ch = 0; ch < hd; ++ch) {
             const int col = (h / grp) * hd + ch;
-            double mn = INFINITY, mx = -INFINITY, sum = 0;
+            // The summary as stored: bf16 min rounded down, max up, the f32 mean to nearest.
+            float mn = INFINITY, mx = -INFINITY, sum = 0;
             const int64_t e = std::min<int64_t>(n, (b + 1) * 256);
-            for (int64_t t = b * 256; t < e; ++t) mn = std::min(mn, (double)d.k[t * C + col]),
-                                                  mx = std::max(mx, (double)d.k[t * C + col]), sum += d.k[t * C + col];
+            for (int64_t t = b * 256; t < e; ++t)
+              mn = std::min(mn, d.k[t * C + col]), mx = std::max(mx, d.k[t * C + col]), sum += d.k[t * C + col];
+            const double lo = bf16_to_fp32(bf16_round_down(mn)), hi = bf16_to_fp32(bf16_round_up(mx));
+            const double mean = bf16_to_fp32(fp32_to_bf16(sum * (1.0f / (float)(e - b * 256))));
             const double qc = qf[h * hd + ch];
-            s_b += rule == block_score_rule::score_minmax ? std::max(qc * mn, qc * mx) : qc * sum / (double)(e - b * 256);
+            s_b += rule == block_score_rule::score_minmax ? std::max(qc * lo, qc * hi) : qc * mean;
           }
         scored.push_back({-s_b, b});
       }
