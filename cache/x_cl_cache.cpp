@@ -186,13 +186,13 @@ class x_cl_cache final : public kv_cache {
 
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
               const attn_selection* select) override {
-    xq_attn_args a = own_args(layer, pos_.host(), q, q_pos, n_q, path);
+    xq_attn_args a = own_args(layer, pos_.host(), q, q_pos, n_q, path, select);
     a.acc = &out, a.select = select;
     be_.attention_xq(a);
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
                       float* lse, const attn_selection* select) override {
-    xq_attn_args a = own_args(layer, pos_.on_backend(), q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
+    xq_attn_args a = own_args(layer, pos_.on_backend(), q, pos_.queries_on_backend(q_pos, n_q), n_q, path, select);
     a.o = o, a.lse = lse, a.select = select;
     be_.attention_xq(a);
   }
@@ -419,12 +419,27 @@ class x_cl_cache final : public kv_cache {
   }
 
   // Attention over the own tokens of a layer (o/lse or acc left to the caller).
+  // select (retrieval): only the selected units' rows need the accumulator at this layer.
   xq_attn_args own_args(int layer, const int32_t* pos, const float* q, const int32_t* q_pos, int64_t n_q,
-                        attend_path path) const {
+                        attend_path path, const attn_selection* select = nullptr) const {
     const int64_t n = layers_.at(layer).n;
     if (layer < base_) return base_args(layer, stream_view(layer), n, pos, q, q_pos, n_q, path);
     if (deltas_) {  // from the f32 accumulator, as foreign blocks
-      advance(0, n, layer);
+      if (select == nullptr) {
+        advance(0, n, layer);
+      } else {  // a row's accumulator is the same bits however it got to this layer (row-invariant sums)
+        std::vector<int64_t> units(select->units);
+        std::sort(units.begin(), units.end());
+        units.erase(std::unique(units.begin(), units.end()), units.end());
+        const int32_t* hp = pos_.host();
+        for (const int64_t u : units) {
+          const int64_t b = std::lower_bound(hp, hp + n, (int64_t)u * kAttnUnit,
+                                             [](int32_t p, int64_t v) { return (int64_t)p < v; }) - hp;
+          const int64_t e = std::lower_bound(hp + b, hp + n, (int64_t)(u + 1) * kAttnUnit,
+                                             [](int32_t p, int64_t v) { return (int64_t)p < v; }) - hp;
+          if (b < e) advance(b, e, layer);
+        }
+      }
       return base_args(layer, dense_view(acc()), n, pos, q, q_pos, n_q, path);
     }
     // The own shard is attended through the same fp16 latent a ring block carries, so a token's
