@@ -250,7 +250,7 @@ def main():
     ap.add_argument("--attention", default="selfextend", choices=["selfextend", "retrieval"],
                     help="past the trained window: SelfExtend positions over full attention, or retrieval attention")
     ap.add_argument("--local", default="4K", help="retrieval: local window (and the far keys' distance)")
-    ap.add_argument("--top-k", type=int, default=16, help="retrieval: blocks per query and layer")
+    ap.add_argument("--top-k", type=int, default=32, help="retrieval: blocks per query and layer")
     ap.add_argument("--block-size", default="256", help="retrieval: positions per block")
     ap.add_argument("--sink", default="256", help="retrieval: sink positions")
     ap.add_argument("--block-score", default="minmax", help="retrieval: minmax | mean")

@@ -19,7 +19,7 @@ namespace {
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
   std::string attention = "auto", sink = "256", local = "4K", block_size = "256", block_score = "minmax";
-  int top_k = 16;
+  int top_k = 32;
 };
 
 void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
@@ -39,7 +39,7 @@ void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
   cmd->add_option("--sink", f.sink, "retrieval: first positions every query sees")->default_val("256");
   cmd->add_option("--local", f.local, "retrieval: window at exact positions (< the trained window)")->default_val("4K");
   cmd->add_option("--block-size", f.block_size, "retrieval: positions per block (multiple of 256)")->default_val("256");
-  cmd->add_option("--top-k", f.top_k, "retrieval: blocks retrieved per query and layer")->default_val("16");
+  cmd->add_option("--top-k", f.top_k, "retrieval: blocks retrieved per query and layer")->default_val("32");
   cmd->add_option("--block-score", f.block_score, "retrieval: minmax (Quest's bound) | mean (mean key)")
       ->default_val("minmax");
 }
@@ -204,7 +204,7 @@ int main(int argc, char** argv) {
       ->needs("--cpu-profile");
   pl->add_flag("--json", plan.json, "one JSON object instead of the table");
   pl->add_option("--top-k", plan.retrieval.top_k, "retrieval (contexts past the trained window): blocks per query")
-      ->default_val(16);
+      ->default_val(32);
   pl->add_option("--local", plan.retrieval.local, "retrieval: local window tokens")->default_val(4096);
   pl->add_option("--block-size", plan.retrieval.block, "retrieval: tokens per block")->default_val(256);
   pl->add_option("--sink", plan.retrieval.sink, "retrieval: sink tokens")->default_val(256);

@@ -52,7 +52,7 @@ TEST(cluster_plan, kvquant_table6_llama7b_sizes_are_reproduced) {
 TEST(cluster_plan, retrieval_step_reads_the_weights_summaries_and_the_selected_tokens) {
   plan_inputs in;
   in.hp = preset("llama-3-8b"), in.ranks = 8, in.device = find_device("h100"), in.network = find_network("nvlink4");
-  retrieval_options r;  // sink 256, local 4096, top-16 blocks of 256
+  retrieval_options r;  // sink 256, local 4096, top-32 blocks of 256
   in.retrieval = &r;
   double last = 0;
   for (const int64_t ctx : {int64_t(1) << 20, int64_t(10) << 20}) {
@@ -60,10 +60,10 @@ TEST(cluster_plan, retrieval_step_reads_the_weights_summaries_and_the_selected_t
     const format_plan p = plan_format(in, cache_format::cache_nuq3_1pct);
     const double C = (double)in.hp.n_head_kv * in.hp.head_dim;
     const double summaries = (double)p.tokens_per_rank / 256 * in.hp.n_layer * (2 * C * 2 + 12);
-    EXPECT_NEAR(p.retrieval_bytes_read, p.weight_bytes + summaries + (256 + 4096 + 16 * 256) * p.bytes_per_token,
+    EXPECT_NEAR(p.retrieval_bytes_read, p.weight_bytes + summaries + (256 + 4096 + 32 * 256) * p.bytes_per_token,
                 1e-6 * p.retrieval_bytes_read);
     EXPECT_NEAR(p.summary_bytes_per_token, (12.0 + 3 * C * 2) * in.hp.n_layer / 256, 1e-9);
-    EXPECT_DOUBLE_EQ(p.selection_bytes_per_token_layer, 16.0 * 16);
+    EXPECT_DOUBLE_EQ(p.selection_bytes_per_token_layer, 32.0 * 16);
     EXPECT_LT(p.retrieval_decode_s, p.decode_s) << ctx;
     if (last > 0) EXPECT_LT(p.retrieval_decode_s, 1.5 * last) << "10x the context, the step nearly flat";
     last = p.retrieval_decode_s;
