@@ -258,7 +258,7 @@ const attn_selection& retrieval_selector::select(const kv_cache& own, int layer,
   sel_.units.clear();
   const int64_t units_per_block = opt_.block / kAttnUnit;
   const block_summary_view own_blocks = summaries_of(own, layer);
-  const std::vector<int64_t> own_ids(own_blocks.ids, own_blocks.ids + own_blocks.n_blocks);
+  const int64_t* own_end = own_blocks.ids + own_blocks.n_blocks;
   std::vector<int64_t> u;
   for (int64_t i = 0; i < n_q; ++i) {
     u.clear();
@@ -270,7 +270,7 @@ const attn_selection& retrieval_selector::select(const kv_cache& own, int layer,
     std::sort(u.begin(), u.end());
     u.erase(std::unique(u.begin(), u.end()), u.end());
     for (const int64_t x : u)  // units of blocks this rank holds
-      if (std::binary_search(own_ids.begin(), own_ids.end(), floor_div(x * kAttnUnit, opt_.block))) ++own_units_;
+      if (std::binary_search(own_blocks.ids, own_end, floor_div(x * kAttnUnit, opt_.block))) ++own_units_;
     sel_.units.insert(sel_.units.end(), u.begin(), u.end());
     sel_.offsets.push_back((int64_t)sel_.units.size());
   }

@@ -204,9 +204,7 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
   if (selector_ != nullptr) {
     const uint64_t sent = selector_->gather_bytes_sent(), read = selector_->summary_bytes_read(),
                    units = selector_->own_units_selected();
-    const stopwatch clock;
     select = &selector_->select(own_, layer, q, q_pos, n_q);  // collective: every rank, every layer
-    stats_.gather_seconds += clock.seconds();
     stats_.retrieval_bytes_sent += selector_->gather_bytes_sent() - sent;
     stats_.retrieval_summary_bytes_read += selector_->summary_bytes_read() - read;
     stats_.retrieval_units_attended += selector_->own_units_selected() - units;
