@@ -154,6 +154,11 @@ struct cache_spec {
   cache_spec(cache_format f, cache_options o) : format(f), options(std::move(o)) {}
 };
 
+// Throws xctx::Error naming the option (as the CLI spells it) for values no format can run with:
+// a group size below 1 (kivi/xquant/clkv groups, xquant-cl's per-token groups) or above 2^20.
+// make_cache and cache_alignment call it, so every entry point (CLI, service, batch) refuses alike.
+void check_cache_options(const cache_spec& spec);
+
 // Outliers per side of a value vector of `channels` elements for a fraction (at least one per
 // side when the fraction is positive).
 int value_outliers_per_side(double fraction, int channels);

@@ -224,7 +224,13 @@ std::unique_ptr<kv_cache> make_format_cache(const cache_spec& spec, const cache_
 
 }  // namespace
 
+void check_cache_options(const cache_spec& spec) {
+  XCTX_CHECK(spec.options.group_size >= 1 && spec.options.group_size <= (1 << 20),
+             "--group-size must be in [1, 1048576] (tokens per quantization group), got ", spec.options.group_size);
+}
+
 std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometry& g, backend& be) {
+  check_cache_options(spec);
   std::unique_ptr<kv_cache> c = make_format_cache(spec, g, be);
   if (spec.options.summary_block > 0) return make_summarized_cache(std::move(c), spec.options.summary_block, be);
   return c;
@@ -233,6 +239,7 @@ std::unique_ptr<kv_cache> make_cache(const cache_spec& spec, const cache_geometr
 int64_t cache_alignment(const cache_spec& spec) {
   // Attention deposits one partial per unit of kAttnUnit positions, so no unit may straddle two
   // ranks; the windowed formats also need whole quantization groups on one rank.
+  check_cache_options(spec);
   int64_t group = 1;
   switch (format_traits(spec.format).family) {
     case cache_family::family_fp:

@@ -129,16 +129,20 @@ long long parse_count(const std::string& text, const std::string& what) {
   while (i < text.size() && std::isdigit((unsigned char)text[i])) ++i;
   XCTX_CHECK(i > 0, what, ": '", text, "' is not a count (examples: 2048, 32K, 1M)");
   XCTX_CHECK(i <= 15, what, ": '", text, "' is too large");
-  long long n = std::stoll(text.substr(0, i));
+  const long long n = std::stoll(text.substr(0, i));
   const std::string suffix = text.substr(i);
+  long long mult = 1;
   if (suffix == "K" || suffix == "k") {
-    n *= 1024;
+    mult = 1024;
   } else if (suffix == "M" || suffix == "m") {
-    n *= 1024 * 1024;
+    mult = 1024 * 1024;
   } else {
     XCTX_CHECK(suffix.empty(), what, ": unknown suffix '", suffix, "' in '", text, "' (use K or M)");
   }
-  return n;
+  // No count the project takes comes near 2^62; refuse before the product could wrap.
+  constexpr long long kMaxCount = 1LL << 62;
+  XCTX_CHECK(n <= kMaxCount / mult, what, ": '", text, "' is too large");
+  return n * mult;
 }
 
 }  // namespace xctx

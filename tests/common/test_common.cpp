@@ -73,6 +73,11 @@ TEST(parse_count, suffixes_and_errors) {
   EXPECT_THROW(parse_count("", "--context"), Error);
   EXPECT_THROW(parse_count("abc", "--context"), Error);
   EXPECT_THROW(parse_count("12G", "--context"), Error);
+  // Products past 2^62 are refused, not wrapped (a wrapped --ctx once became the trained window).
+  EXPECT_EQ(parse_count("4398046511104M", "x"), 1LL << 62);
+  EXPECT_THROW(parse_count("4398046511105M", "--ctx"), Error);
+  EXPECT_THROW(parse_count("9999999999999M", "--ctx"), Error);
+  EXPECT_THROW(parse_count("9999999999999999", "--ctx"), Error);  // 16 digits
   try {
     parse_count("7Q", "--context");
     FAIL();
