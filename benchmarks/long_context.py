@@ -27,12 +27,13 @@ import csv
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
 TRAINED = 8192  # SmolLM2-135M's trained context
 DEFAULT_FORMATS = "fp16,nuq3-1%,kivi2,xquant-cl3,xquant2"
 
@@ -52,24 +53,7 @@ def label(n):
 
 
 def cpu_description():
-    model, flags = platform.processor() or "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("?", ""):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    isa = [x for x in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if x in flags]
-    return f"{model}, {os.cpu_count()} cores, {'/'.join(isa) or 'no AVX2'}"
+    return hostinfo.cpu_identity()  # model, family/model/stepping, cores, ISA
 
 
 def loadavg():
@@ -115,7 +99,7 @@ def run(args, fmt, ctx):
         # distance --local; no RoPE flags. Full attention within the trained window.
         cmd += ["--attention", "retrieval" if ctx + 64 > TRAINED else "full", "--local", str(args.local),
                 "--top-k", str(args.top_k), "--block-size", str(args.block_size), "--sink", str(args.sink),
-                "--block-score", args.block_score]
+                "--block-score", args.block_score, "--select-per", args.select_per]
     elif ctx + 64 > TRAINED:
         g = self_extend_group(capacity, args.window)
         cmd += ["--attention", "full", "--rope-scaling", "selfextend", "--group", str(g), "--window", str(args.window)]
@@ -254,6 +238,7 @@ def main():
     ap.add_argument("--block-size", default="256", help="retrieval: positions per block")
     ap.add_argument("--sink", default="256", help="retrieval: sink positions")
     ap.add_argument("--block-score", default="minmax", help="retrieval: minmax | mean")
+    ap.add_argument("--select-per", default="layer", help="retrieval: layer | kv-head (one top-k per KV head)")
     ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per run")
     ap.add_argument("--build-note", default="Release (-O3 -DNDEBUG), portable x86-64 with run-time AVX2/AVX-512 dispatch (launch/build)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))

@@ -332,8 +332,12 @@ format_plan plan_format(const plan_inputs& in, cache_format f) {
     const double blocks = (double)p.tokens_per_rank / (double)r.block;
     const double C = (double)hp.n_head_kv * hp.head_dim;
     p.summary_bytes_per_token = (double)summary_bytes_per_block(geo) * hp.n_layer / (double)r.block;
-    p.selection_bytes_per_token_layer = (double)r.top_k * 16.0;
-    const double tokens_read = std::min<double>((double)p.tokens_per_rank, (double)(r.sink + r.local + r.top_k * r.block));
+    // Per KV head: one list of k (score, id) records per KV head, and up to that many times the
+    // blocks read (the lists' union; the bound, as lists may share blocks).
+    const double lists = r.scope == selection_scope::select_per_kv_head ? hp.n_head_kv : 1.0;
+    p.selection_bytes_per_token_layer = (double)r.top_k * 16.0 * lists;
+    const double tokens_read =
+        std::min<double>((double)p.tokens_per_rank, (double)(r.sink + r.local) + lists * r.top_k * r.block);
     const double summaries_read = blocks * hp.n_layer * (2.0 * C * sizeof(uint16_t) + 12.0);  // bf16 min, max
     p.retrieval_bytes_read = p.weight_bytes + summaries_read + tokens_read * p.bytes_per_token;
     const double score_flops = blocks * hp.n_layer * hp.n_head * hp.head_dim * 4.0;  // two products per channel

@@ -19,6 +19,7 @@ namespace {
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
   std::string attention = "auto", sink = "256", local = "4K", block_size = "256", block_score = "minmax";
+  std::string select_per = "layer";
   int top_k = 32;
 };
 
@@ -42,6 +43,9 @@ void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
   cmd->add_option("--top-k", f.top_k, "retrieval: blocks retrieved per query and layer")->default_val("32");
   cmd->add_option("--block-score", f.block_score, "retrieval: minmax (Quest's bound) | mean (mean key)")
       ->default_val("minmax");
+  cmd->add_option("--select-per", f.select_per,
+                  "retrieval: layer (one top-k per query, heads' scores summed) | kv-head (one per KV head)")
+      ->default_val("layer");
 }
 
 void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) {
@@ -56,6 +60,7 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   o.retrieval.block = xctx::parse_count(f.block_size, "--block-size");
   o.retrieval.top_k = f.top_k;
   o.retrieval.rule = xctx::parse_block_score_rule(f.block_score);
+  o.retrieval.scope = xctx::parse_selection_scope(f.select_per);
   XCTX_CHECK(f.top_k >= 1, "--top-k must be >= 1, got ", f.top_k);
   XCTX_CHECK(o.retrieval.block > 0 && o.retrieval.block % xctx::kAttnUnit == 0, "--block-size must be a positive multiple of ",
              xctx::kAttnUnit, ", got ", f.block_size);
@@ -127,7 +132,11 @@ void apply_run_options(xctx::run_params& rp, const std::string& cache, const std
   XCTX_CHECK(cf.cl_ring == "deltas" || cf.cl_ring == "latent" || cf.cl_ring == "auto", "--cl-ring: unknown '",
              cf.cl_ring, "' (deltas, latent, auto)");
   rp.cache_opts.cl_ring = xctx::parse_cl_ring_mode(cf.cl_ring);
-  if (!ctx.empty()) rp.n_ctx = xctx::parse_count(ctx, "--ctx");
+  if (!ctx.empty()) {
+    rp.n_ctx = xctx::parse_count(ctx, "--ctx");
+    XCTX_CHECK(rp.n_ctx >= 1, "--ctx must be at least 1 token, got ", ctx);
+  }
+  xctx::check_cache_options(xctx::cache_spec(rp.cache, rp.cache_opts));
   static const std::map<std::string, xctx::rope_scaling> ropes = {
       {"none", xctx::rope_scaling::rope_scaling_none},
       {"linear", xctx::rope_scaling::rope_scaling_linear},
@@ -183,7 +192,7 @@ int main(int argc, char** argv) {
   xctx::info_options info;
   std::string info_ctx;
   xctx::plan_options plan;
-  std::string plan_ctx = "1M", plan_block = "4K";
+  std::string plan_ctx = "1M", plan_block = "4K", plan_select_per = "layer";
   auto* pl = app.add_subcommand("plan", "cache bytes, fit, longest context and projected speed per cache format on a cluster");
   pl->add_option("--model", plan.model, "preset (llama-2-7b, llama-3-8b, llama-3.1-8b, llama-3-70b, smollm2-135m), GGUF or HF directory")
       ->default_val("llama-3-8b");
@@ -208,6 +217,8 @@ int main(int argc, char** argv) {
   pl->add_option("--local", plan.retrieval.local, "retrieval: local window tokens")->default_val(4096);
   pl->add_option("--block-size", plan.retrieval.block, "retrieval: tokens per block")->default_val(256);
   pl->add_option("--sink", plan.retrieval.sink, "retrieval: sink tokens")->default_val(256);
+  pl->add_option("--select-per", plan_select_per, "retrieval: layer | kv-head (one top-k per KV head)")
+      ->default_val("layer");
   xctx::doctor_options doc;
   auto* dr = app.add_subcommand("doctor", "backends, CPU kernels, BLAS/MPI/NCCL/CUDA versions, devices and what each rank binds to");
   dr->add_option("--json", doc.json_path, "also write the report to this JSON file");
@@ -430,6 +441,7 @@ int main(int argc, char** argv) {
     if (*pl) {
       plan.context = xctx::parse_count(plan_ctx, "--context");
       plan.block = xctx::parse_count(plan_block, "--block");
+      plan.retrieval.scope = xctx::parse_selection_scope(plan_select_per);
       return xctx::run_plan(plan);
     }
     if (*dr) {

@@ -157,7 +157,9 @@ int run_plan(const plan_options& opt) {
     const retrieval_options& r = opt.retrieval;
     std::printf("\nretrieval attention past the trained %d positions (%s; docs/retrieval.md): the fullest rank "
                 "reads the weights, its blocks' min/max and at most %lld tokens per step\n\n",
-                hp.n_ctx_train, describe_retrieval(r).c_str(), (long long)(r.sink + r.local + r.top_k * r.block));
+                hp.n_ctx_train, describe_retrieval(r).c_str(),
+                (long long)(r.sink + r.local +
+                            (int64_t)r.top_k * r.block * (r.scope == selection_scope::select_per_kv_head ? hp.n_head_kv : 1)));
     std::printf("| format | summaries B/token | bytes read per step | of the full step's | decode step | tok/s | "
                 "selection gather B per token and layer (beside the merge's %.0f) |\n|---|---|---|---|---|---|---|\n",
                 merge_bytes_o_lse(hp));

@@ -10,6 +10,12 @@
 // windows only the last `stride` (their earlier tokens are context), so each target is scored
 // once. Under mpirun the window is split over the ranks (exact ring prefill, compressed blocks
 // passed), each rank scores its own positions and the sums meet.
+//
+// With --attention retrieval (docs/retrieval.md) a window is scored the way generation attends:
+// its first token prefilled, then the rest fed kScoreChunk tokens per step through the merged
+// path, every query selecting its own blocks and seeing every key beyond the local window at
+// distance --local. The cache then holds the window as generation would (the format's append
+// path, not layer-major).
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +29,12 @@
 #include "coordinator/session.h"
 
 namespace xctx {
+
+namespace {
+// Queries per merged step when scoring under retrieval: a suffix-sized chunk (the selection and
+// the attention run per query; the chunk only bounds the logits held, kScoreChunk x n_vocab).
+constexpr int64_t kScoreChunk = 256;
+}  // namespace
 
 ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, const cache_spec& spec,
                       const sequence_options& seq, const std::vector<int32_t>& ids, int64_t ctx, int64_t stride,
@@ -46,7 +58,10 @@ ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, con
     sequence_parallel_runner runner(engine, comm, be, spec, seq);
     // Targets already scored by the previous window (positions < its end) are context here.
     const int64_t first = w == 0 ? 1 : std::max<int64_t>(1, (starts[w - 1] + ctx) - s);
-    const auto [sum, count] = runner.score(window, first);
+    const auto [sum, count] =
+        seq.attention == attention_mode::attention_retrieval
+            ? runner.score_stepwise(window, first, kScoreChunk)
+            : runner.score(window, first);
     r.nll_sum += sum, r.n_scored += count;
     ++r.n_windows;
     r.cache_bytes = std::max(r.cache_bytes, runner.cache().bytes_used());
@@ -59,22 +74,24 @@ ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, con
 int run_ppl(const ppl_options& opt, communicator& comm) {
   const bool coordinator = comm.rank() == 0;
   model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, opt.tokenizer, opt.run);
-  llama_engine engine(s.weights, *s.be, opt.run);
+  // Full attention by default (windows inside the trained context); retrieval only when asked,
+  // with its window below the scoring window's length so it selects (docs/retrieval.md).
+  sequence_options seq = opt.seq;
+  if (seq.attention == attention_mode::attention_auto) seq.attention = attention_mode::attention_full;
+  run_params rp = opt.run;
+  apply_attention_mode(seq, rp, s.cache, opt.ctx, s.weights.hp.n_ctx_train);
+  if (seq.attention == attention_mode::attention_retrieval) seq.max_new_tokens = opt.ctx;
+  llama_engine engine(s.weights, *s.be, rp);
   std::vector<int32_t> ids;
   if (coordinator) ids = s.tok->encode(load_text(opt.text), false, false);
   broadcast_tokens(comm, ids);
   if (opt.max_tokens > 0 && (int64_t)ids.size() > opt.max_tokens) ids.resize(opt.max_tokens);
   if (coordinator)
-    std::fprintf(stderr, "[xctx] ppl of %s on %s: %zu tokens, ctx %lld, stride %lld, cache %s, %d rank(s)\n",
+    std::fprintf(stderr, "[xctx] ppl of %s on %s: %zu tokens, ctx %lld, stride %lld, cache %s, %d rank(s), %s\n",
                  s.weights.hp.name.c_str(), opt.text.c_str(), ids.size(), (long long)opt.ctx, (long long)opt.stride,
-                 format_traits(s.cache.format).name, comm.size());
+                 format_traits(s.cache.format).name, comm.size(), describe_attention(seq).c_str());
   progress_line bar("[xctx] ppl", coordinator, "windows");
   const stopwatch t;
-  // Scoring runs the exact ring over windows inside the trained context: full attention.
-  sequence_options seq = opt.seq;
-  XCTX_CHECK(seq.attention != attention_mode::attention_retrieval,
-             "ppl: --attention retrieval is not built for teacher-forced scoring yet (its windows run full attention)");
-  seq.attention = attention_mode::attention_full;
   const ppl_result r = perplexity(engine, comm, *s.be, s.cache, seq, ids, opt.ctx, opt.stride, opt.max_windows,
                                   [&](int64_t d, int64_t total) { bar(d, total); });
   bar.finish();
@@ -87,6 +104,7 @@ int run_ppl(const ppl_options& opt, communicator& comm) {
     nlohmann::json j = {{"model", s.weights.hp.name},
                         {"text", opt.text},
                         {"cache", format_traits(s.cache.format).name},
+                        {"attention", describe_attention(seq)},
                         {"ctx", opt.ctx},
                         {"stride", opt.stride},
                         {"ranks", comm.size()},

@@ -90,15 +90,35 @@ inline bool fixed_distance_on(const rope_config& c) { return c.se_group == kFixe
 // kernels skip every (query, unit) pair not listed, so the result is a function of each query's
 // list and the keys in it, whatever the split of the keys over caches and ranks.
 struct attn_selection {
-  std::vector<int64_t> offsets;  // [n_q + 1]: query i's units are units[offsets[i] .. offsets[i + 1])
-  std::vector<int64_t> units;    // absolute unit ids (floor(pos / kAttnUnit)), ascending per query
-  int64_t n_queries() const { return offsets.empty() ? 0 : (int64_t)offsets.size() - 1; }
-  bool sees(int64_t i, int64_t unit) const {  // binary search in query i's list
-    const auto b = units.begin() + offsets[(size_t)i], e = units.begin() + offsets[(size_t)i + 1];
+  // Lists per query: 1 (every head of the query reads one list) or the call's n_head_kv (list
+  // g covers KV head g's query heads: selection per KV head, as Quest selects per head).
+  int lists_per_query = 1;
+  std::vector<int64_t> offsets;  // [n_q * lists_per_query + 1]: list l's units are units[offsets[l] .. offsets[l + 1])
+  std::vector<int64_t> units;    // absolute unit ids (floor(pos / kAttnUnit)), ascending per list
+  int64_t n_queries() const {
+    return offsets.empty() || lists_per_query < 1 ? 0 : ((int64_t)offsets.size() - 1) / lists_per_query;
+  }
+  // Whether the list l holds the unit (binary search).
+  bool listed(int64_t l, int64_t unit) const {
+    const auto b = units.begin() + offsets[(size_t)l], e = units.begin() + offsets[(size_t)l + 1];
     const auto it = std::lower_bound(b, e, unit);
     return it != e && *it == unit;
   }
+  // Whether some head of query i sees the unit (the unit must be read for query i).
+  bool sees(int64_t i, int64_t unit) const {
+    for (int g = 0; g < lists_per_query; ++g)
+      if (listed(i * lists_per_query + g, unit)) return true;
+    return false;
+  }
+  // Whether the query heads of KV head kvh (of query i) see the unit.
+  bool sees(int64_t i, int kvh, int64_t unit) const {
+    return listed(i * lists_per_query + (lists_per_query == 1 ? 0 : kvh), unit);
+  }
+  // Every head of query i sees exactly the same units (one list): no per-head mask needed.
+  bool shared() const { return lists_per_query == 1; }
 };
+// Throws unless the selection fits a call of n_q queries over n_head_kv KV heads.
+void check_selection(const attn_selection& s, int64_t n_q, int n_head_kv, const char* who);
 
 // Element type of cached keys/values handed to the attention kernels.
 enum class kv_dtype : uint8_t { kv_f32, kv_f16 };

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -54,6 +55,41 @@ inline attn_selection selection_of(const std::vector<std::vector<int64_t>>& per_
     s.offsets.push_back((int64_t)s.units.size());
   }
   return s;
+}
+
+// A selection with one list per KV head: KV head g of query i reads (g % 2 == 0 ? even : odd)[i].
+inline attn_selection alternating_kv_head_selection(const std::vector<std::vector<int64_t>>& even,
+                                                   const std::vector<std::vector<int64_t>>& odd, int n_head_kv) {
+  attn_selection s;
+  s.lists_per_query = n_head_kv;
+  s.offsets.push_back(0);
+  for (size_t i = 0; i < even.size(); ++i)
+    for (int g = 0; g < n_head_kv; ++g) {
+      const std::vector<int64_t>& u = (g % 2 == 0 ? even : odd)[i];
+      s.units.insert(s.units.end(), u.begin(), u.end());
+      s.offsets.push_back((int64_t)s.units.size());
+    }
+  return s;
+}
+
+// Per-KV-head selection = each head's own list: rows (query i, head h) of o/lse from the per-head
+// run equal, bitwise, those of the shared run with KV head h / (n_head / n_head_kv)'s list
+// (even: KV heads 0, 2, ...; odd: 1, 3, ...).
+inline void expect_rows_of_kv_heads(const std::vector<float>& o_heads, const std::vector<float>& l_heads,
+                                    const std::vector<float>& o_even, const std::vector<float>& l_even,
+                                    const std::vector<float>& o_odd, const std::vector<float>& l_odd, int64_t n_q,
+                                    int n_head, int n_head_kv, int head_dim) {
+  const int g = n_head / n_head_kv;
+  for (int64_t i = 0; i < n_q; ++i)
+    for (int h = 0; h < n_head; ++h) {
+      const bool even = (h / g) % 2 == 0;
+      const std::vector<float>& o = even ? o_even : o_odd;
+      const std::vector<float>& l = even ? l_even : l_odd;
+      const size_t r = (size_t)(i * n_head + h);
+      EXPECT_EQ(std::memcmp(&l_heads[r], &l[r], sizeof(float)), 0) << "lse of query " << i << " head " << h;
+      EXPECT_EQ(std::memcmp(&o_heads[r * head_dim], &o[r * head_dim], sizeof(float) * head_dim), 0)
+          << "o of query " << i << " head " << h;
+    }
 }
 
 inline std::string source_path(const std::string& rel) { return std::string(XCTX_SOURCE_DIR) + "/" + rel; }

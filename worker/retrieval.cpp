@@ -41,6 +41,20 @@ const char* block_score_rule_name(block_score_rule r) {
   return "?";
 }
 
+selection_scope parse_selection_scope(const std::string& name) {
+  if (name == "layer") return selection_scope::select_per_layer;
+  if (name == "kv-head") return selection_scope::select_per_kv_head;
+  fail("--select-per: unknown scope '", name, "' (layer, kv-head)");
+}
+
+const char* selection_scope_name(selection_scope s) {
+  switch (s) {
+    case selection_scope::select_per_layer: return "layer";
+    case selection_scope::select_per_kv_head: return "kv-head";
+  }
+  return "?";
+}
+
 void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
   XCTX_CHECK(o.block > 0 && o.block % kAttnUnit == 0, "--block-size must be a positive multiple of ", kAttnUnit,
              " (the attention unit), got ", o.block);
@@ -54,8 +68,8 @@ void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
 
 std::string describe_retrieval(const retrieval_options& o) {
   return "retrieval: sink " + std::to_string(o.sink) + ", local " + std::to_string(o.local) + ", top-" +
-         std::to_string(o.top_k) + " blocks of " + std::to_string(o.block) + " (" + block_score_rule_name(o.rule) +
-         "), far keys at distance " + std::to_string(o.local);
+         std::to_string(o.top_k) + " blocks of " + std::to_string(o.block) + " per " + selection_scope_name(o.scope) +
+         " (" + block_score_rule_name(o.rule) + "), far keys at distance " + std::to_string(o.local);
 }
 
 retrieval_selector::retrieval_selector(const retrieval_options& o, const rope_config& rope, int n_head, backend& be,
@@ -123,32 +137,39 @@ double head_score(block_score_rule rule, const float* qh, const uint16_t* mn, co
 
 }  // namespace
 
+int retrieval_selector::lists_per_query(const kv_cache& own, int layer) const {
+  return opt_.scope == selection_scope::select_per_kv_head ? summaries_of(own, layer).n_head_kv : 1;
+}
+
 std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::score_blocks(
     const kv_cache& own, int layer, const float* q, const int32_t* q_pos, int64_t n_q, int64_t keep) {
   const block_summary_view S = summaries_of(own, layer);
   const int hd = S.head_dim, H = n_head_, g = H / S.n_head_kv, C = S.n_head_kv * hd;
+  const int L = lists_per_query(own, layer), heads_per_list = H / L;
   turn_queries(q, q_pos, n_q, H, hd);
 
-  std::vector<std::vector<scored_block>> out((size_t)n_q);
+  std::vector<std::vector<scored_block>> out((size_t)n_q * L);
   std::vector<scored_block> cand;
   for (int64_t i = 0; i < n_q; ++i) {
-    cand.clear();
     const float* qi = qf_.data() + (size_t)i * H * hd;
-    for (int64_t b = 0; b < S.n_blocks; ++b) {
-      if (!candidate(S.ids[b], q_pos[i])) continue;
-      const uint16_t* mn = S.kmin + (size_t)b * C;
-      const uint16_t* mx = S.kmax + (size_t)b * C;
-      const uint16_t* mean = S.kmean + (size_t)b * C;
-      double s = 0.0;
-      for (int h = 0; h < H; ++h) {
-        const int c0 = (h / g) * hd;
-        s += head_score(opt_.rule, qi + (size_t)h * hd, mn + c0, mx + c0, mean + c0, hd);
+    for (int l = 0; l < L; ++l) {
+      cand.clear();
+      for (int64_t b = 0; b < S.n_blocks; ++b) {
+        if (!candidate(S.ids[b], q_pos[i])) continue;
+        const uint16_t* mn = S.kmin + (size_t)b * C;
+        const uint16_t* mx = S.kmax + (size_t)b * C;
+        const uint16_t* mean = S.kmean + (size_t)b * C;
+        double s = 0.0;
+        for (int h = l * heads_per_list; h < (l + 1) * heads_per_list; ++h) {
+          const int c0 = (h / g) * hd;
+          s += head_score(opt_.rule, qi + (size_t)h * hd, mn + c0, mx + c0, mean + c0, hd);
+        }
+        cand.push_back({s, S.ids[b]});
       }
-      cand.push_back({s, S.ids[b]});
+      const size_t k = std::min<size_t>((size_t)keep, cand.size());
+      std::partial_sort(cand.begin(), cand.begin() + (ptrdiff_t)k, cand.end(), better);
+      out[(size_t)i * L + l].assign(cand.begin(), cand.begin() + (ptrdiff_t)k);
     }
-    const size_t k = std::min<size_t>((size_t)keep, cand.size());
-    std::partial_sort(cand.begin(), cand.begin() + (ptrdiff_t)k, cand.end(), better);
-    out[(size_t)i].assign(cand.begin(), cand.begin() + (ptrdiff_t)k);
   }
   const size_t per_block = opt_.rule == block_score_rule::score_minmax ? 2 : 1;
   summary_bytes_read_ += (size_t)S.n_blocks * (per_block * C * sizeof(uint16_t) + 12);
@@ -230,23 +251,25 @@ const attn_selection& retrieval_selector::select(const kv_cache& own, int layer,
     if (!probed_[(size_t)layer]) probed_[(size_t)layer] = true, run_probe(own, layer, q_pos, n_q);
   }
   const int p = comm_.size();
-  std::vector<std::vector<scored_block>> best((size_t)n_q);
+  const int L = lists_per_query(own, layer);
+  const int64_t n_lists = n_q * L;
+  std::vector<std::vector<scored_block>> best((size_t)n_lists);
   if (p == 1) {
     best = std::move(mine);
   } else {
-    // Fixed-size records: k slots per query, unused ones with id -1.
-    std::vector<scored_block> send((size_t)n_q * k, scored_block{-std::numeric_limits<double>::infinity(), -1});
-    for (int64_t i = 0; i < n_q; ++i)
-      std::copy(mine[(size_t)i].begin(), mine[(size_t)i].end(), send.begin() + i * k);
+    // Fixed-size records: k slots per list, unused ones with id -1.
+    std::vector<scored_block> send((size_t)n_lists * k, scored_block{-std::numeric_limits<double>::infinity(), -1});
+    for (int64_t l = 0; l < n_lists; ++l)
+      std::copy(mine[(size_t)l].begin(), mine[(size_t)l].end(), send.begin() + l * k);
     std::vector<scored_block> recv(send.size() * p);
     const size_t bytes = send.size() * sizeof(scored_block);
     comm_.all_gather(send.data(), recv.data(), bytes);
     gather_bytes_sent_ += bytes;
-    for (int64_t i = 0; i < n_q; ++i) {
-      std::vector<scored_block>& b = best[(size_t)i];
+    for (int64_t l = 0; l < n_lists; ++l) {
+      std::vector<scored_block>& b = best[(size_t)l];
       for (int r = 0; r < p; ++r)
         for (int j = 0; j < k; ++j) {
-          const scored_block& x = recv[((size_t)r * n_q + i) * k + j];
+          const scored_block& x = recv[((size_t)r * n_lists + l) * k + j];
           if (x.id >= 0) b.push_back(x);
         }
       const size_t keep = std::min<size_t>((size_t)k, b.size());
@@ -254,25 +277,33 @@ const attn_selection& retrieval_selector::select(const kv_cache& own, int layer,
       b.resize(keep);
     }
   }
+  sel_.lists_per_query = L;
   sel_.offsets.assign(1, 0);
   sel_.units.clear();
   const int64_t units_per_block = opt_.block / kAttnUnit;
   const block_summary_view own_blocks = summaries_of(own, layer);
   const int64_t* own_end = own_blocks.ids + own_blocks.n_blocks;
-  std::vector<int64_t> u;
+  std::vector<int64_t> u, read;
   for (int64_t i = 0; i < n_q; ++i) {
-    u.clear();
-    fixed_units(q_pos[i], u);
     const int64_t up = attn_unit_of(q_pos[i]);
-    for (const scored_block& b : best[(size_t)i])
-      for (int64_t x = 0; x < units_per_block; ++x)
-        if (b.id * units_per_block + x <= up) u.push_back(b.id * units_per_block + x);
-    std::sort(u.begin(), u.end());
-    u.erase(std::unique(u.begin(), u.end()), u.end());
-    for (const int64_t x : u)  // units of blocks this rank holds
+    read.clear();
+    for (int l = 0; l < L; ++l) {
+      u.clear();
+      fixed_units(q_pos[i], u);
+      for (const scored_block& b : best[(size_t)(i * L + l)])
+        for (int64_t x = 0; x < units_per_block; ++x)
+          if (b.id * units_per_block + x <= up) u.push_back(b.id * units_per_block + x);
+      std::sort(u.begin(), u.end());
+      u.erase(std::unique(u.begin(), u.end()), u.end());
+      sel_.units.insert(sel_.units.end(), u.begin(), u.end());
+      sel_.offsets.push_back((int64_t)sel_.units.size());
+      read.insert(read.end(), u.begin(), u.end());
+    }
+    // Units read for query i: the union of its lists, counted where this rank holds them.
+    std::sort(read.begin(), read.end());
+    read.erase(std::unique(read.begin(), read.end()), read.end());
+    for (const int64_t x : read)
       if (std::binary_search(own_blocks.ids, own_end, floor_div(x * kAttnUnit, opt_.block))) ++own_units_;
-    sel_.units.insert(sel_.units.end(), u.begin(), u.end());
-    sel_.offsets.push_back((int64_t)sel_.units.size());
   }
   return sel_;
 }

@@ -31,13 +31,21 @@ enum class attention_mode : uint8_t { attention_full, attention_retrieval, atten
 attention_mode parse_attention_mode(const std::string& name);  // full | retrieval | auto
 const char* attention_mode_name(attention_mode m);
 
-// How a block is scored against a query (head scores summed over the layer's query heads, as
-// InfLLM sums its relevance over heads: one selection per query and layer).
+// How a block is scored against a query head (summed over the heads a selection serves:
+// selection_scope).
 //   minmax: Quest's upper bound of q·k over the block, Σ_c max(q_c·min_c, q_c·max_c);
 //   mean:   q · (mean key of the block), the representative vector of one.
 enum class block_score_rule : uint8_t { score_minmax, score_mean };
 block_score_rule parse_block_score_rule(const std::string& name);  // minmax | mean
 const char* block_score_rule_name(block_score_rule r);
+
+// Whose selection: one top-k per query and layer, the heads' scores summed (InfLLM), or one per
+// query and KV head, each from its own query heads' scores (Quest selects per head; per KV head
+// here, the granularity at which GQA's heads share keys). per KV head reads the union of the
+// lists' units and deposits each only for the heads that chose it.
+enum class selection_scope : uint8_t { select_per_layer, select_per_kv_head };
+selection_scope parse_selection_scope(const std::string& name);  // layer | kv-head
+const char* selection_scope_name(selection_scope s);
 
 struct retrieval_options {
   int64_t sink = 256;    // S: the first positions every query sees (rounded up to kAttnUnit)
@@ -47,6 +55,7 @@ struct retrieval_options {
   // 31st in 14 of 30 layers (benchmarks/results/needle_rank_notes.md), and top-32 answered.
   int top_k = 32;
   block_score_rule rule = block_score_rule::score_minmax;
+  selection_scope scope = selection_scope::select_per_layer;
 };
 
 // Throws xctx::Error naming the flag (--sink, --local, --block-size, --top-k) for values the
@@ -67,13 +76,15 @@ class retrieval_selector {
   const attn_selection& select(const kv_cache& own, int layer, const float* q, const int32_t* q_pos, int64_t n_q);
 
   // One rank's block scores for the queries, highest first (ties: lower block id), at most k
-  // per query: [n_q][<= k] of (score, block id). Exposed for tests and the needle-rank tool.
+  // per list: [n_q * lists][<= k] of (score, block id), lists = 1 per query, or one per KV head
+  // (selection_scope). Exposed for tests and the needle-rank tool.
   struct scored_block {
     double score;
     int64_t id;
   };
   std::vector<std::vector<scored_block>> score_blocks(const kv_cache& own, int layer, const float* q,
                                                       const int32_t* q_pos, int64_t n_q, int64_t keep);
+  int lists_per_query(const kv_cache& own, int layer) const;
   // Whether block `id` is a candidate for the query at position p (started, and not wholly
   // inside the sink and the local window, which every query sees anyway).
   bool candidate(int64_t id, int64_t p) const;

@@ -1,6 +1,7 @@
 #include "worker/sequence_parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -602,13 +603,46 @@ std::vector<int32_t> sequence_parallel_runner::load_cache(const std::string& dir
   return st.tokens;
 }
 
-void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits) {
+std::pair<double, int64_t> sequence_parallel_runner::score_stepwise(const std::vector<int32_t>& tokens,
+                                                                    int64_t first_scored, int64_t chunk,
+                                                                    const llama_engine::progress_fn& progress) {
+  const int64_t n = (int64_t)tokens.size(), prefix = 1;
+  XCTX_CHECK(n >= 2, "score: need at least 2 tokens, got ", n);
+  XCTX_CHECK(chunk >= 1, "score: chunk must be >= 1, got ", chunk);
+  const int V = engine_.hparams().n_vocab;
+  std::vector<float> logits((size_t)std::min<int64_t>(chunk, n - prefix) * V);
+  double sum = 0.0;
+  int64_t count = 0;
+  // nll = logsumexp(row) - row[target], in double and in vocabulary order: every rank holds the
+  // same logits, so every rank adds the same bits.
+  const auto add = [&](const float* row, int64_t target_pos) {
+    if (target_pos < first_scored || target_pos >= n) return;
+    float m = row[0];
+    for (int v = 1; v < V; ++v) m = std::max(m, row[v]);
+    double z = 0.0;
+    for (int v = 0; v < V; ++v) z += std::exp((double)row[v] - (double)m);
+    sum += (double)m + std::log(z) - (double)row[tokens[(size_t)target_pos]];
+    ++count;
+  };
+  const std::vector<int32_t> head(tokens.begin(), tokens.begin() + prefix);
+  prefill(head, {}, logits.data(), {}, n - 1 - prefix);
+  add(logits.data(), prefix);  // the prefill's row predicts token 1
+  for (int64_t p = prefix; p < n - 1; p += chunk) {
+    const int64_t m = std::min(chunk, n - 1 - p);
+    step(tokens.data() + p, m, logits.data(), llama_engine::logits_for::logits_all);
+    for (int64_t i = 0; i < m; ++i) add(logits.data() + (size_t)i * V, p + i + 1);
+    if (progress) progress(p + m, n - 1);
+  }
+  return {sum, count};
+}
+
+void sequence_parallel_runner::step(const int32_t* tokens, int64_t n, float* logits, llama_engine::logits_for which) {
   XCTX_CHECK(active_, "step before prefill");
   XCTX_CHECK(n > 0, "step: no tokens");
   std::vector<int32_t> pos(n);
   for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(next_pos_ + i);
   merged_attention merged(*cache_, comm_.rank() == plan_.tail_rank, comm_, be_, stats_, device_comm_, selector_.get());
-  engine_.forward(tokens, pos.data(), n, merged, llama_engine::logits_for::logits_last, logits);
+  engine_.forward(tokens, pos.data(), n, merged, which, logits);
   next_pos_ += n;
   stats_.decode_tokens += n;
 }

@@ -125,8 +125,17 @@ class sequence_parallel_runner {
   // sums meet on every rank. Returns (sum of natural-log NLL, number of targets scored).
   std::pair<double, int64_t> score(const std::vector<int32_t>& tokens, int64_t first_scored,
                                    const llama_engine::progress_fn& progress = {});
-  // Collective: runs tokens through the merged path; logits of the last one on every rank.
-  void step(const int32_t* tokens, int64_t n, float* logits);
+  // Collective teacher-forced scoring through the merged path, the way generation attends: the
+  // first token prefilled, then the rest fed `chunk` tokens per step with every row's logits, so
+  // each query attends as a decode step does (under retrieval: its own selection). The last
+  // token is not fed (it has no target). Same return as score(); the sums are the same bits on
+  // every rank.
+  std::pair<double, int64_t> score_stepwise(const std::vector<int32_t>& tokens, int64_t first_scored, int64_t chunk,
+                                            const llama_engine::progress_fn& progress = {});
+  // Collective: runs tokens through the merged path; logits of the last one on every rank (of
+  // every one, [n, n_vocab], with logits_all).
+  void step(const int32_t* tokens, int64_t n, float* logits,
+            llama_engine::logits_for which = llama_engine::logits_for::logits_last);
   // Ends the current sequence so the next prefill/score starts a new one. The cache is kept
   // (and cleared at the next prefill) when capacity_per_rank is set, else freed now.
   void reset();

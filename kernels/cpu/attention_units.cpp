@@ -88,7 +88,7 @@ struct query_runner {
     } else {
       for (int ii = 0; ii < block_n; ++ii) {
         const auto [b, e] = qr.near(block_i0 + ii, s0, n);
-        run(block_i0 + ii, false, kv, b, e, n, acc);
+        run(block_i0 + ii, false, kv, s0, b, e, n, acc);
       }
     }
     if (qr.grouped) run_block(kv_far, q_block_far, true, s0, n, acc);
@@ -112,13 +112,15 @@ struct query_runner {
     jb.j0 = 0, jb.j1 = n;
     jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
     impl::decode_block(isa, jb);
-    for (int r = 0; r < R; ++r) acc.add_partial(row_of[(size_t)r], lse[(size_t)r], o.data() + (size_t)r * qs.head_dim);
+    for (int r = 0; r < R; ++r)  // rows ordered (kvh, query, head of the group)
+      if (qr.head_sees(block_i0 + (r / g) % block_n, r / (g * block_n), s0))
+        acc.add_partial(row_of[(size_t)r], lse[(size_t)r], o.data() + (size_t)r * qs.head_dim);
   }
   int64_t block_i0 = 0;
   int block_n = 0;
   // Query i over the unit's slots [b, e) (relative to s0): the near side with the unit's keys,
   // or the grouped side (far) with its grouped keys and the turned query.
-  void run(int64_t i, bool far, const unit_kv& kv, int64_t b, int64_t e, int n, softmax_acc& acc) {
+  void run(int64_t i, bool far, const unit_kv& kv, int64_t s0, int64_t b, int64_t e, int n, softmax_acc& acc) {
     if (b >= e) return;
     std::fill(row_end.begin(), row_end.end(), e);
     impl::decode_job jb;
@@ -131,16 +133,17 @@ struct query_runner {
     jb.j0 = b, jb.j1 = n;
     jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
     impl::decode_block(isa, jb);
+    const int g = qs.n_head / qs.n_head_kv;
     for (int h = 0; h < qs.n_head; ++h)
-      acc.add_partial(i * qs.n_head + h, lse[(size_t)h], o.data() + (size_t)h * qs.head_dim);
+      if (qr.head_sees(i, h / g, s0)) acc.add_partial(i * qs.n_head + h, lse[(size_t)h], o.data() + (size_t)h * qs.head_dim);
   }
   // Both sides of query i over one unit (kv_far: the grouped keys, only read when needed).
   void run_both(int64_t i, const unit_kv& kv, const unit_kv& kv_far, int64_t s0, int n, softmax_acc& acc) {
     const auto [nb, ne] = qr.near(i, s0, n);
-    run(i, false, kv, nb, ne, n, acc);
+    run(i, false, kv, s0, nb, ne, n, acc);
     if (qr.grouped) {
       const auto [fb, fe] = qr.far(i, s0, n);
-      run(i, true, kv_far, fb, fe, n, acc);
+      run(i, true, kv_far, s0, fb, fe, n, acc);
     }
   }
 };
@@ -167,8 +170,7 @@ query_ranges::query_ranges(const unit_queries& qs, const int32_t* kv_pos, int64_
       grouped(qs.rope != nullptr && self_extend_on(*qs.rope)),
       kv_pos(kv_pos),
       select(qs.select) {
-  XCTX_CHECK(select == nullptr || select->n_queries() == qs.n_q, "attention: a selection of ",
-             select == nullptr ? 0 : select->n_queries(), " queries for ", qs.n_q);
+  if (select != nullptr) check_selection(*select, qs.n_q, qs.n_head_kv, "attention");
   for (int64_t i = 0; i < qs.n_q; ++i) {
     end[i] = std::upper_bound(kv_pos, kv_pos + n_kv, qs.q_pos[i]) - kv_pos;
     kv_len = std::max(kv_len, end[i]);
@@ -353,8 +355,10 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
     o.resize((size_t)qs.n_head * hd), lse.resize((size_t)qs.n_head);
     thread_local softmax_acc mine;
     mine.reset(acc.rows(), acc.width());
-    const auto deposit = [&] {
-      for (int h = 0; h < qs.n_head; ++h) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
+    const int g = qs.n_head / qs.n_head_kv;
+    const auto deposit = [&](int64_t s0) {
+      for (int h = 0; h < qs.n_head; ++h)
+        if (ranges.head_sees(0, h / g, s0)) mine.add_partial(h, lse[(size_t)h], o.data() + (size_t)h * hd);
     };
 #pragma omp for schedule(static)
     for (int64_t x = 0; x < n_vis; ++x) {
@@ -363,11 +367,11 @@ void attend_units_one_query(const unit_queries& qs, const int32_t* kv_pos, int64
       const int n = (int)(ub[u + 1] - s0);
       errors.run([&] {
         const auto [nb, ne] = ranges.near(0, s0, n);
-        if (nb < ne) kernel->attend(q_scaled.data(), s0 + nb, (int)(ne - nb), false, o.data(), lse.data()), deposit();
+        if (nb < ne) kernel->attend(q_scaled.data(), s0 + nb, (int)(ne - nb), false, o.data(), lse.data()), deposit(s0);
         if (ranges.grouped) {
           const auto [fb, fe] = ranges.far(0, s0, n);
           if (fb < fe)
-            kernel->attend(ranges.q_far.data(), s0 + fb, (int)(fe - fb), true, o.data(), lse.data()), deposit();
+            kernel->attend(ranges.q_far.data(), s0 + fb, (int)(fe - fb), true, o.data(), lse.data()), deposit(s0);
         }
       });
     }

@@ -69,7 +69,9 @@ struct unit_queries {
   // turned to its grouped position (kernels/ops.h), the rest as usual: up to two deposits per
   // (query, unit), each a function of the query and the unit alone, so invariance holds.
   const rope_config* rope = nullptr;
-  // Retrieval: query i sees only the units select->sees(i, unit) lists (attn_args::select).
+  // Retrieval: query i sees only the units select->sees(i, unit) lists (attn_args::select);
+  // with one list per KV head, a unit is computed for every head of the query and deposited
+  // only for the heads whose list holds it.
   const attn_selection* select = nullptr;
 };
 
@@ -91,6 +93,10 @@ struct query_ranges {
     return select == nullptr || select->sees(i, attn_unit_of(kv_pos[s0]));
   }
   // Query i's near / grouped slots in the unit [s0, s0 + n), relative to s0 (empty when b >= e).
+  // Whether the heads of KV head kvh of query i see the unit at slot s0, given selected(i, s0).
+  bool head_sees(int64_t i, int kvh, int64_t s0) const {
+    return select == nullptr || select->shared() || select->sees(i, kvh, attn_unit_of(kv_pos[s0]));
+  }
   std::pair<int64_t, int64_t> near(int64_t i, int64_t s0, int n) const {
     if (!selected(i, s0)) return {0, 0};
     return {std::max<int64_t>(split[i] - s0, 0), std::min<int64_t>(end[i] - s0, n)};

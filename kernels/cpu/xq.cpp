@@ -539,17 +539,18 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
     std::vector<int64_t> row_end((size_t)a.n_head);
     softmax_acc mine(acc.rows(), acc.width());
     // Query i's partial (ol, lse: normalised latents) projected by M_v and deposited.
-    const auto deposit = [&](int64_t i) {
+    const auto deposit = [&](int64_t i, int64_t s0) {
       if (a.m_v != nullptr) gemm_rows(ol.data(), a.n_head, cv, mv.data(), false, kv, 0.0f, proj.data(), kv);
       for (int h = 0; h < a.n_head; ++h) {
         const int col0 = (h / g) * hd;
         const float* src = a.m_v != nullptr ? proj.data() + (size_t)h * kv + col0 : ol.data() + (size_t)h * hd;
+        if (!ranges.head_sees(i, h / g, s0)) continue;  // per-KV-head selection: not this head's unit
         for (int c = 0; c < hd; ++c) o[c] = src[c] + (a.b_v ? a.b_v[col0 + c] : 0.0f);
         mine.add_partial(i * a.n_head + h, lse[(size_t)h], o.data());
       }
     };
     // Query i over the unit's slots [b, e) with keys k (near or grouped) and query rows qi.
-    const auto run = [&](int64_t i, const float* qi, const float* k, int64_t b, int64_t e) {
+    const auto run = [&](int64_t i, const float* qi, const float* k, int64_t s0, int64_t b, int64_t e) {
       if (b >= e) return;
       std::fill(row_end.begin(), row_end.end(), e);
       impl::decode_job jb;
@@ -560,7 +561,7 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
       jb.j0 = b, jb.j1 = e;
       jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
       impl::decode_block(isa, jb);
-      deposit(i);
+      deposit(i, s0);
     };
 #pragma omp for schedule(dynamic, 2)
     for (int64_t un = 0; un < n_unit; ++un) {
@@ -575,15 +576,15 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
           rb.rows(s0, n, kt_far.data(), nullptr, near ? nullptr : zvt.data(), true);
         for (int64_t i = 0; i < a.n_q; ++i) {
           const auto [nb, ne] = ranges.near(i, s0, n);
-          run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), nb, ne);
+          run(i, q_scaled.data() + (size_t)i * a.n_head * hd, kt.data(), s0, nb, ne);
           if (!ranges.grouped) continue;
           const auto [fb, fe] = ranges.far(i, s0, n);
           const float* qf = ranges.q_far.data() + (size_t)i * a.n_head * hd;
           if (!absorb_far) {
-            run(i, qf, kt_far.data(), fb, fe);
+            run(i, qf, kt_far.data(), s0, fb, fe);
           } else if (fb < fe) {
             far_side->attend(qf, zk_unit.data(), zvt.data(), s0, fb, fe, ol.data(), lse.data());
-            deposit(i);
+            deposit(i, s0);
           }
         }
       });

@@ -72,16 +72,16 @@ void attention_partial(const attn_args& a) {
                " does not fit head_dim=", hd);
   std::vector<double> score((size_t)a.n_kv);  // [n_kv]
   std::vector<double> acc((size_t)hd);        // [head_dim]
-  XCTX_CHECK(a.select == nullptr || a.select->n_queries() == a.n_q, "attention: a selection of ",
-             a.select == nullptr ? 0 : a.select->n_queries(), " queries for ", a.n_q);
+  if (a.select != nullptr) check_selection(*a.select, a.n_q, a.n_head_kv, "attention");
   for (int64_t i = 0; i < a.n_q; ++i) {
-    // Causal, and inside query i's selected units when there is a selection (retrieval).
-    const auto visible = [&](int64_t j) {
-      return a.kv_pos[j] <= a.q_pos[i] && (a.select == nullptr || a.select->sees(i, attn_unit_of(a.kv_pos[j])));
-    };
     for (int h = 0; h < a.n_head; ++h) {
       const float* q = a.q + (i * a.n_head + h) * hd;
       const int kvh = h / group;
+      // Causal, and inside the units query i's list for this head holds when there is a
+      // selection (retrieval).
+      const auto visible = [&](int64_t j) {
+        return a.kv_pos[j] <= a.q_pos[i] && (a.select == nullptr || a.select->sees(i, kvh, attn_unit_of(a.kv_pos[j])));
+      };
       float* o = a.o + (i * a.n_head + h) * hd;
       double m = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < a.n_kv; ++j) {

@@ -138,6 +138,7 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
     return;
   }
   // Absorbed: o = (Σ p_t z_v,t)·M_v[:, head] / Σ p_t + b_v, all in double.
+  if (a.select != nullptr) check_selection(*a.select, a.n_q, a.n_head_kv, "attention_xq");
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv;
   std::vector<double> s((size_t)n), u((size_t)cv), kd((size_t)hd);
   for (int64_t i = 0; i < a.n_q; ++i)
@@ -147,7 +148,7 @@ void attention_xq(const xq_attn_args& a, bool absorb) {
       double m = -std::numeric_limits<double>::infinity();
       int64_t vis = 0;
       for (int64_t t = 0; t < n && a.pos[t] <= a.q_pos[i]; ++t, ++vis) {
-        if (a.select != nullptr && !a.select->sees(i, attn_unit_of(a.pos[t]))) {  // retrieval: not selected
+        if (a.select != nullptr && !a.select->sees(i, kvh, attn_unit_of(a.pos[t]))) {  // retrieval: not selected
           s[t] = -std::numeric_limits<double>::infinity();
           continue;
         }

@@ -70,6 +70,45 @@ TEST_P(x_selection, units_are_masked_exactly) {
     }
 }
 
+// One list per KV head: each head's rows equal a shared selection's with its KV head's list.
+TEST_P(x_selection, a_per_kv_head_selection_gives_each_head_its_own_list) {
+  const test::x_case c = GetParam();
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t n = 4 * 256 + 30;
+  cache_geometry g = test::x_geometry(c.gqa, n + 4);
+  g.rope = with_fixed_distance(g.rope, 300);
+  test::filled f = test::fill(*be, c, g, n, 1, {500, 200}, 43);
+  const int qd = g.n_head * g.head_dim;
+  std::mt19937 rng(10);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(3 * qd);
+  for (float& x : q) x = 0.3f * nd(rng);
+  const std::vector<int32_t> q_pos = {(int32_t)n - 1, 700, (int32_t)n - 1};
+  const std::vector<std::vector<int64_t>> even = {{0, 2, 4}, {1, 2}, {}}, odd = {{1, 4}, {0}, {3}};
+  for (int layer : {0, g.n_layer - 1})
+    for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
+      SCOPED_TRACE(test::case_name(c) + " layer " + std::to_string(layer) +
+                   (path == attend_path::attend_decode ? " decode" : " prefill"));
+      const int64_t nq = path == attend_path::attend_decode ? 1 : 3;
+      const auto first = [&](const std::vector<std::vector<int64_t>>& l) {
+        return std::vector<std::vector<int64_t>>(l.begin(), l.begin() + nq);
+      };
+      const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), g.n_head_kv);
+      const attn_selection se = selection_of(first(even)), so = selection_of(first(odd));
+      const auto run = [&](const attn_selection& s, std::vector<float>& o, std::vector<float>& l) {
+        softmax_acc acc(nq * g.n_head, g.head_dim);
+        f.cache->attend(layer, q.data(), q_pos.data(), nq, path, acc, &s);
+        o.resize(nq * qd), l.resize(nq * g.n_head);
+        acc.finish(o.data(), l.data());
+      };
+      std::vector<float> o_h, l_h, o_e, l_e, o_o, l_o;
+      run(heads, o_h, l_h);
+      run(se, o_e, l_e);
+      run(so, o_o, l_o);
+      test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, g.n_head, g.n_head_kv, g.head_dim);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(formats, x_selection,
                          ::testing::Values(test::x_case{cache_format::cache_xquant3, true, false},
                                            test::x_case{cache_format::cache_xquant_cl3, true, false},

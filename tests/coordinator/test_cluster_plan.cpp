@@ -68,6 +68,18 @@ TEST(cluster_plan, retrieval_step_reads_the_weights_summaries_and_the_selected_t
     if (last > 0) EXPECT_LT(p.retrieval_decode_s, 1.5 * last) << "10x the context, the step nearly flat";
     last = p.retrieval_decode_s;
   }
+  // Per KV head: n_head_kv lists of k records per query, and at most n_head_kv·k blocks read.
+  r.scope = selection_scope::select_per_kv_head;
+  in.context = int64_t(1) << 20;
+  const format_plan p = plan_format(in, cache_format::cache_nuq3_1pct);
+  const double C = (double)in.hp.n_head_kv * in.hp.head_dim;
+  const double summaries = (double)p.tokens_per_rank / 256 * in.hp.n_layer * (2 * C * 2 + 12);
+  EXPECT_DOUBLE_EQ(p.selection_bytes_per_token_layer, 32.0 * 16 * in.hp.n_head_kv);
+  EXPECT_NEAR(p.retrieval_bytes_read,
+              p.weight_bytes + summaries +
+                  std::min<double>((double)p.tokens_per_rank, 256 + 4096 + 32.0 * 256 * in.hp.n_head_kv) *
+                      p.bytes_per_token,
+              1e-6 * p.retrieval_bytes_read);
 }
 
 // XQuant §3.4: H100 (756 TFLOPs / 2 TB/s = ridge 378), d = 4K, 2-bit X: 2.3K tokens for

@@ -17,6 +17,7 @@
 #include "model/tokenizer.h"
 #include "test_util.h"
 #include "worker/calibrate.h"
+#include "worker/sequence_parallel.h"
 
 namespace xctx {
 namespace {
@@ -64,6 +65,57 @@ TEST(ppl, equals_exp_mean_nll_from_the_logits) {
     EXPECT_EQ(s.n_scored, stride == 128 ? 299 - (s.n_windows - 1) : 299) << "stride " << stride;
   }
   EXPECT_THROW(perplexity(engine, *comm, *be, cache_format::cache_fp32, sequence_options{}, ids, 128, 300, 0), Error);
+}
+
+// Scoring the way generation attends (score_stepwise: one token prefilled, then steps of 256 queries with
+// every row's logits) under retrieval whose local window covers the whole text is full attention:
+// the same perplexity as the layer-major scored path within float summation order (as above).
+// With a short window and one block the selection is live: a different perplexity, and the
+// ppl job's retrieval path gives the stepwise figure.
+TEST(ppl, retrieval_scoring_with_a_window_over_everything_is_full_attention) {
+  XCTX_REQUIRE_MODEL(path);
+  const model_weights w = load_model(path);
+  auto tok = make_tokenizer(read_gguf_vocab(*gguf_file::open(path)));
+  const int64_t n = 1200;
+  const std::vector<int32_t> ids = austen_ids(*tok, n);
+  auto be = make_backend(backend_kind::backend_cpu);
+  auto comm = make_local_communicator();
+  const auto full_ppl = [&] {
+    run_params rp;
+    rp.cache = cache_format::cache_fp32;
+    llama_engine engine(w, *be, rp);
+    sequence_parallel_runner runner(engine, *comm, *be, cache_format::cache_fp32, sequence_options{});
+    const auto [sum, count] = runner.score(ids, 1);
+    EXPECT_EQ(count, n - 1);
+    return std::exp(sum / (double)count);
+  };
+  const auto retrieval_ppl = [&](int64_t local, int top_k) {
+    sequence_options seq;
+    seq.attention = attention_mode::attention_retrieval;
+    seq.retrieval.local = local, seq.retrieval.top_k = top_k;
+    seq.max_new_tokens = n;
+    run_params rp;
+    rp.cache = cache_format::cache_fp32;
+    cache_spec spec(cache_format::cache_fp32);
+    apply_attention_mode(seq, rp, spec, n, w.hp.n_ctx_train);
+    llama_engine engine(w, *be, rp);
+    sequence_parallel_runner runner(engine, *comm, *be, spec, seq);
+    const auto [sum, count] = runner.score_stepwise(ids, 1, 256);
+    EXPECT_EQ(count, n - 1);
+    return std::pair<double, ppl_result>{
+        std::exp(sum / (double)count), perplexity(engine, *comm, *be, spec, seq, ids, n, n, 0)};
+  };
+  const double full = full_ppl();
+  const auto [wide, wide_job] = retrieval_ppl(2048, 32);
+  EXPECT_NEAR(wide, full, 1e-4 * full) << "window over everything";
+  const auto [narrow, narrow_job] = retrieval_ppl(256, 1);
+  EXPECT_GT(std::fabs(narrow - full), 1e-3 * full) << "a 256-token window and one block changed nothing";
+  EXPECT_LT(narrow, 2 * full);
+  // The job's path (perplexity() under retrieval) is the stepwise one.
+  EXPECT_EQ(narrow_job.ppl, narrow);
+  EXPECT_EQ(narrow_job.n_scored, n - 1);
+  EXPECT_TRUE(std::isfinite(narrow_job.ppl));
+  EXPECT_NEAR(wide_job.ppl, full, 1e-4 * full);
 }
 
 // Perplexity over fp16's of each format in the committed sweep

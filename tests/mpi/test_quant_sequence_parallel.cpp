@@ -103,6 +103,7 @@ struct sp_case {
   // Retrieval attention (worker/retrieval.h): star prefill in blocks of 512, then the suffix and
   // decode steps through sink 256 + local 512 + the top-2 blocks of 256, chosen across ranks.
   bool retrieval = false;
+  bool per_kv_head = false;  // retrieval: one top-k per KV head (selection_scope)
 };
 
 std::string sp_case_name(const sp_case& c) {
@@ -111,7 +112,7 @@ std::string sp_case_name(const sp_case& c) {
     if (ch == '-' || ch == '%') ch = '_';
   if (c.se_group == 4) s += "_selfextend";
   if (c.se_group > 0 && c.se_group != 4) s += "_selfextend" + std::to_string(c.se_group);
-  if (c.retrieval) s += "_retrieval";
+  if (c.retrieval) s += c.per_kv_head ? "_retrieval_kv_head" : "_retrieval";
   return c.cl_ring == cl_ring_mode::cl_ring_latent ? s + "_latent_ring" : s;
 }
 
@@ -156,6 +157,7 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
     if (c.retrieval) {
       opt.attention = attention_mode::attention_retrieval;
       opt.retrieval.sink = 256, opt.retrieval.local = 512, opt.retrieval.block = 256, opt.retrieval.top_k = 2;
+      if (c.per_kv_head) opt.retrieval.scope = selection_scope::select_per_kv_head;
       opt.mode = prefill_mode::prefill_star;
       opt.block_tokens = 512;
       cache_spec unused = spec;
@@ -340,6 +342,68 @@ std::string first_bitwise_difference(const std::vector<float>& got, const std::v
     if (std::memcmp(&got[i], &expected[i], sizeof(float)) != 0)
       return "logit " + std::to_string(i % n_vocab) + " of step " + std::to_string(i / n_vocab) + " differs";
   return "";
+}
+
+// The long prompt's logits (prefill, then greedy steps) on the world's ranks with fp16 under one
+// attention setup: retrieval (sink 256, blocks of 256, the given window and k), or full attention
+// at plain positions, or full attention with every key beyond `local` at distance `local`.
+enum class attention_setup { retrieval, full_plain, full_fixed_distance };
+std::vector<float> long_prompt_logits(attention_setup setup, prefill_mode mode, int64_t local, int top_k,
+                                      selection_scope scope = selection_scope::select_per_layer) {
+  communicator& comm = mpi_test::world();
+  const model_weights& w = long_prompt_model();
+  const auto ids = long_prompt_ids(w.hp.n_vocab);
+  auto be = make_backend(backend_kind::backend_cpu);
+  run_params rp;
+  rp.cache = cache_format::cache_fp16;
+  cache_spec spec(cache_format::cache_fp16, cache_options{});
+  sequence_options opt;
+  opt.mode = mode;
+  opt.block_tokens = 512;
+  opt.max_new_tokens = 5;
+  if (setup == attention_setup::retrieval) {
+    opt.attention = attention_mode::attention_retrieval;
+    opt.retrieval.sink = 256, opt.retrieval.local = local, opt.retrieval.block = 256, opt.retrieval.top_k = top_k;
+    opt.retrieval.scope = scope;
+    apply_attention_mode(opt, rp, spec, (int64_t)ids.size() + 5, w.hp.n_ctx_train);
+  } else {
+    opt.attention = attention_mode::attention_full;
+    if (setup == attention_setup::full_fixed_distance) rp.se_group = kFixedDistanceGroup, rp.se_window = (int)local;
+  }
+  llama_engine engine(w, *be, rp);
+  sequence_parallel_runner runner(engine, comm, *be, spec, opt);
+  std::vector<float> logits(w.hp.n_vocab);
+  runner.prefill(ids, {}, logits.data());
+  return with_greedy_steps(comm, runner, logits);
+}
+
+// Retrieval whose lists cover every block is full attention. With the local window over the
+// whole sequence it is full attention itself (plain positions, exact prefill). With a window
+// shorter than the prompt and k past the number of blocks it is full attention at retrieval's
+// positions (the same star prefill; every key beyond W at distance W, none selected away), per
+// layer and per KV head. A small k differs from both (the selection is live).
+TEST(retrieval_covering_every_block, equals_full_attention) {
+  const int n_vocab = long_prompt_model().hp.n_vocab;
+  const int64_t wide = 6144;  // > the prompt and its answer, < the trained 8192
+  EXPECT_EQ(first_bitwise_difference(long_prompt_logits(attention_setup::retrieval, prefill_mode::prefill_auto, wide, 1),
+                                     long_prompt_logits(attention_setup::full_plain, prefill_mode::prefill_exact, 0, 0),
+                                     n_vocab),
+            "")
+      << "window over everything";
+  const std::vector<float> fixed =
+      long_prompt_logits(attention_setup::full_fixed_distance, prefill_mode::prefill_star, 512, 0);
+  for (const selection_scope scope : {selection_scope::select_per_layer, selection_scope::select_per_kv_head}) {
+    EXPECT_EQ(first_bitwise_difference(
+                  long_prompt_logits(attention_setup::retrieval, prefill_mode::prefill_star, 512, 4096, scope), fixed,
+                  n_vocab),
+              "")
+        << "top-4096 per " << selection_scope_name(scope);
+    EXPECT_NE(first_bitwise_difference(
+                  long_prompt_logits(attention_setup::retrieval, prefill_mode::prefill_star, 512, 1, scope), fixed,
+                  n_vocab),
+              "")
+        << "top-1 per " << selection_scope_name(scope) << " selected nothing away";
+  }
 }
 
 // Ranks whose X rebuild factors differ (another LAPACK or CPU kernel on another node) run with
@@ -593,6 +657,13 @@ std::vector<sp_case> retrieval_cases() {
                          cache_format::cache_xquant2, cache_format::cache_xquant_cl3, cache_format::cache_clkv}) {
     sp_case c{f};
     c.retrieval = true;
+    out.push_back(c);
+  }
+  // Per KV head: each head's own list, one per format kind (post-RoPE fp keys, pre-RoPE codes,
+  // rebuilt X deltas).
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_nuq3_1pct, cache_format::cache_xquant_cl3}) {
+    sp_case c{f};
+    c.retrieval = c.per_kv_head = true;
     out.push_back(c);
   }
   return out;

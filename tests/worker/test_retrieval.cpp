@@ -107,6 +107,58 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
   }
 }
 
+// One list per KV head: each head's rows are those of a shared selection with its KV head's list
+// (the kernels compute a unit for every head of the query and deposit it only for the heads that
+// listed it), and the reference's per-head masking agrees within float error.
+TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) {
+  const cache_format f = GetParam();
+  cache_geometry g = test::quant_geometry(kTokens + 8);
+  g.rope = with_fixed_distance(g.rope, kLocal);
+  const int C = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
+  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 6);
+  std::vector<int32_t> pos(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
+  auto cpu = make_backend(backend_kind::backend_cpu);
+  auto ref = make_backend(backend_kind::backend_ref);
+  auto c = filled(*cpu, f, g, d, pos);
+  auto r = filled(*ref, f, g, d, pos);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  const int64_t n_q = 3;
+  std::vector<float> q(n_q * qd);
+  for (float& x : q) x = 0.4f * nd(rng);
+  const std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
+  const std::vector<std::vector<int64_t>> even = {{0, 2, 5}, {1, 3}, {}}, odd = {{1, 5}, {0, 3}, {4}};
+  for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
+    SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
+    const int64_t nq = path == attend_path::attend_decode ? 1 : n_q;  // decode steps carry one query
+    const auto first = [&](const std::vector<std::vector<int64_t>>& l) {
+      return std::vector<std::vector<int64_t>>(l.begin(), l.begin() + nq);
+    };
+    const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), g.n_head_kv);
+    const attn_selection se = selection_of(first(even)), so = selection_of(first(odd));
+    const auto run = [&](kv_cache& cache, const attn_selection& s, std::vector<float>& o, std::vector<float>& l) {
+      softmax_acc acc(nq * g.n_head, g.head_dim);
+      cache.attend(0, q.data(), q_pos.data(), nq, path, acc, &s);
+      o.resize(nq * qd), l.resize(nq * g.n_head);
+      acc.finish(o.data(), l.data());
+    };
+    std::vector<float> o_h, l_h, o_e, l_e, o_o, l_o, o_ref, l_ref;
+    run(*c, heads, o_h, l_h);
+    run(*c, se, o_e, l_e);
+    run(*c, so, o_o, l_o);
+    test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, g.n_head, g.n_head_kv, g.head_dim);
+    run(*r, heads, o_ref, l_ref);
+    double max_v = 0;
+    for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
+    for (size_t i = 0; i < o_h.size(); ++i) ASSERT_NEAR(o_h[i], o_ref[i], 2e-4 * max_v) << i;
+    for (size_t i = 0; i < l_h.size(); ++i) {
+      ASSERT_EQ(std::isinf(l_h[i]), std::isinf(l_ref[i])) << i;
+      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l_h[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(formats, retrieval_kernels,
                          ::testing::Values(cache_format::cache_fp16, cache_format::cache_kivi2,
                                            cache_format::cache_nuq3_1pct),
@@ -183,12 +235,17 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
   std::vector<float> q(2 * H * hd);
   for (float& x : q) x = nd(rng);
   const std::vector<int32_t> q_pos = {2999, 1800};
+  for (const selection_scope scope : {selection_scope::select_per_layer, selection_scope::select_per_kv_head})
   for (const block_score_rule rule : {block_score_rule::score_minmax, block_score_rule::score_mean}) {
+    SCOPED_TRACE(selection_scope_name(scope));
     retrieval_options o;
-    o.sink = 256, o.local = kLocal, o.block = 256, o.top_k = 3, o.rule = rule;
+    o.sink = 256, o.local = kLocal, o.block = 256, o.top_k = 3, o.rule = rule, o.scope = scope;
     retrieval_selector sel(o, g.rope, H, *be, *comm);
     const attn_selection& s = sel.select(*c, 0, q.data(), q_pos.data(), 2);
-    for (int64_t i = 0; i < 2; ++i) {
+    const int L = scope == selection_scope::select_per_kv_head ? g.n_head_kv : 1;
+    ASSERT_EQ(s.lists_per_query, L);
+    for (int64_t i = 0; i < 2; ++i)
+    for (int list = 0; list < L; ++list) {
       std::vector<float> qf(q.begin() + i * H * hd, q.begin() + (i + 1) * H * hd);
       const int32_t turn = kLocal - q_pos[i];
       rope_config plain = g.rope;
@@ -198,7 +255,7 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
       for (int64_t b = 0; b * 256 <= q_pos[i]; ++b) {
         if (!sel.candidate(b, q_pos[i])) continue;
         double s_b = 0;
-        for (int h = 0; h < H; ++h)
+        for (int h = list * (H / L); h < (list + 1) * (H / L); ++h)
           for (int ch = 0; ch < hd; ++ch) {
             const int col = (h / grp) * hd + ch;
             // The summary as stored: bf16 min rounded down, max up, the f32 mean to nearest.
@@ -219,9 +276,10 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
       for (size_t k = 0; k < 3 && k < scored.size(); ++k) expect.push_back(scored[k].second);
       std::sort(expect.begin(), expect.end());
       expect.erase(std::unique(expect.begin(), expect.end()), expect.end());
-      const std::vector<int64_t> got(s.units.begin() + s.offsets[i], s.units.begin() + s.offsets[i + 1]);
-      EXPECT_EQ(got, expect) << block_score_rule_name(rule) << " query " << i;
-      if (i == 1) {  // the needle-rank probe ranks a block as the brute force does, for the last query
+      const int64_t li = i * L + list;
+      const std::vector<int64_t> got(s.units.begin() + s.offsets[li], s.units.begin() + s.offsets[li + 1]);
+      EXPECT_EQ(got, expect) << block_score_rule_name(rule) << " query " << i << " list " << list;
+      if (i == 1 && L == 1) {  // the needle-rank probe ranks a block as the brute force does, for the last query
         for (const size_t at : {size_t(0), size_t(2), scored.size() - 1}) {
           retrieval_selector probe(o, g.rope, H, *be, *comm);
           probe.set_probe(scored[at].second * 256 + 17);
@@ -253,6 +311,7 @@ TEST(retrieval_options, bad_values_name_the_flag) {
   o.sink = -1;
   test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--sink");
   test::expect_error_contains([] { parse_attention_mode("fast"); }, "--attention");
+  test::expect_error_contains([] { parse_selection_scope("head"); }, "--select-per");
 }
 
 }  // namespace
