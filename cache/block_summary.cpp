@@ -116,25 +116,12 @@ class summarized_cache final : public kv_cache {
     return v;
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
-              const attn_selection* select) override {
-    inner_->attend(layer, q, q_pos, n_q, path, out, select);
-  }
-  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse, const attn_selection* select) override {
-    inner_->attend_partial(layer, q, q_pos, n_q, path, o, lse, select);
-  }
-  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path path, float* o, float* lse,
-                               const void* block_on_backend) override {
-    inner_->attend_exported_partial(layer, block, bytes, q, q_pos, n_q, path, o, lse, block_on_backend);
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    inner_->attend(layer, src, qs, select, sink);
   }
   size_t exported_bytes(int layer) const override { return inner_->exported_bytes(layer); }
   void export_layer(int layer, void* dst) const override { inner_->export_layer(layer, dst); }
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
-    inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
-  }
 
   // Snapshot: uint64 inner bytes | the inner snapshot | int64 n_blocks | ids | counts | min | max |
   // mean | the open block's f32 shadow (min, max, sum), so appends after a restore go on exactly.

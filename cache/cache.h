@@ -32,6 +32,44 @@ struct layer_input {
 // attention runs one way or the other never depends on how many queries share the call.
 enum class attend_path : uint8_t { attend_prefill, attend_decode };
 
+// What one attention call reads: the cache's own tokens of the layer, or a block export_layer
+// produced by a cache of the same format and geometry (host memory; on_backend: the same bytes
+// in the backend's memory when the caller holds them there -- the ring uploads each received
+// block once per layer, not once per query chunk).
+struct attend_source {
+  const void* block = nullptr;  // null: the own tokens
+  size_t bytes = 0;
+  const void* on_backend = nullptr;
+  bool own() const { return block == nullptr; }
+  static attend_source own_tokens() { return {}; }
+  static attend_source exported(const void* b, size_t n, const void* on_be = nullptr) { return {b, n, on_be}; }
+};
+
+// The queries of one call: RoPE applied, in the backend's memory; positions on the host. `path`
+// names the caller's phase so formats with two kernels pick by it, never by n.
+struct attend_queries {
+  const float* q = nullptr;        // [n, n_head, head_dim]
+  const int32_t* pos = nullptr;    // [n]
+  int64_t n = 0;
+  attend_path path = attend_path::attend_prefill;
+};
+
+// Where a call's attention goes: exactly one of
+//   the exact accumulator (rows n * n_head of width head_dim, host; kernels/softmax_acc.h):
+//     per-unit deposits whose sum does not depend on how the sequence is split over caches
+//     (backends with backend::exact_accumulator: cpu, ref);
+//   one (o, lse) partial in the backend's memory: o [n, n_head, head_dim] normalised, lse
+//     [n, n_head] natural log, as attn_args; partials of several calls merge with
+//     backend::merge_partials (worker/attention_sum.h; the CUDA backend).
+struct attend_sink {
+  softmax_acc* acc = nullptr;
+  float* o = nullptr;
+  float* lse = nullptr;
+  bool exact() const { return acc != nullptr; }
+  static attend_sink exact_sum(softmax_acc& a) { return {&a, nullptr, nullptr}; }
+  static attend_sink partial(float* o, float* lse) { return {nullptr, o, lse}; }
+};
+
 class kv_cache {
  public:
   virtual ~kv_cache() = default;
@@ -40,39 +78,18 @@ class kv_cache {
   // Appends to one layer. Throws xctx::Error when the shard's capacity would be exceeded.
   virtual void append(int layer, const layer_input& in) = 0;
   virtual int64_t n_tokens(int layer) const = 0;
-  // Attention of queries (RoPE applied) over this layer's cached tokens, causal by position,
-  // added to `out` (rows n_q * n_head, width head_dim; kernels/softmax_acc.h) as exact
-  // per-unit deposits: the sum does not depend on how the sequence is split over caches.
-  // `path` names the caller's phase so formats with two kernels pick by it, never by n_q.
-  // select (retrieval attention; null: every causal key): query i sees only the units
-  // select->sees lists (kernels/ops.h, attn_selection); host memory.
-  virtual void attend(int layer,
-                      const float* q,        // [n_q, n_head, head_dim]
-                      const int32_t* q_pos,  // [n_q]
-                      int64_t n_q, attend_path path, softmax_acc& out, const attn_selection* select) = 0;
-  // The same attention as one (o, lse) partial in the backend's memory, for backends without the
-  // exact accumulator (backend::exact_accumulator; CUDA): o [n_q, n_head, head_dim] normalised,
-  // lse [n_q, n_head] natural log, as attn_args. Partials of several calls merge with
-  // backend::merge_partials (worker/attention_sum.h). Formats that have not been made to run on
-  // such a backend throw (make_cache refuses them there up front).
-  virtual void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                              float* lse, const attn_selection* select);
-  // The same over a block of export_layer (host memory). block_on_backend, when not null, holds
-  // the same bytes in the backend's memory (the ring uploads each received block once per layer,
-  // not once per query chunk); without it the cache uploads what it needs itself.
-  virtual void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q,
-                                       const int32_t* q_pos, int64_t n_q, attend_path path, float* o, float* lse,
-                                       const void* block_on_backend = nullptr);
+  // The one attention entry: the queries over the source's tokens of the layer, causal by
+  // position, into the sink. select (retrieval attention; null: every causal key; own tokens
+  // only): query i sees only the units its lists hold (kernels/ops.h, attn_selection); host
+  // memory. Checks what every format shares, then runs the format's attend_impl.
+  void attend(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+              const attend_sink& sink);
   // The ring prefill passes a layer's tokens between ranks in the representation the format
   // stores (compressed formats send compressed bytes). export_layer writes exactly
   // exported_bytes(layer) bytes; attend_exported attends over such a block produced by a cache
   // of the same format and geometry on another rank.
   virtual size_t exported_bytes(int layer) const = 0;
   virtual void export_layer(int layer, void* dst) const = 0;
-  virtual void attend_exported(int layer, const void* block, size_t bytes,
-                               const float* q,        // [n_q, n_head, head_dim]
-                               const int32_t* q_pos,  // [n_q]
-                               int64_t n_q, attend_path path, softmax_acc& out) = 0;
   // Save and restore (worker/cache_snapshot.h): a layer as the cache stores it. snapshot_layer
   // writes exactly snapshot_bytes(layer) bytes; restore_layer fills an empty layer from such a
   // snapshot made by a cache of the same spec and geometry, checking it as attend_exported
@@ -86,15 +103,26 @@ class kv_cache {
   // f32 accumulators of foreign tokens, n_foreign * n_embd * 4 bytes). The sequence runner calls
   // it once the ring prefill / scoring is over; clear() drops it too. No-op for other formats.
   virtual void release_ring_state() {}
-  // Every causal key (no selection).
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out) {
-    attend(layer, q, q_pos, n_q, path, out, nullptr);
+  // Shorthands of attend() for the four (source, sink) pairs, and (o, lse) of one call through
+  // the exact accumulator (tests and tools).
+  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
+              const attn_selection* select = nullptr) {
+    attend(layer, attend_source::own_tokens(), {q, q_pos, n_q, path}, select, attend_sink::exact_sum(out));
   }
   void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse) {
-    attend_partial(layer, q, q_pos, n_q, path, o, lse, nullptr);
+                      float* lse, const attn_selection* select = nullptr) {
+    attend(layer, attend_source::own_tokens(), {q, q_pos, n_q, path}, select, attend_sink::partial(o, lse));
   }
-  // One call's partial as (o normalised, lse natural log), see attn_args: for tests and tools.
+  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
+                       attend_path path, softmax_acc& out) {
+    attend(layer, attend_source::exported(block, bytes), {q, q_pos, n_q, path}, nullptr, attend_sink::exact_sum(out));
+  }
+  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
+                               int64_t n_q, attend_path path, float* o, float* lse,
+                               const void* block_on_backend = nullptr) {
+    attend(layer, attend_source::exported(block, bytes, block_on_backend), {q, q_pos, n_q, path}, nullptr,
+           attend_sink::partial(o, lse));
+  }
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o /*[n_q, n_head, head_dim]*/,
               float* lse /*[n_q, n_head]*/, attend_path path = attend_path::attend_prefill);
   void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
@@ -103,6 +131,13 @@ class kv_cache {
   virtual void clear() = 0;
   virtual size_t bytes_allocated() const = 0;
   virtual size_t bytes_used() const = 0;  // for the tokens held now
+
+ protected:
+  // A format's attention, called by attend() with its arguments checked. A format resolves the
+  // source (own storage, or a parsed ring block moved to the backend when it is not there) into
+  // its kernel's arguments once and hands them to the kernel with the sink's output.
+  virtual void attend_impl(int layer, const attend_source& src, const attend_queries& qs,
+                           const attn_selection* select, const attend_sink& sink) = 0;
 };
 
 // A cache of spec's format on `be`. Every format runs on every backend: on those without the

@@ -73,19 +73,6 @@ class fp_cache final : public kv_cache {
     n_[layer] = at + in.n;
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, softmax_acc& out,
-              const attn_selection* select) override {
-    attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, q_pos, n_q);
-    a.acc = &out, a.select = select;
-    be_.attention_partial(a);
-  }
-  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path, float* o,
-                      float* lse, const attn_selection* select) override {
-    attn_args a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], q, pos_.queries_on_backend(q_pos, n_q), n_q);
-    a.select = select;
-    run_partial(a, o, lse);
-  }
-
   // Block layout: int64 n | int32 pos[n] | K [n, n_head_kv, head_dim] | V [same], K/V in the
   // cache's element type; the K/V arrays start 8-byte aligned (pos padded to an even count).
   size_t exported_bytes(int layer) const override { return block_bytes(n_.at(layer)); }
@@ -98,31 +85,36 @@ class fp_cache final : public kv_cache {
     be_.download(out + 8 + padded_pos_bytes(n), k_[layer], kv);
     be_.download(out + 8 + padded_pos_bytes(n) + kv, v_[layer], kv);
   }
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path, softmax_acc& out) override {
-    const int64_t n = block_tokens(layer, block, bytes);
-    const auto* in = static_cast<const uint8_t*>(block);
-    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
-    const uint8_t* k = in + 8 + padded_pos_bytes(n);
-    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, q_pos, n_q);
-    a.acc = &out;
-    be_.attention_partial(a);
-  }
-  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path, float* o, float* lse, const void* block_on_backend) override {
-    const int64_t n = block_tokens(layer, block, bytes);
-    const uint8_t* in = static_cast<const uint8_t*>(block);
-    if (block_on_backend != nullptr) {
-      in = static_cast<const uint8_t*>(block_on_backend);
-    } else if (!host_mem_) {  // the whole block in one upload: header, positions and K/V keep their offsets
-      auto* dev = static_cast<uint8_t*>(block_.reserve(bytes));
-      be_.upload(dev, block, bytes);
-      in = dev;
+  // Own tokens from the layer's arrays; a ring block in place on the host, or moved to the
+  // backend in one upload (header, positions and K/V keep their offsets) unless the caller holds
+  // it there. Query positions go to the backend for a partial; the exact sum reads them on the host.
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    const int32_t* q_pos = sink.exact() ? qs.pos : pos_.queries_on_backend(qs.pos, qs.n);
+    attn_args a;
+    if (src.own()) {
+      a = args(k_[layer], v_[layer], pos_.on_backend(), n_[layer], qs.q, q_pos, qs.n);
+    } else {
+      const int64_t n = block_tokens(layer, src.block, src.bytes);
+      const uint8_t* in = static_cast<const uint8_t*>(src.block);
+      if (src.on_backend != nullptr) {
+        in = static_cast<const uint8_t*>(src.on_backend);
+      } else if (!host_mem_) {
+        auto* dev = static_cast<uint8_t*>(block_.reserve(src.bytes));
+        be_.upload(dev, src.block, src.bytes);
+        in = dev;
+      }
+      const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
+      const uint8_t* k = in + 8 + padded_pos_bytes(n);
+      a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, qs.q, q_pos, qs.n);
     }
-    const size_t kv = (size_t)n * row_elems_ * elem_bytes_;
-    const uint8_t* k = in + 8 + padded_pos_bytes(n);
-    attn_args a = args(k, k + kv, reinterpret_cast<const int32_t*>(in + 8), n, q, pos_.queries_on_backend(q_pos, n_q), n_q);
-    run_partial(a, o, lse);
+    a.select = select;
+    if (sink.exact()) {
+      a.acc = sink.acc;
+      be_.attention_partial(a);
+    } else {
+      run_partial(a, sink.o, sink.lse);
+    }
   }
 
   void restore_layer(int layer, const void* block, size_t bytes) override {
@@ -254,21 +246,24 @@ int64_t cache_alignment(const cache_spec& spec) {
   return spec.options.summary_block > 0 ? std::lcm<int64_t>(align, spec.options.summary_block) : align;
 }
 
-namespace {
-[[noreturn]] void no_partial_attention(cache_format f) {
-  fail("cache format ", format_traits(f).name, " has no (o, lse) attention: it runs on backends with the "
-       "exact accumulator only (--backend cpu)");
-}
-}  // namespace
-
-void kv_cache::attend_partial(int, const float*, const int32_t*, int64_t, attend_path, float*, float*,
-                              const attn_selection*) {
-  no_partial_attention(format());
-}
-
-void kv_cache::attend_exported_partial(int, const void*, size_t, const float*, const int32_t*, int64_t, attend_path,
-                                       float*, float*, const void*) {
-  no_partial_attention(format());
+void kv_cache::attend(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                      const attend_sink& sink) {
+  const cache_geometry& g = geometry();
+  XCTX_CHECK(layer >= 0 && layer < g.n_layer, "attention: layer ", layer, " of a ", g.n_layer, "-layer cache");
+  XCTX_CHECK(qs.n >= 0 && (qs.n == 0 || (qs.q != nullptr && qs.pos != nullptr)), "attention: ", qs.n,
+             " queries without their rows or positions");
+  XCTX_CHECK(sink.exact() != (sink.o != nullptr && sink.lse != nullptr) && (sink.exact() || sink.o != nullptr),
+             "attention: the sink must be the exact accumulator or an (o, lse) partial, not both or neither");
+  if (sink.exact())
+    XCTX_CHECK(sink.acc->rows() == qs.n * g.n_head && sink.acc->width() == g.head_dim, "attention: accumulator of ",
+               sink.acc->rows(), " x ", sink.acc->width(), " for ", qs.n, " queries x ", g.n_head, " heads x ",
+               g.head_dim);
+  // Ring blocks are attended whole (the exact prefill sees every key); retrieval selects over
+  // the own tokens in the merged steps.
+  XCTX_CHECK(select == nullptr || src.own(), "attention: a unit selection over a ring block (retrieval selects over "
+             "a rank's own tokens only)");
+  if (select != nullptr) check_selection(*select, qs.n, g.n_head_kv, "attention");
+  attend_impl(layer, src, qs, select, sink);
 }
 
 void kv_cache::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o, float* lse,

@@ -187,19 +187,6 @@ class quant_cache final : public kv_cache {
     if (i < in.n) encode_nuq_rows(s, in.k + i * C_, in.v + i * C_, in.n - i);
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
-              const attn_selection* select) override {
-    kvq_attn_args a = attention_args(view_of(layer), q, q_pos, n_q, path);
-    a.acc = &out, a.select = select;
-    be_.attention_kvq(a);
-  }
-  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse, const attn_selection* select) override {
-    kvq_attn_args a = attention_args(view_of(layer), q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse, a.select = select;
-    be_.attention_kvq(a);
-  }
-
   size_t exported_bytes(int layer) const override {
     const layer_store& s = layers_.at(layer);
     return block_bytes(s.n, s.n_sink, s.n_tail, s.nq, outliers_ ? key_entries(s) : 0);
@@ -235,18 +222,22 @@ class quant_cache final : public kv_cache {
     XCTX_ASSERT(at == exported_bytes(layer));
   }
 
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
-    kvq_attn_args a = attention_args(parse_block(layer, block, bytes), q, q_pos, n_q, path);
-    a.acc = &out;
-    be_.attention_kvq(a);
-  }
-  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
-    kvq_layer_view v = parse_block(layer, block, bytes);  // checked where the host reads it
-    if (!be_.host_memory()) rebase(v, block, block_on(be_, block_, block, bytes, block_on_backend));
-    kvq_attn_args a = attention_args(v, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse;
+  // Own tokens through the layer's view; a ring block parsed (checked where the host reads it)
+  // and, on a device backend, rebased onto its bytes there.
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    kvq_layer_view v;
+    if (src.own()) {
+      v = view_of(layer);
+    } else {
+      v = parse_block(layer, src.block, src.bytes);
+      if (!be_.host_memory()) rebase(v, src.block, block_on(be_, block_, src.block, src.bytes, src.on_backend));
+    }
+    const int32_t* q_pos = sink.exact() ? qs.pos : pos_.queries_on_backend(qs.pos, qs.n);
+    kvq_attn_args a = attention_args(v, qs.q, q_pos, qs.n, qs.path);
+    a.select = select;
+    if (sink.exact()) a.acc = sink.acc;
+    else a.o = sink.o, a.lse = sink.lse;
     be_.attention_kvq(a);
   }
 

@@ -185,23 +185,6 @@ class x_window_cache final : public kv_cache {
     }
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
-              const attn_selection* select) override {
-    const layer_store& L = layers_.at(layer);
-    xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.host(), q, q_pos,
-                                    n_q, path);
-    a.acc = &out, a.select = select;
-    be_.attention_xq(a);
-  }
-  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse, const attn_selection* select) override {
-    const layer_store& L = layers_.at(layer);
-    xq_attn_args a = attention_args(layer, view(layer, 0), view(layer, L.n_streams - 1), L.n, pos_.on_backend(), q,
-                                    pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse, a.select = select;
-    be_.attention_xq(a);
-  }
-
   // Block: int64 {n, nq, n_tail} | pos | per stream: codes (the shared partner's for clkv),
   // params, tail, ch0; each array padded to 8 bytes.
   size_t exported_bytes(int layer) const override {
@@ -232,20 +215,25 @@ class x_window_cache final : public kv_cache {
     XCTX_ASSERT(at == exported_bytes(layer));
   }
 
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
-    const parsed_block p = parse_block(layer, block, bytes);
-    xq_attn_args a = attention_args(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q, q_pos, n_q, path);
-    a.acc = &out;
-    be_.attention_xq(a);
-  }
-  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
-    parsed_block p = parse_block(layer, block, bytes);  // checked where the host reads it
-    if (!be_.host_memory()) rebase(p, block, block_on(be_, block_, block, bytes, block_on_backend));
-    xq_attn_args a = attention_args(layer, p.v[0], p.v[layers_[layer].n_streams - 1], p.n, p.pos, q,
-                                    pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse;
+  // Own tokens through the layer's stream views; a ring block parsed (checked where the host
+  // reads it) and, on a device backend, rebased onto its bytes there.
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    const int last = layers_.at(layer).n_streams - 1;
+    const int32_t* q_pos = sink.exact() ? qs.pos : pos_.queries_on_backend(qs.pos, qs.n);
+    xq_attn_args a;
+    if (src.own()) {
+      const layer_store& L = layers_.at(layer);
+      a = attention_args(layer, view(layer, 0), view(layer, last), L.n, sink.exact() ? pos_.host() : pos_.on_backend(),
+                         qs.q, q_pos, qs.n, qs.path);
+    } else {
+      parsed_block p = parse_block(layer, src.block, src.bytes);
+      if (!be_.host_memory()) rebase(p, src.block, block_on(be_, block_, src.block, src.bytes, src.on_backend));
+      a = attention_args(layer, p.v[0], p.v[last], p.n, p.pos, qs.q, q_pos, qs.n, qs.path);
+    }
+    a.select = select;
+    if (sink.exact()) a.acc = sink.acc;
+    else a.o = sink.o, a.lse = sink.lse;
     be_.attention_xq(a);
   }
 

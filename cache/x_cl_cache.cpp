@@ -184,19 +184,6 @@ class x_cl_cache final : public kv_cache {
     advance(a0, a0 + in.n, layer);
   }
 
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
-              const attn_selection* select) override {
-    xq_attn_args a = own_args(layer, pos_.host(), q, q_pos, n_q, path, select);
-    a.acc = &out, a.select = select;
-    be_.attention_xq(a);
-  }
-  void attend_partial(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, float* o,
-                      float* lse, const attn_selection* select) override {
-    xq_attn_args a = own_args(layer, pos_.on_backend(), q, pos_.queries_on_backend(q_pos, n_q), n_q, path, select);
-    a.o = o, a.lse = lse, a.select = select;
-    be_.attention_xq(a);
-  }
-
   // Block: int64 n | pos [n] int32 | codes [n, rb], params [n, n_g] of the layer (layers < base,
   // and every layer in deltas mode) or the fp16 latent [n, r] (layers >= base, latent mode);
   // each part padded to 8 bytes.
@@ -217,18 +204,23 @@ class x_cl_cache final : public kv_cache {
     }
   }
 
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
-    xq_attn_args a = exported_args(layer, block, bytes, block, q, q_pos, n_q, path);
-    a.acc = &out;
-    be_.attention_xq(a);
-  }
-  void attend_exported_partial(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos,
-                               int64_t n_q, attend_path path, float* o, float* lse, const void* block_on_backend) override {
-    // The bytes go up unread; exported_args checks them on the host before any kernel reads them.
-    const void* on_be = be_.host_memory() ? block : block_on(be_, block_, block, bytes, block_on_backend);
-    xq_attn_args a = exported_args(layer, block, bytes, on_be, q, pos_.queries_on_backend(q_pos, n_q), n_q, path);
-    a.o = o, a.lse = lse;
+  // Own tokens through own_args (in deltas mode advancing only the selected units' rows); a ring
+  // block's bytes go to the backend unread (exported_args checks them on the host before any
+  // kernel reads them).
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    const int32_t* q_pos = sink.exact() ? qs.pos : pos_.queries_on_backend(qs.pos, qs.n);
+    xq_attn_args a;
+    if (src.own()) {
+      a = own_args(layer, sink.exact() ? pos_.host() : pos_.on_backend(), qs.q, q_pos, qs.n, qs.path, select);
+    } else {
+      const void* on_be =
+          be_.host_memory() ? src.block : block_on(be_, block_, src.block, src.bytes, src.on_backend);
+      a = exported_args(layer, src.block, src.bytes, on_be, qs.q, q_pos, qs.n, qs.path);
+    }
+    a.select = select;
+    if (sink.exact()) a.acc = sink.acc;
+    else a.o = sink.o, a.lse = sink.lse;
     be_.attention_xq(a);
   }
 

@@ -35,24 +35,19 @@ int attention_sum::next_slot() {
 
 void attention_sum::add(kv_cache& c, int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path,
                         const attn_selection* select) {
-  if (exact_) {
-    c.attend(layer, q, q_pos, n_q, path, acc_, select);
-    return;
-  }
-  const int s = next_slot();
-  c.attend_partial(layer, q, q_pos, n_q, path, o_parts_.as<float>() + s * rows_ * width_, lse_parts_.as<float>() + s * rows_,
-                   select);
+  c.attend(layer, attend_source::own_tokens(), {q, q_pos, n_q, path}, select, next_sink());
 }
 
 void attention_sum::add_exported(kv_cache& c, int layer, const void* block, size_t bytes, const float* q,
                                  const int32_t* q_pos, int64_t n_q, attend_path path, const void* block_on_backend) {
-  if (exact_) {
-    c.attend_exported(layer, block, bytes, q, q_pos, n_q, path, acc_);
-    return;
-  }
+  c.attend(layer, attend_source::exported(block, bytes, block_on_backend), {q, q_pos, n_q, path}, nullptr,
+           next_sink());
+}
+
+attend_sink attention_sum::next_sink() {
+  if (exact_) return attend_sink::exact_sum(acc_);
   const int s = next_slot();
-  c.attend_exported_partial(layer, block, bytes, q, q_pos, n_q, path, o_parts_.as<float>() + s * rows_ * width_,
-                            lse_parts_.as<float>() + s * rows_, block_on_backend);
+  return attend_sink::partial(o_parts_.as<float>() + s * rows_ * width_, lse_parts_.as<float>() + s * rows_);
 }
 
 size_t attention_sum::all_reduce(communicator& comm, communicator* device_comm) {

@@ -43,6 +43,8 @@ class attention_sum {
   // partials mode: the slot the next partial goes to (at most two are held: a third merges the
   // first two into slot 0 first).
   int next_slot();
+  // Where the next call's attention goes: the exact sum, or the next partials slot.
+  attend_sink next_sink();
 
   backend& be_;
   const bool exact_;

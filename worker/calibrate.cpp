@@ -30,18 +30,17 @@ class recording_cache final : public kv_cache {
     inner_->append(layer, in);
   }
   int64_t n_tokens(int layer) const override { return inner_->n_tokens(layer); }
-  void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, attend_path path, softmax_acc& out,
-              const attn_selection* select) override {
-    const size_t row = (size_t)geometry().n_head * geometry().head_dim;
-    q_[layer].insert(q_[layer].end(), q, q + n_q * row);
-    inner_->attend(layer, q, q_pos, n_q, path, out, select);
+  // Records the queries the layer's own tokens are attended with (what calibration weights by).
+  void attend_impl(int layer, const attend_source& src, const attend_queries& qs, const attn_selection* select,
+                   const attend_sink& sink) override {
+    if (src.own()) {
+      const size_t row = (size_t)geometry().n_head * geometry().head_dim;
+      q_[layer].insert(q_[layer].end(), qs.q, qs.q + qs.n * row);
+    }
+    inner_->attend(layer, src, qs, select, sink);
   }
   size_t exported_bytes(int layer) const override { return inner_->exported_bytes(layer); }
   void export_layer(int layer, void* dst) const override { inner_->export_layer(layer, dst); }
-  void attend_exported(int layer, const void* block, size_t bytes, const float* q, const int32_t* q_pos, int64_t n_q,
-                       attend_path path, softmax_acc& out) override {
-    inner_->attend_exported(layer, block, bytes, q, q_pos, n_q, path, out);
-  }
   void restore_layer(int, const void*, size_t) override {
     fail("the calibration's recording cache is filled by the forward pass, not restored");
   }
