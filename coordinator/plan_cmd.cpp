@@ -74,7 +74,9 @@ int run_plan(const plan_options& opt) {
     in.cpu = &cpu;
     in.hosts = opt.hosts;
   }
-  const bool retrieval = in.context > in.hp.n_ctx_train;  // what auto runs past the trained window
+  // What auto runs for a sequence of this length (the jobs' rule, worker/retrieval.h).
+  const bool retrieval = resolve_attention_mode(attention_mode::attention_auto, in.context, in.hp.n_ctx_train,
+                                                false) == attention_mode::attention_retrieval;
   if (retrieval) {
     check_retrieval_options(opt.retrieval, in.hp.n_ctx_train);
     in.retrieval = &opt.retrieval;

@@ -18,6 +18,12 @@ attention_mode parse_attention_mode(const std::string& name) {
   fail("--attention: unknown mode '", name, "' (full, retrieval, auto)");
 }
 
+attention_mode resolve_attention_mode(attention_mode requested, int64_t n_total, int64_t n_ctx_train,
+                                      bool own_positions) {
+  if (requested != attention_mode::attention_auto) return requested;
+  return n_total <= n_ctx_train || own_positions ? attention_mode::attention_full : attention_mode::attention_retrieval;
+}
+
 const char* attention_mode_name(attention_mode m) {
   switch (m) {
     case attention_mode::attention_full: return "full";

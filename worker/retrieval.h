@@ -26,9 +26,14 @@
 namespace xctx {
 
 // full: every query sees every earlier key. retrieval: as above. auto: full while the prompt and
-// the generation fit the trained window, retrieval beyond it (resolve_attention_mode).
+// the generation fit the trained window, retrieval beyond it (resolve_attention_mode below).
 enum class attention_mode : uint8_t { attention_full, attention_retrieval, attention_auto };
 attention_mode parse_attention_mode(const std::string& name);  // full | retrieval | auto
+// The one rule for auto (the jobs through apply_attention_mode, and `xctx plan`): full while a
+// sequence of n_total tokens fits the trained window or the user chose positions of their own
+// (--rope-scaling, SelfExtend), retrieval beyond. Other modes are returned as given.
+attention_mode resolve_attention_mode(attention_mode requested, int64_t n_total, int64_t n_ctx_train,
+                                      bool own_positions);
 const char* attention_mode_name(attention_mode m);
 
 // How a block is scored against a query head (summed over the heads a selection serves:

@@ -41,9 +41,7 @@ attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache
                                     int64_t n_ctx_train) {
   // auto: the user's own position handling (--rope-scaling, SelfExtend) keeps full attention.
   const bool own_positions = rp.se_group != 1 || rp.rope_scale != rope_scaling::rope_scaling_none;
-  if (seq.attention == attention_mode::attention_auto)
-    seq.attention = n_total <= n_ctx_train || own_positions ? attention_mode::attention_full
-                                                            : attention_mode::attention_retrieval;
+  seq.attention = resolve_attention_mode(seq.attention, n_total, n_ctx_train, own_positions);
   if (seq.attention == attention_mode::attention_full) return seq.attention;
   check_retrieval_options(seq.retrieval, n_ctx_train);
   XCTX_CHECK(rp.se_group == 1 && rp.rope_scale == rope_scaling::rope_scaling_none,

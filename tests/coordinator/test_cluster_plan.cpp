@@ -65,7 +65,9 @@ TEST(cluster_plan, retrieval_step_reads_the_weights_summaries_and_the_selected_t
     EXPECT_NEAR(p.summary_bytes_per_token, (12.0 + 3 * C * 2) * in.hp.n_layer / 256, 1e-9);
     EXPECT_DOUBLE_EQ(p.selection_bytes_per_token_layer, 32.0 * 16);
     EXPECT_LT(p.retrieval_decode_s, p.decode_s) << ctx;
-    if (last > 0) EXPECT_LT(p.retrieval_decode_s, 1.5 * last) << "10x the context, the step nearly flat";
+    if (last > 0) {
+      EXPECT_LT(p.retrieval_decode_s, 1.5 * last) << "10x the context, the step nearly flat";
+    }
     last = p.retrieval_decode_s;
   }
   // Per KV head: n_head_kv lists of k records per query, and at most n_head_kv·k blocks read.

@@ -103,7 +103,9 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
     for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
     for (size_t i = 0; i < o_sel.size(); ++i) ASSERT_NEAR(o_sel[i], o_ref[i], 2e-4 * max_v) << i;
     for (size_t i = 0; i < l_sel.size(); ++i)
-      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l_sel[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      if (!std::isinf(l_ref[i])) {
+        ASSERT_NEAR(l_sel[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      }
   }
 }
 
@@ -154,7 +156,9 @@ TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) 
     for (size_t i = 0; i < o_h.size(); ++i) ASSERT_NEAR(o_h[i], o_ref[i], 2e-4 * max_v) << i;
     for (size_t i = 0; i < l_h.size(); ++i) {
       ASSERT_EQ(std::isinf(l_h[i]), std::isinf(l_ref[i])) << i;
-      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l_h[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      if (!std::isinf(l_ref[i])) {
+        ASSERT_NEAR(l_h[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      }
     }
   }
 }
@@ -293,6 +297,17 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
       }
     }
   }
+}
+
+// auto's one rule: full inside the trained window or with the user's own positions, retrieval
+// beyond; explicit modes pass through.
+TEST(retrieval_options, auto_resolves_by_the_trained_window) {
+  using m = attention_mode;
+  EXPECT_EQ(resolve_attention_mode(m::attention_auto, 8192, 8192, false), m::attention_full);
+  EXPECT_EQ(resolve_attention_mode(m::attention_auto, 8193, 8192, false), m::attention_retrieval);
+  EXPECT_EQ(resolve_attention_mode(m::attention_auto, 1 << 20, 8192, true), m::attention_full);
+  EXPECT_EQ(resolve_attention_mode(m::attention_full, 1 << 20, 8192, false), m::attention_full);
+  EXPECT_EQ(resolve_attention_mode(m::attention_retrieval, 100, 8192, false), m::attention_retrieval);
 }
 
 TEST(retrieval_options, bad_values_name_the_flag) {
