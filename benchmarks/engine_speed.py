@@ -13,7 +13,8 @@ llama.cpp runs in the interpreter of build-llama-native/venv (made by install-ll
 when it exists, else in --llama-python (any interpreter with llama-cpp-python), else not at all.
 Writes benchmarks/results/engine_speed.{csv,md}; the Markdown names the llama.cpp version, how
 it was built and its system-info line. Each (configuration, engine) runs in a fresh process (so
-peak RSS is its own); the best of --repeat runs is reported, with the slowest in parentheses.
+peak RSS is its own); the best of --repeat runs is reported, with the slowest in parentheses; the repeats of all
+engines of a configuration are interleaved (A B C, A B C), never all of one engine first.
 Contexts past the model's trained 8K use linear RoPE scaling in both engines (speed does not
 depend on it; both engines refuse or degrade without it).
 """
@@ -22,12 +23,13 @@ import csv
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hostinfo  # noqa: E402
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
 NATIVE = os.path.join(ROOT, "build-llama-native")
@@ -212,6 +214,9 @@ def main():
         n_ctx = n_prompt + n_gen
         f = rope_factor(n_ctx)
         engines = [("xctx", c) for c in caches] + ([("llama.cpp", k) for k in kvs] if info else [])
+        # Every engine's command first; then the repeats interleaved (A B C, A B C, ...) so a change
+        # in the machine's load or clock falls on all of them alike, not on whichever ran last.
+        cmds = []
         for engine, variant in engines:
             if engine == "xctx":
                 # --prefill exact: auto picks star (block-local attention) from 32K tokens, which is
@@ -229,7 +234,12 @@ def main():
                         "threads": args.threads, "type_kv": type_kv, "flash_attn": fa, "rope_factor": f,
                         "repack": args.repack}
                 cmd = [python, "-c", LLAMA_RUNNER, json.dumps(opts)]
-            runs = [run_json(cmd) for _ in range(args.repeat)]
+            cmds.append(cmd)
+        all_runs = [[] for _ in engines]
+        for _ in range(args.repeat):
+            for i, cmd in enumerate(cmds):
+                all_runs[i].append(run_json(cmd))
+        for (engine, variant), runs in zip(engines, all_runs):
             row = {"config": label, "kind": kind, "prompt_tokens": n_prompt, "gen_tokens": n_gen, "engine": engine,
                    "variant": variant, "tok_s": max(x[key] for x in runs), "tok_s_min": min(x[key] for x in runs),
                    "peak_rss_mib": max(x["peak_rss_bytes"] for x in runs) / 2**20}
@@ -257,10 +267,9 @@ def write_results(rows, args, info):
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(rows)
-    cpu, flags = platform.processor() or "cpu", set()
+    cpu, flags = hostinfo.cpu_identity(), set()  # model, family/model/stepping, cores, ISA
     try:
         lines = open("/proc/cpuinfo").read().splitlines()
-        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
         flags = set(next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags")))
     except (OSError, StopIteration):
         pass
