@@ -39,8 +39,8 @@ constexpr int64_t kScoreChunk = 256;
 ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, const cache_spec& spec,
                       const sequence_options& seq, const std::vector<int32_t>& ids, int64_t ctx, int64_t stride,
                       int64_t max_windows, const std::function<void(int64_t, int64_t)>& progress) {
-  XCTX_CHECK(ctx >= 2, "ppl: --ctx must be at least 2, got ", ctx);
-  XCTX_CHECK(stride >= 1 && stride <= ctx, "ppl: --stride must be in [1, ctx=", ctx, "], got ", stride);
+  XCTX_CHECK(ctx >= 2, "ppl: --window must be at least 2 tokens, got ", ctx);
+  XCTX_CHECK(stride >= 1 && stride <= ctx, "ppl: --stride must be in [1, --window=", ctx, "], got ", stride);
   XCTX_CHECK((int64_t)ids.size() >= 2, "ppl: the text has ", ids.size(), " tokens; need at least 2");
   const int64_t n = (int64_t)ids.size();
   std::vector<int64_t> starts;
