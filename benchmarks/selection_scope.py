@@ -26,18 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hostinfo  # noqa: E402
+from needle_rank import label, parse_count  # noqa: E402  (the same count syntax as its sibling)
 
 SCOPES = ("layer", "kv-head")
-
-
-def parse_count(s):
-    s = s.strip().upper()
-    mult = {"K": 1024, "M": 1024 * 1024}.get(s[-1:], 1)
-    return int(s[:-1] if mult > 1 else s) * mult
-
-
-def label(n):
-    return f"{n // (1024 * 1024)}M" if n % (1024 * 1024) == 0 else f"{n // 1024}K"
 
 
 def wilson(k, n, z=1.96):

@@ -144,7 +144,8 @@ double head_score(block_score_rule rule, const float* qh, const uint16_t* mn, co
 }  // namespace
 
 int retrieval_selector::lists_per_query(const kv_cache& own, int layer) const {
-  return opt_.scope == selection_scope::select_per_kv_head ? summaries_of(own, layer).n_head_kv : 1;
+  (void)layer;  // every layer has the model's KV heads
+  return opt_.scope == selection_scope::select_per_kv_head ? own.geometry().n_head_kv : 1;
 }
 
 std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::score_blocks(

@@ -19,21 +19,37 @@ namespace {
 
 using test::selection_of;
 
+// Four units and part of a fifth of one X format at the fixed-distance rope, and three queries:
+// two at the end, one at position 700.
+struct x_sel_case {
+  std::unique_ptr<backend> be = make_backend(backend_kind::backend_cpu);
+  static constexpr int64_t n = 4 * 256 + 30;
+  cache_geometry g;
+  test::filled f;
+  int qd = 0;
+  std::vector<float> q;
+  std::vector<int32_t> q_pos = {(int32_t)n - 1, 700, (int32_t)n - 1};
+  x_sel_case(const test::x_case& c, uint32_t fill_seed, unsigned q_seed) : g(test::x_geometry(c.gqa, n + 4)) {
+    g.rope = with_fixed_distance(g.rope, 300);
+    f = test::fill(*be, c, g, n, 1, {500, 200}, fill_seed);
+    qd = g.n_head * g.head_dim;
+    std::mt19937 rng(q_seed);
+    std::normal_distribution<float> nd;
+    q.resize(3 * qd);
+    for (float& x : q) x = 0.3f * nd(rng);
+  }
+};
+
 class x_selection : public ::testing::TestWithParam<test::x_case> {};
 
 TEST_P(x_selection, units_are_masked_exactly) {
   const test::x_case c = GetParam();
-  auto be = make_backend(backend_kind::backend_cpu);
-  const int64_t n = 4 * 256 + 30;
-  cache_geometry g = test::x_geometry(c.gqa, n + 4);
-  g.rope = with_fixed_distance(g.rope, 300);
-  test::filled f = test::fill(*be, c, g, n, 1, {500, 200}, 41);
-  const int qd = g.n_head * g.head_dim;
-  std::mt19937 rng(8);
-  std::normal_distribution<float> nd;
-  std::vector<float> q(3 * qd);
-  for (float& x : q) x = 0.3f * nd(rng);
-  const std::vector<int32_t> q_pos = {(int32_t)n - 1, 700, (int32_t)n - 1};
+  x_sel_case k(c, 41, 8);
+  const cache_geometry& g = k.g;
+  test::filled& f = k.f;
+  const int qd = k.qd;
+  const std::vector<float>& q = k.q;
+  const std::vector<int32_t>& q_pos = k.q_pos;
   const attn_selection sel = selection_of({{0, 2, 4}, {1, 2}, {}});
   const attn_selection a = selection_of({{0, 4}, {2}, {}}), b = selection_of({{2}, {1}, {}});
   const attn_selection all = selection_of({{0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 4}});
@@ -73,17 +89,12 @@ TEST_P(x_selection, units_are_masked_exactly) {
 // One list per KV head: each head's rows equal a shared selection's with its KV head's list.
 TEST_P(x_selection, a_per_kv_head_selection_gives_each_head_its_own_list) {
   const test::x_case c = GetParam();
-  auto be = make_backend(backend_kind::backend_cpu);
-  const int64_t n = 4 * 256 + 30;
-  cache_geometry g = test::x_geometry(c.gqa, n + 4);
-  g.rope = with_fixed_distance(g.rope, 300);
-  test::filled f = test::fill(*be, c, g, n, 1, {500, 200}, 43);
-  const int qd = g.n_head * g.head_dim;
-  std::mt19937 rng(10);
-  std::normal_distribution<float> nd;
-  std::vector<float> q(3 * qd);
-  for (float& x : q) x = 0.3f * nd(rng);
-  const std::vector<int32_t> q_pos = {(int32_t)n - 1, 700, (int32_t)n - 1};
+  x_sel_case k(c, 43, 10);
+  const cache_geometry& g = k.g;
+  test::filled& f = k.f;
+  const int qd = k.qd;
+  const std::vector<float>& q = k.q;
+  const std::vector<int32_t>& q_pos = k.q_pos;
   const std::vector<std::vector<int64_t>> even = {{0, 2, 4}, {1, 2}, {}}, odd = {{1, 4}, {0}, {3}};
   for (int layer : {0, g.n_layer - 1})
     for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {

@@ -44,26 +44,47 @@ std::unique_ptr<kv_cache> filled(backend& be, cache_format f, const cache_geomet
 
 using test::selection_of;
 
+// One format's layer of synthetic keys at the fixed-distance rope on the CPU and the reference
+// backends (bit-identical encoders), and three queries: two at the end, one at position 900.
+struct kernel_case {
+  cache_geometry g;
+  int qd = 0;
+  test::synthetic_kv d;
+  std::unique_ptr<backend> cpu, ref;
+  std::unique_ptr<kv_cache> c, r;
+  static constexpr int64_t n_q = 3;
+  std::vector<float> q;
+  std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
+  kernel_case(cache_format f, uint32_t kv_seed, unsigned q_seed) : g(test::quant_geometry(kTokens + 8)) {
+    g.rope = with_fixed_distance(g.rope, kLocal);
+    const int C = g.n_head_kv * g.head_dim;
+    qd = g.n_head * g.head_dim;
+    d = test::make_synthetic_kv(kTokens, C, kv_seed);
+    std::vector<int32_t> pos(kTokens);
+    for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
+    cpu = make_backend(backend_kind::backend_cpu);
+    ref = make_backend(backend_kind::backend_ref);
+    c = filled(*cpu, f, g, d, pos);
+    r = filled(*ref, f, g, d, pos);
+    std::mt19937 rng(q_seed);
+    std::normal_distribution<float> nd;
+    q.resize(n_q * qd);
+    for (float& x : q) x = 0.4f * nd(rng);
+  }
+};
+
 class retrieval_kernels : public ::testing::TestWithParam<cache_format> {};
 
 TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
   const cache_format f = GetParam();
-  cache_geometry g = test::quant_geometry(kTokens + 8);
-  g.rope = with_fixed_distance(g.rope, kLocal);
-  const int C = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
-  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 5);
-  std::vector<int32_t> pos(kTokens);
-  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
-  auto cpu = make_backend(backend_kind::backend_cpu);
-  auto ref = make_backend(backend_kind::backend_ref);
-  auto c = filled(*cpu, f, g, d, pos);
-  auto r = filled(*ref, f, g, d, pos);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd;
-  const int64_t n_q = 3;
-  std::vector<float> q(n_q * qd);
-  for (float& x : q) x = 0.4f * nd(rng);
-  const std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
+  kernel_case k(f, 5, 7);
+  const cache_geometry& g = k.g;
+  const int qd = k.qd;
+  const test::synthetic_kv& d = k.d;
+  kv_cache &c = *k.c, &r = *k.r;
+  const int64_t n_q = kernel_case::n_q;
+  const std::vector<float>& q = k.q;
+  const std::vector<int32_t>& q_pos = k.q_pos;
   // Query 0: units 0, 2, 5; query 1: units 1, 3 (3 holds its own position); query 2: none.
   const attn_selection sel = selection_of({{0, 2, 5}, {1, 3}, {}});
   const attn_selection sel_a = selection_of({{0, 5}, {1}, {}}), sel_b = selection_of({{2}, {3}, {}});
@@ -81,13 +102,13 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
       return acc;
     };
     std::vector<float> o_none, l_none, o_all, l_all, o_sel, l_sel, o_ref, l_ref, o_ab, l_ab;
-    run(*c, nullptr, o_none, l_none);
-    run(*c, &all, o_all, l_all);
+    run(c, nullptr, o_none, l_none);
+    run(c, &all, o_all, l_all);
     EXPECT_EQ(std::memcmp(o_none.data(), o_all.data(), o_all.size() * 4), 0) << "every unit listed = no selection";
-    softmax_acc a = run(*c, &sel, o_sel, l_sel);
+    softmax_acc a = run(c, &sel, o_sel, l_sel);
     std::vector<float> tmp_o, tmp_l;
-    softmax_acc parts = run(*c, &sel_a, tmp_o, tmp_l);
-    parts.merge(run(*c, &sel_b, tmp_o, tmp_l));
+    softmax_acc parts = run(c, &sel_a, tmp_o, tmp_l);
+    parts.merge(run(c, &sel_b, tmp_o, tmp_l));
     o_ab.resize(o_sel.size()), l_ab.resize(l_sel.size());
     parts.finish(o_ab.data(), l_ab.data());
     EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
@@ -98,7 +119,7 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
     // The reference backend masks key by key (kernels/ref): the CPU kernels within float error of
     // it. The decoded caches are the same bits on both backends (bit-identical encoders), so the
     // difference is the kernels' float arithmetic: scores of head_dim products and a softmax.
-    run(*r, &sel, o_ref, l_ref);
+    run(r, &sel, o_ref, l_ref);
     double max_v = 0;
     for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
     for (size_t i = 0; i < o_sel.size(); ++i) ASSERT_NEAR(o_sel[i], o_ref[i], 2e-4 * max_v) << i;
@@ -114,22 +135,14 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
 // listed it), and the reference's per-head masking agrees within float error.
 TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) {
   const cache_format f = GetParam();
-  cache_geometry g = test::quant_geometry(kTokens + 8);
-  g.rope = with_fixed_distance(g.rope, kLocal);
-  const int C = g.n_head_kv * g.head_dim, qd = g.n_head * g.head_dim;
-  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 6);
-  std::vector<int32_t> pos(kTokens);
-  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
-  auto cpu = make_backend(backend_kind::backend_cpu);
-  auto ref = make_backend(backend_kind::backend_ref);
-  auto c = filled(*cpu, f, g, d, pos);
-  auto r = filled(*ref, f, g, d, pos);
-  std::mt19937 rng(9);
-  std::normal_distribution<float> nd;
-  const int64_t n_q = 3;
-  std::vector<float> q(n_q * qd);
-  for (float& x : q) x = 0.4f * nd(rng);
-  const std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
+  kernel_case k(f, 6, 9);
+  const cache_geometry& g = k.g;
+  const int qd = k.qd;
+  const test::synthetic_kv& d = k.d;
+  kv_cache &c = *k.c, &r = *k.r;
+  const int64_t n_q = kernel_case::n_q;
+  const std::vector<float>& q = k.q;
+  const std::vector<int32_t>& q_pos = k.q_pos;
   const std::vector<std::vector<int64_t>> even = {{0, 2, 5}, {1, 3}, {}}, odd = {{1, 5}, {0, 3}, {4}};
   for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
     SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
@@ -146,11 +159,11 @@ TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) 
       acc.finish(o.data(), l.data());
     };
     std::vector<float> o_h, l_h, o_e, l_e, o_o, l_o, o_ref, l_ref;
-    run(*c, heads, o_h, l_h);
-    run(*c, se, o_e, l_e);
-    run(*c, so, o_o, l_o);
+    run(c, heads, o_h, l_h);
+    run(c, se, o_e, l_e);
+    run(c, so, o_o, l_o);
     test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, g.n_head, g.n_head_kv, g.head_dim);
-    run(*r, heads, o_ref, l_ref);
+    run(r, heads, o_ref, l_ref);
     double max_v = 0;
     for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
     for (size_t i = 0; i < o_h.size(); ++i) ASSERT_NEAR(o_h[i], o_ref[i], 2e-4 * max_v) << i;
