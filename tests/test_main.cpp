@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
 
 #include "common/sys.h"
+#include "isa_coverage.h"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   xctx::init_logging(argv[0]);
+  if (!GTEST_FLAG_GET(list_tests) && xctx::test::check_expected_isas() != 0) return 1;
   return RUN_ALL_TESTS();
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "common/sys.h"
+#include "isa_coverage.h"
 #include "mpi_test.h"
 
 namespace xctx::mpi_test {
@@ -14,6 +15,7 @@ communicator& world() { return *g_world; }
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   xctx::init_logging(argv[0]);
+  if (!GTEST_FLAG_GET(list_tests) && xctx::test::check_expected_isas() != 0) return 1;
   xctx::mpi_test::g_world = xctx::make_mpi_communicator(120.0);
   auto& world = xctx::mpi_test::world();
   if (world.rank() != 0) {
@@ -25,8 +27,10 @@ int main(int argc, char** argv) {
   float f = (float)failed;
   world.all_reduce_max(&f, 1);
   if (world.rank() == 0 && f > 0 && !failed) std::fprintf(stderr, "a test failed on another rank\n");
-  // Skips are said, not passed over: each skipped test by name, and a run whose every test
-  // skipped exits 77, which CTest reports as skipped (SKIP_RETURN_CODE) rather than passed.
+  // Skips are said, not passed over: each skipped test by name, and a run with any skipped test
+  // exits 77, which CTest reports as skipped (SKIP_RETURN_CODE) rather than passed -- a suite
+  // that ran 7 of 9 cases did not pass the 2. The CTest filters leave out the cases that cannot
+  // apply to their rank count or build (tests/CMakeLists.txt), so a plain run reports Passed.
   const testing::UnitTest& ut = *testing::UnitTest::GetInstance();
   const int ran = ut.test_to_run_count(), skipped = ut.skipped_test_count();
   if (world.rank() == 0 && skipped > 0) {
@@ -41,5 +45,5 @@ int main(int argc, char** argv) {
   }
   xctx::mpi_test::g_world.reset();
   if (f > 0) return 1;
-  return ran > 0 && skipped == ran ? 77 : 0;
+  return skipped > 0 ? 77 : 0;
 }
