@@ -3,7 +3,9 @@
 
 #include <omp.h>
 
+#include <charconv>
 #include <cstdio>
+#include <limits>
 #include <map>
 
 #include "common/error.h"
@@ -15,6 +17,45 @@
 #include "kernels/cpu/cpu_ops.h"
 
 namespace {
+
+// Validators whose messages read as the flag's rule ("--tflops: must be > 0, got -1"); CLI11's
+// own NonNegativeNumber/PositiveNumber print the whole double range.
+CLI::Validator number_above(double lo, bool inclusive) {
+  const std::string rule = std::string(inclusive ? ">= " : "> ") + CLI::detail::to_string(lo);
+  return CLI::Validator(
+      [lo, inclusive, rule](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v)) return "'" + in + "' is not a number";
+        return (inclusive ? v >= lo : v > lo) ? std::string() : "must be " + rule + ", got " + in;
+      },
+      rule);
+}
+CLI::Validator positive() { return number_above(0, false); }
+CLI::Validator at_least(double lo) { return number_above(lo, true); }
+// (0, 1]: nucleus mass.
+CLI::Validator unit_mass() {
+  return CLI::Validator(
+      [](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v)) return "'" + in + "' is not a number";
+        return v > 0 && v <= 1 ? std::string() : "must be in (0, 1], got " + in;
+      },
+      "in (0, 1]");
+}
+// Whole numbers in [lo, hi], parsed exactly (CLI11 saturates 64-bit overflow silently).
+CLI::Validator integer_in(int64_t lo, int64_t hi) {
+  const std::string rule = "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, rule](std::string& in) -> std::string {
+        int64_t v = 0;
+        const auto [end, ec] = std::from_chars(in.data(), in.data() + in.size(), v);
+        if (ec == std::errc::result_out_of_range) return "'" + in + "' is out of range (must be " + rule + ")";
+        if (ec != std::errc() || end != in.data() + in.size()) return "'" + in + "' is not a whole number";
+        return v >= lo && v <= hi ? std::string() : "must be " + rule + ", got " + in;
+      },
+      rule);
+}
+CLI::Validator seed_value() { return integer_in(0, std::numeric_limits<int64_t>::max()); }
 
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
@@ -52,8 +93,13 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   o.mode = xctx::parse_prefill_mode(f.prefill);
   o.layout = xctx::parse_shard_layout(f.layout);
   o.block_tokens = f.block == "0" ? 0 : xctx::parse_count(f.block, "--block");
-  if (!f.anchor.empty()) o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
+  if (!f.anchor.empty()) {
+    o.anchor_tokens = xctx::parse_count(f.anchor, "--anchor");
+    XCTX_CHECK(o.anchor_tokens >= 1, "--anchor must be at least 1 token (leave it out for one block), got ", f.anchor);
+  }
   o.star_from_tokens = xctx::parse_count(f.star_from, "--star-from");
+  XCTX_CHECK(o.star_from_tokens >= 1, "--star-from must be at least 1 token (--prefill star: always star), got ",
+             f.star_from);
   o.attention = xctx::parse_attention_mode(f.attention);
   o.retrieval.sink = f.sink == "0" ? 0 : xctx::parse_count(f.sink, "--sink");
   o.retrieval.local = xctx::parse_count(f.local, "--local");
@@ -61,15 +107,15 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   o.retrieval.top_k = f.top_k;
   o.retrieval.rule = xctx::parse_block_score_rule(f.block_score);
   o.retrieval.scope = xctx::parse_selection_scope(f.select_per);
-  XCTX_CHECK(f.top_k >= 1, "--top-k must be >= 1, got ", f.top_k);
-  XCTX_CHECK(o.retrieval.block > 0 && o.retrieval.block % xctx::kAttnUnit == 0, "--block-size must be a positive multiple of ",
-             xctx::kAttnUnit, ", got ", f.block_size);
+  // What does not depend on the model is refused here, whether or not the job ends up retrieving;
+  // the bound by the trained window is checked where the model is known (apply_attention_mode).
+  xctx::check_retrieval_options(o.retrieval, std::numeric_limits<int64_t>::max());
 }
 
 struct cache_flags {
   std::string qnorm = "auto", cl_ring = "auto";
   bool no_sink = false;
-  int se_group = 0;        // 0: not given
+  int se_group = 0;        // 0: not given (given values are checked >= 2)
   std::string se_window;   // empty: not given
   std::string decode_act;  // empty: XCTX_DECODE_ACT, else q16
   std::string backend;     // empty: XCTX_BACKEND, else cpu
@@ -100,8 +146,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
                   "cpu | cuda: where the forward, the cache and attention run (default: XCTX_BACKEND, else cpu); "
                   "cuda binds each rank to node-local rank mod the GPUs (XCTX_CUDA_DEVICE overrides); every cache "
                   "format runs on both");
-  cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)");
-  cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512);
+  cmd->add_option("--threads", rp.n_threads, "CPU threads per rank (default: OMP_NUM_THREADS, else the node's cores / its ranks)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--decode-act", cf.decode_act,
                   "activations of the decode matmuls: q16 (16-bit blocks, default) | f32 (exact float) | q8 "
                   "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16");
@@ -109,11 +156,12 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
                   "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
                   "(grouped positions, with --group and --window)")
       ->default_val("none");
-  cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f);
+  cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f)->check(at_least(1));
   // --se-window everywhere; --window too where the command has no window of its own (ppl has).
   const bool window_free = cmd->get_option_no_throw("--window") == nullptr;
   cmd->add_option("--group,--se-group", cf.se_group,
-                  "selfextend: keys beyond the window are attended at floor(pos / G) (default 4)");
+                  "selfextend: keys beyond the window are attended at floor(pos / G) (default 4)")
+      ->check(CLI::Range(2, 1 << 20));
   cmd->add_option(window_free ? "--window,--se-window" : "--se-window", cf.se_window,
                   "selfextend: the nearest W positions keep exact positions (e.g. 1024, 2K; default 1024)");
 }
@@ -176,9 +224,9 @@ int main(int argc, char** argv) {
   g->add_flag("--chat", gen.chat, "wrap the prompt in the model's chat template as a user message");
   g->add_option("--system", gen.system, "system message for --chat");
   g->add_option("--max-tokens,-n", gen.max_tokens, "tokens to generate")->default_val(128);
-  g->add_option("--temperature", gen.sampling.temperature, "0 = greedy")->default_val(0.0f);
-  g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f);
-  g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0);
+  g->add_option("--temperature", gen.sampling.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
+  g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f)->check(unit_mass());
+  g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0)->check(seed_value());
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
   g->add_option("--save-cache", gen.save_cache,
                 "save every rank's cache shard to this directory once the prompt is in (-n 0: only save)");
@@ -203,9 +251,9 @@ int main(int argc, char** argv) {
   pl->add_option("--formats", plan.formats, "comma-separated cache formats");
   pl->add_option("--weight-bits", plan.weight_bits, "bits per weight as the devices hold them")->default_val(16);
   pl->add_option("--block", plan_block, "star prefill block (= anchor) tokens")->default_val("4K");
-  pl->add_option("--memory-gib", plan.memory_gib, "override the device's memory (GiB)");
-  pl->add_option("--bandwidth-gbs", plan.bandwidth_gbs, "override the device's memory bandwidth (GB/s)");
-  pl->add_option("--tflops", plan.tflops, "override the device's dense 16-bit TFLOP/s");
+  pl->add_option("--memory-gib", plan.memory_gib, "override the device's memory (GiB)")->check(positive());
+  pl->add_option("--bandwidth-gbs", plan.bandwidth_gbs, "override the device's memory bandwidth (GB/s)")->check(positive());
+  pl->add_option("--tflops", plan.tflops, "override the device's dense 16-bit TFLOP/s")->check(positive());
   pl->add_option("--cpu-profile", plan.cpu_profile,
                  "project for ranks sharing one CPU machine, from costs benchmarks/scaling.py measured (JSON)");
   pl->add_option("--hosts", plan.hosts, "with --cpu-profile: hosts the ranks span (network namespaces on that machine)")
@@ -249,7 +297,7 @@ int main(int argc, char** argv) {
   pkc->add_option("--context", pk_context, "prompt length in tokens (e.g. 4K)")->default_val("4K");
   pkc->add_option("--trials", pk.trials, "trials per depth (trial t uses seed + t)")->default_val(3);
   pkc->add_option("--depths", pk_depths, "comma-separated key depths in [0, 1]")->default_val("0,0.25,0.5,0.75,1");
-  pkc->add_option("--seed", pk.seed, "seed of the keys and the filler start")->default_val(1);
+  pkc->add_option("--seed", pk.seed, "seed of the keys and the filler start")->default_val(1)->check(seed_value());
   pkc->add_option("--filler", pk.filler, "classic (repeated grass/sky/sun lines) | austen (the novels)")
       ->default_val("classic");
   pkc->add_flag("--chat", pk.chat, "wrap the prompt in the model's chat template");
@@ -271,7 +319,7 @@ int main(int argc, char** argv) {
   pc->add_option("--text", ppl.text, "evaluation text: a file, austen:NAME[,NAME] or kjv:BOOK[,BOOK]")->required();
   pc->add_option("--window", ppl_window, "tokens per window (the perplexity context)")->default_val("2048");
   pc->add_option("--stride", ppl_stride, "tokens between window starts (default: the window; smaller = sliding)");
-  pc->add_option("--max-windows", ppl.max_windows, "stop after this many windows (0 = all)")->default_val(0);
+  pc->add_option("--max-windows", ppl.max_windows, "stop after this many windows (0 = all)")->default_val(0)->check(integer_in(0, int64_t(1) << 40));
   pc->add_option("--max-tokens", ppl_max_tokens, "use only the first N tokens of the text");
   pc->add_option("--json", ppl.json_path, "also write the result as JSON");
   add_run_options(pc, ppl.run, ppl_cache, ppl_ctx_cap, ppl_rope, ppl_cf);
@@ -283,16 +331,17 @@ int main(int argc, char** argv) {
   cc->add_option("--model", cal.model, "model (default: the fetched SmolLM2)");
   cc->add_option("--text", cal.text, "calibration text: a file, or austen:NAME[,NAME] (e.g. austen:sensesensibility)")
       ->required();
-  cc->add_option("--samples", cal.calib.n_samples, "calibration windows")->default_val(16);
-  cc->add_option("--seq-len", cal.calib.seq_len, "tokens per window")->default_val(2048);
-  cc->add_option("--seed", cal.calib.seed, "seed of the window offsets and sampled queries")->default_val(1);
+  cc->add_option("--samples", cal.calib.n_samples, "calibration windows")->default_val(16)->check(CLI::Range(1, 1 << 20));
+  cc->add_option("--seq-len", cal.calib.seq_len, "tokens per window")->default_val(2048)->check(CLI::Range(2, 1 << 24));
+  cc->add_option("--seed", cal.calib.seed, "seed of the window offsets and sampled queries")->default_val(1)->check(seed_value());
   cc->add_option("--weighting", cal.weighting, "k-means weights: attention (output sensitivity) | none")
       ->default_val("attention");
   cc->add_option("--queries", cal.calib.queries_per_sample, "query positions sampled per window for the weights")
-      ->default_val(64);
+      ->default_val(64)
+      ->check(CLI::Range(1, 1 << 20));
   cc->add_option("--out", cal.out, "calibration file to write")->required();
-  cc->add_option("--threads", cal.run.n_threads, "CPU threads");
-  cc->add_option("--batch", cal.run.n_batch, "forward chunk size in tokens")->default_val(512);
+  cc->add_option("--threads", cal.run.n_threads, "CPU threads")->check(CLI::Range(1, 4096));
+  cc->add_option("--batch", cal.run.n_batch, "forward chunk size in tokens")->default_val(512)->check(CLI::Range(1, 1 << 20));
 
   xctx::summarize_options sum;
   cache_flags sum_cf;
@@ -309,9 +358,9 @@ int main(int argc, char** argv) {
   sc->add_option("--max-tokens,-n", sum.settings.max_tokens, "summary tokens (a line's \"max_tokens\" wins)")
       ->default_val(200);
   sc->add_option("--chunk-tokens", sum_chunk, "map-reduce: text tokens per chunk (default: as many as fit --ctx)");
-  sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160);
-  sc->add_option("--temperature", sum.settings.sampling.temperature, "0 = greedy")->default_val(0.0f);
-  sc->add_option("--seed", sum.settings.sampling.seed, "sampling seed")->default_val(0);
+  sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160)->check(CLI::Range(1, 1 << 20));
+  sc->add_option("--temperature", sum.settings.sampling.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
+  sc->add_option("--seed", sum.settings.sampling.seed, "sampling seed")->default_val(0)->check(seed_value());
   add_run_options(sc, sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
   sequence_flags sum_seq;
   add_sequence_options(sc, sum_seq);
@@ -332,7 +381,7 @@ int main(int argc, char** argv) {
       ->default_val(1024);
   sv->add_option("--max-queue", srv.max_queue, "jobs waiting at most")->default_val(16);
   sv->add_option("--log-dir", srv.log_dir, "write glog files there (default: log to stderr)");
-  sv->add_option("--verbose,-v", srv.verbose, "glog verbosity (1: every status/info call too)")->default_val(0);
+  sv->add_option("--verbose,-v", srv.verbose, "glog verbosity (1: every status/info call too)")->default_val(0)->check(CLI::Range(0, 9));
   add_run_options(sv, srv.run, srv_cache, srv_ctx, srv_rope, srv_cf);
   sequence_flags srv_seq;
   add_sequence_options(sv, srv_seq);
@@ -350,12 +399,13 @@ int main(int argc, char** argv) {
   sub->add_flag("--chat", cl.chat, "generate: wrap the prompt in the chat template");
   sub->add_option("--system", cl.system, "generate: chat system message");
   sub->add_option("--max-tokens,-n", cl.max_tokens, "tokens to generate (summaries: 0 = the service's default)")
-      ->default_val(128);
-  sub->add_option("--temperature", cl.temperature, "0 = greedy")->default_val(0.0);
-  sub->add_option("--top-p", cl.top_p, "nucleus mass")->default_val(1.0);
-  sub->add_option("--seed", cl.seed, "sampling / passkey seed")->default_val(0);
-  sub->add_option("--context", cl.context, "passkey: prompt tokens")->default_val(4096);
-  sub->add_option("--trials", cl.trials, "passkey: trials per depth")->default_val(1);
+      ->default_val(128)
+      ->check(integer_in(0, 1 << 30));
+  sub->add_option("--temperature", cl.temperature, "0 = greedy")->default_val(0.0)->check(at_least(0));
+  sub->add_option("--top-p", cl.top_p, "nucleus mass")->default_val(1.0)->check(unit_mass());
+  sub->add_option("--seed", cl.seed, "sampling / passkey seed")->default_val(0)->check(seed_value());
+  sub->add_option("--context", cl.context, "passkey: prompt tokens")->default_val(4096)->check(integer_in(64, int64_t(1) << 40));
+  sub->add_option("--trials", cl.trials, "passkey: trials per depth")->default_val(1)->check(integer_in(1, 1 << 20));
   sub->add_option("--depths", cl.depths, "passkey: comma-separated depths")->default_val("0,0.5,1");
   sub->add_option("--filler", cl.filler, "passkey: classic | austen")->default_val("classic");
   sub->add_option("--in", cl.in, "summarize: text file; batch: JSONL file");
@@ -363,7 +413,7 @@ int main(int argc, char** argv) {
   sub->add_option("--instruction", cl.instruction, "summarize: instruction (default: the service's)");
   sub->add_flag("--wait", cl.wait, "wait for the end with progress on stderr, then print the result");
   sub->add_flag("--json", cl.json, "with --wait: print the result's details JSON");
-  sub->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds");
+  sub->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds")->check(positive());
   auto* st = app.add_subcommand("status", "a job's phase and progress; without an id, the service's info and metrics");
   add_client_options(st);
   st->add_option("id", cl.id, "job id");
@@ -372,7 +422,7 @@ int main(int argc, char** argv) {
   res->add_option("id", cl.id, "job id")->required();
   res->add_flag("--wait", cl.wait, "wait for the end with progress on stderr");
   res->add_flag("--json", cl.json, "print the details JSON instead of the text");
-  res->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds");
+  res->add_option("--timeout", cl.timeout_s, "with --wait: give up waiting after this many seconds")->check(positive());
   auto* can = app.add_subcommand("cancel", "cancel a queued or running job");
   add_client_options(can);
   can->add_option("id", cl.id, "job id")->required();
@@ -411,7 +461,10 @@ int main(int argc, char** argv) {
       comm = xctx::make_default_communicator();
       apply_run_options(sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
       apply_sequence_options(sum.seq, sum_seq);
-      if (!sum_chunk.empty()) sum.settings.chunk_tokens = xctx::parse_count(sum_chunk, "--chunk-tokens");
+      if (!sum_chunk.empty()) {
+        sum.settings.chunk_tokens = xctx::parse_count(sum_chunk, "--chunk-tokens");
+        XCTX_CHECK(sum.settings.chunk_tokens >= 1, "--chunk-tokens must be at least 1 token, got ", sum_chunk);
+      }
       return xctx::run_summarize(sum, *comm);
     }
     if (*sv) {
@@ -420,11 +473,14 @@ int main(int argc, char** argv) {
       apply_sequence_options(srv.seq, srv_seq);
       srv.limits.max_request_bytes = xctx::parse_count(srv_max_bytes, "--max-request-bytes");
       srv.limits.max_context = srv_max_context.empty() ? 0 : xctx::parse_count(srv_max_context, "--max-context");
+      XCTX_CHECK(srv_max_context.empty() || srv.limits.max_context >= 2, "--max-context must be at least 2 tokens, got ",
+                 srv_max_context);
       return xctx::run_serve(srv, *comm);
     }
     for (auto [cmd, name] : {std::pair{sub, "submit"}, {st, "status"}, {res, "result"}, {can, "cancel"}})
       if (*cmd) {
         cl.command = name;
+        if (cmd == sub) xctx::parse_depths(cl.depths);  // refused here, not by the service
         return xctx::run_client(cl);
       }
     if (*cc) return xctx::run_calibrate(cal);
