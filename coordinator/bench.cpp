@@ -39,7 +39,7 @@ struct logits_digest {
 int run_bench(const bench_options& opt, communicator& comm) {
   XCTX_CHECK(opt.prompt_tokens > 1, "--prompt-tokens must be at least 2");
   XCTX_CHECK(opt.gen_tokens >= 0, "--gen-tokens must be >= 0");
-  model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, "", opt.run);
+  model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, "", opt.run, comm.rank() == 0);
   const model_hparams& hp = s.weights.hp;
   std::vector<int32_t> ids;
   if (comm.rank() == 0) {

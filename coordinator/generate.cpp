@@ -41,7 +41,7 @@ int run_generate(const generate_options& opt, communicator& comm) {
 
   stopwatch load_clock;
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
-  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  model_session s = open_session(model_path, opt.tokenizer, opt.run, comm.rank() == 0);
   const model_hparams& hp = s.weights.hp;
 
   std::vector<int32_t> prompt_ids;

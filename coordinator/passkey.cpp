@@ -426,7 +426,7 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
   stopwatch load_clock;
   passkey_options opt = opt_in;
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
-  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  model_session s = open_session(model_path, opt.tokenizer, opt.run, comm.rank() == 0);
   const model_hparams& hp = s.weights.hp;
   // Retrieval past the trained window (auto): its positions and summaries, and a capacity that
   // holds the prompt and the answer, derived here rather than asked of the user.

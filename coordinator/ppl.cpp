@@ -73,7 +73,7 @@ ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, con
 
 int run_ppl(const ppl_options& opt, communicator& comm) {
   const bool coordinator = comm.rank() == 0;
-  model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, opt.tokenizer, opt.run);
+  model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, opt.tokenizer, opt.run, comm.rank() == 0);
   // Full attention by default (windows inside the trained context); retrieval only when asked,
   // with its window below the scoring window's length so it selects (docs/retrieval.md).
   sequence_options seq = opt.seq;

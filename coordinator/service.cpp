@@ -357,7 +357,7 @@ int run_serve(const serve_options& opt, communicator& comm) {
   const std::string secret = lead && !opt.token_file.empty() ? read_secret(opt.token_file) : std::string();
 
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
-  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  model_session s = open_session(model_path, opt.tokenizer, opt.run, comm.rank() == 0);
   const model_hparams& hp = s.weights.hp;
   const int64_t n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
   service_limits limits = opt.limits;

@@ -1,11 +1,13 @@
 #include "coordinator/session.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
 #include "cache/cache.h"
 #include "cache/calibration.h"
 #include "cache/x_factors.h"
+#include "coordinator/calibration_store.h"
 #include "common/error.h"
 #include "model/gguf.h"
 
@@ -26,7 +28,8 @@ std::string default_model_path() {
        " here and in ", XCTX_SOURCE_DIR, "); run launch/fetch-model");
 }
 
-model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp) {
+model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp,
+                           bool report) {
   model_session s;
   s.weights = load_model(model_path);
   make_resident(s.weights);
@@ -42,23 +45,29 @@ model_session open_session(const std::string& model_path, const std::string& tok
   XCTX_CHECK(s.tok->n_vocab() <= s.weights.hp.n_vocab, "tokenizer ", vocab_source, " has ", s.tok->n_vocab(),
              " tokens but the model's vocabulary has ", s.weights.hp.n_vocab);
   s.be = make_backend(rp.backend);
-  s.cache = resolve_cache_spec(rp, s.weights);
-  return s;
-}
-
-cache_spec resolve_cache_spec(const run_params& rp, const model_weights& w) {
-  cache_spec spec(rp.cache, rp.cache_opts);
-  const cache_format_traits t = format_traits(rp.cache);
-  if (t.needs_calibration) {
-    XCTX_CHECK(!rp.calib_path.empty(), "cache ", t.name,
-               " needs a calibration: pass --calib FILE (make one with `xctx calibrate --out FILE`)");
-    auto c = std::make_shared<calibration>(load_calibration(rp.calib_path));
-    c->check_model(model_fingerprint(w), w.hp, rp.calib_path);
-    spec.options.calib = std::move(c);
+  s.cache = cache_spec(rp.cache, rp.cache_opts);
+  if (format_traits(rp.cache).needs_calibration) {
+    const uint64_t fingerprint = model_fingerprint(s.weights);
+    std::shared_ptr<const calibration> c;
+    std::string cal_path = rp.calib_path;
+    if (!rp.calib_path.empty()) {  // --calib overrides the stored one
+      c = std::make_shared<calibration>(load_calibration(rp.calib_path));
+      s.calibration_note = "calibration " + rp.calib_path + " (--calib)";
+    } else {
+      const stored_calibration st = find_or_make_calibration(
+          default_calibration_path(model_path, fingerprint), fingerprint,
+          [&] { return make_default_calibration(s.weights, *s.be, *s.tok, rp, true); });
+      c = st.cal;
+      cal_path = st.path;
+      s.calibration_note = st.describe();
+    }
+    c->check_model(fingerprint, s.weights.hp, cal_path);
+    s.cache.options.calib = std::move(c);
+    if (report) std::fprintf(stderr, "[xctx] %s: %s\n", format_traits(rp.cache).name, s.calibration_note.c_str());
   }
   if (format_needs_x_factors(rp.cache))  // xquant*, xquant-cl*: offline SVD of W_k, W_v
-    spec.options.factors = build_x_factors(w, x_factor_kind_for(rp.cache));
-  return spec;
+    s.cache.options.factors = build_x_factors(s.weights, x_factor_kind_for(rp.cache));
+  return s;
 }
 
 }  // namespace xctx

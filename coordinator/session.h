@@ -17,17 +17,18 @@ struct model_session {
   std::string chat_template;  // the file's tokenizer.chat_template, if any
   std::unique_ptr<backend> be;
   cache_spec cache;  // rp.cache with its options and, for nuq formats, the loaded calibration
+  std::string calibration_note;  // nuq formats: which calibration and where it came from
 };
-
-// The cache spec a run asks for: loads and checks the calibration when the format needs one.
-cache_spec resolve_cache_spec(const run_params& rp, const model_weights& w);
 
 // Resolves the default model: $XCTX_MODEL, then models/<default> under the current directory,
 // then under the source tree the binary was built from.
 std::string default_model_path();
 
 // Loads weights from `model_path` (GGUF file or HF directory) and the tokenizer from
-// `tokenizer_path` (a GGUF; empty: the model file itself).
-model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp);
+// `tokenizer_path` (a GGUF; empty: the model file itself). nuq formats take rp.calib_path, else
+// the model's stored calibration, made now if there is none (coordinator/calibration_store.h);
+// `report` (rank 0) prints which one and the progress of making it.
+model_session open_session(const std::string& model_path, const std::string& tokenizer_path, const run_params& rp,
+                           bool report);
 
 }  // namespace xctx

@@ -359,7 +359,7 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   XCTX_CHECK(!opt.in.empty() && !opt.out.empty(), "summarize needs --in FILE.jsonl and --out FILE.jsonl");
   stopwatch load_clock;
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
-  model_session s = open_session(model_path, opt.tokenizer, opt.run);
+  model_session s = open_session(model_path, opt.tokenizer, opt.run, comm.rank() == 0);
   const model_hparams& hp = s.weights.hp;
   summarize_settings settings = opt.settings;
   settings.n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;

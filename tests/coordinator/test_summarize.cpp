@@ -128,7 +128,7 @@ struct local_stack {
 
   local_stack(const std::string& path, int64_t n_ctx, int max_tokens) {
     run_params rp;
-    s = open_session(path, "", rp);
+    s = open_session(path, "", rp, false);
     engine = std::make_unique<llama_engine>(s.weights, *s.be, rp);
     sequence_options seq;
     seq.max_new_tokens = 64;
