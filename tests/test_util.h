@@ -3,8 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -33,6 +36,42 @@ inline rope_config with_self_extend(rope_config r, self_extend_case c) {
 template <class T>
 T worse(T worst, T err) {
   return std::isnan(err) || err > worst ? err : worst;
+}
+
+// End-to-end logit bounds for the tiny random models (tests/worker/test_engine.cpp derives them):
+// a logit difference of at most kEngineAmplification * u * max(1, max |logit|), where u is the
+// relative rounding of one decode-path activation -- 2^-16 of a block max for act_q16 (the
+// default), 1/254 for act_q8, float sums (8 * 2^-24) for act_f32 and for float weights, which
+// never round activations. Measured amplification through three layers: ~3.9 (2026-12-02), so 16
+// leaves a margin of 4x.
+inline constexpr double kEngineAmplification = 16;
+inline double float_sum_rounding() { return 8 * std::ldexp(1.0, -24); }
+inline double decode_rounding(cpu::decode_activations act) {
+  switch (act) {
+    case cpu::decode_activations::act_q16: return std::ldexp(1.0, -16);
+    case cpu::decode_activations::act_q8: return 1.0 / 254;
+    case cpu::decode_activations::act_f32: break;
+  }
+  return float_sum_rounding();
+}
+inline double engine_logit_bound(bool quantized_weights, double max_abs_logit,
+                                 cpu::decode_activations act = cpu::get_decode_activations()) {
+  const double u = quantized_weights ? std::max(decode_rounding(act), float_sum_rounding()) : float_sum_rounding();
+  return kEngineAmplification * u * std::max(1.0, max_abs_logit);
+}
+
+// The worst observed/bound ratio of a named tolerance check in this process, printed at exit:
+// how much room a derived bound leaves on this machine (a ratio near 1 is a bound about to trip,
+// one near 0 a bound too loose to catch a regression).
+inline void record_ratio(const char* check, double ratio) {
+  static struct table {
+    std::map<std::string, double> worst;
+    ~table() {
+      for (const auto& [name, r] : worst) std::printf("[bound] %s: worst observed/bound %.3g\n", name.c_str(), r);
+    }
+  } t;
+  double& w = t.worst[check];
+  w = worse(w, ratio);
 }
 
 // f() must throw xctx::Error whose message contains `part`.

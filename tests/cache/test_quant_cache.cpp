@@ -268,6 +268,17 @@ TEST_P(quant_cache_test, fused_attention_equals_reference) {
             max_q2 = std::max(max_q2, std::sqrt(s2));
           }
           const double delta = kScoreRel * max_q2 * max_k2 * a.scale;
+          // The bound is a worst case (every rounding aligned, Cauchy-Schwarz on |q||k|, every
+          // probability moved the same way); measured observed/bound 0.0045-0.0064 on AVX-512, AVX2 and
+          // scalar (2026-12-02, printed as [bound]). It is kept rather than fitted to that
+          // measurement because it still catches what matters: a wrong code, rotation or outlier
+          // moves the output by ~1e-2 of max|v| (~1e4 x the bound), and accumulating in half
+          // precision (2^-11 instead of 2^-24, x8192) would put the ratio above 1.
+          {
+            double worst = 0;
+            for (size_t i = 0; i < o.size(); ++i) worst = test::worse(worst, std::fabs((double)o[i] - o_ref[i]) / (2 * delta * max_v + 1e-6));
+            test::record_ratio("fused", worst);
+          }
           for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
           for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], l_ref[i], delta + 1e-5 * std::fabs(l_ref[i])) << i;
         }

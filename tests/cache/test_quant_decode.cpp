@@ -143,7 +143,18 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
       // Probabilities move by <= delta relative, the output by <= 2 delta max|v|, lse by delta.
       constexpr double kScoreRel = 32.0 * FLT_EPSILON;
       const double delta = kScoreRel * max_q * max_k * a.scale;
-      for (int i = 0; i < qd; ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
+      // The bound is a worst case (every rounding aligned, Cauchy-Schwarz on |q||k|, every
+      // probability moved the same way); measured observed/bound 0.0007-0.0011 on AVX-512, AVX2
+      // and scalar (2026-12-02, printed as [bound]). It is kept rather than fitted to that
+      // measurement because it still catches what matters: a wrong code, rotation or outlier moves
+      // the output by ~1e-2 of max|v| (~1e4 x the bound), and accumulating in half precision
+      // (2^-11 instead of 2^-24, x8192) would put the ratio above 1.
+      {
+            double worst = 0;
+            for (size_t i = 0; i < o.size(); ++i) worst = test::worse(worst, std::fabs((double)o[i] - o_ref[i]) / (2 * delta * max_v + 1e-6));
+            test::record_ratio("fused-decode", worst);
+          }
+          for (int i = 0; i < qd; ++i) ASSERT_NEAR(o[i], o_ref[i], 2 * delta * max_v + 1e-6) << i;
       for (int h = 0; h < c.n_head; ++h) ASSERT_NEAR(l[h], l_ref[h], delta + 1e-5 * std::fabs(l_ref[h])) << h;
     }
   }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "cache/cache.h"
@@ -73,12 +74,26 @@ struct space_case {
 class device_space_engine : public ::testing::TestWithParam<space_case> {};
 
 // Runs `fmt` on `other` and on the CPU backend, both teacher-forced with the CPU's greedy tokens,
-// and checks every step. Bound: the CPU backend's own bound against the scalar oracle
-// (tests/worker/test_engine.cpp): a few-token step rounds activations to 8-bit blocks, so a
-// last-bit difference in attention can move an activation by 1/254 of its block's max; float
-// weights never round (measured on the device-space backend: ~1e-4 and ~1e-5 of logits of size
-// ~2). The greedy token must agree wherever the reference's top two are further apart than twice
-// the largest logit difference seen (closer, either may legitimately win).
+// and checks every step. Bound, two terms:
+//  - the CPU backend's own against the scalar oracle (test::engine_logit_bound, derived in
+//    tests/worker/test_engine.cpp): a last-bit difference in the partials' merge can move a
+//    decode activation by one rounding step (16-bit blocks by default; float weights never round);
+//  - one code flip in the cache: the same last-bit difference can put a key or value element on
+//    the other side of a rounding boundary when it is stored, moving it by one step of the format,
+//    1 / (2^bits - 1) of its range (fp16: 2^-11). kFlipAmplification * step * max(1, max |logit|)
+//    with kFlipAmplification = 1/8: measured at most 0.03 (clkv with AVX-512, kivi4 with AVX2
+//    only, 2026-12-02; which elements flip depends on the ISA's float order), a margin of 4x.
+// The worst observed/bound ratio is printed. The greedy token must agree wherever the reference's
+// top two are further apart than twice the largest logit difference seen (closer, either may
+// legitimately win).
+constexpr double kFlipAmplification = 1.0 / 8;
+double cache_code_step(cache_format fmt) {
+  const int bits = format_traits(fmt).bits_per_element;
+  if (bits >= 32) return 0;
+  if (bits == 16) return std::ldexp(1.0, -11);
+  return 1.0 / ((1 << bits) - 1);
+}
+
 void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, backend& other, cache_format fmt,
                                        test::self_extend_case se = {1, 0}) {
   SCOPED_TRACE(format_traits(fmt).name + std::string(se.group > 1 ? " with SelfExtend" : ""));
@@ -98,14 +113,18 @@ void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, b
   const auto got = run(w, other, fmt, 16, prompt, forced, se);
   ASSERT_EQ(got.size(), ref.size());
   int compared = 0;
+  double worst_ratio = 0, worst_abs = 0;
   for (size_t s = 0; s < ref.size(); ++s) {
     double max_abs = 0, max_ref = 0;
     for (size_t i = 0; i < ref[s].size(); ++i) {
       max_abs = test::worse(max_abs, (double)std::fabs(ref[s][i] - got[s][i]));
       max_ref = std::max(max_ref, (double)std::fabs(ref[s][i]));
     }
-    const double tol = (quantized ? 0.05 : 1e-3) * std::max(1.0, max_ref);
-    EXPECT_LE(max_abs, tol) << "step " << s;
+    const double bound =
+        test::engine_logit_bound(quantized, max_ref) + kFlipAmplification * cache_code_step(fmt) * std::max(1.0, max_ref);
+    worst_ratio = std::max(worst_ratio, max_abs / bound);
+    worst_abs = std::max(worst_abs, max_abs);
+    EXPECT_LE(max_abs, bound) << "step " << s;
     std::vector<float> sorted = ref[s];
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
     if (sorted[0] - sorted[1] > 2 * max_abs) {  // no logit moved further: the order of the top two holds
@@ -114,6 +133,8 @@ void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, b
     }
   }
   EXPECT_GE(compared, 6) << "too few clear greedy choices to compare";
+  std::printf("[device-space] %s: worst max |dlogit| %.3g, observed/bound %.3f over %zu steps\n", format_traits(fmt).name,
+              worst_abs, worst_ratio, ref.size());
 }
 
 TEST_P(device_space_engine, generation_matches_the_cpu_backend) {
@@ -152,41 +173,18 @@ TEST(device_space_engine_self_extend, generation_matches_the_cpu_backend) {
   }
 }
 
-// The same comparison on the CUDA backend (skipped without a usable device): a whole greedy
-// generation, fp16 and fp32 caches, against the CPU backend's. GEMMs in exact fp32
-// (XCTX_CUDA_TF32=0), so the bound is the CPU backend's own against the scalar oracle: the CPU's
-// 8-bit decode activations on one side, f32 on the other.
+// The same comparison on the CUDA backend (skipped without a usable device), fp16 and fp32
+// caches, teacher-forced on the CPU's greedy tokens with the bound and the near-tie rule above
+// (comparing two free-running generations would fail on the first near tie, which the GPU's other
+// float order may legitimately break the other way). GEMMs in exact fp32 (XCTX_CUDA_TF32=0). The
+// bound was derived on the device-space backend; no GPU has run this yet, so the printed
+// observed/bound ratio of the first device run is the check of that derivation.
 TEST(cuda_engine, greedy_generation_matches_the_cpu_backend) {
   setenv("XCTX_CUDA_TF32", "0", 1);
   if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
   const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
-  const auto prompt = some_tokens(45, w.hp.n_vocab);
-  auto cpu = make_backend(backend_kind::backend_cpu);
   auto gpu = make_backend(backend_kind::backend_cuda);
-  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) {
-    std::vector<int32_t> cpu_tokens, gpu_tokens;
-    for (int which = 0; which < 2; ++which) {
-      backend& be = which == 0 ? *cpu : *gpu;
-      std::vector<int32_t>& toks = which == 0 ? cpu_tokens : gpu_tokens;
-      std::vector<std::vector<float>> logits = run(w, be, f, 16, prompt, {});
-      for (int s = 0; s < 12; ++s) {
-        toks.push_back(argmax(logits.back()));
-        logits = run(w, be, f, 16, prompt, toks);
-      }
-    }
-    // Teacher-forced on the CPU's tokens, the logits agree within the bound at every step.
-    const auto ref = run(w, *cpu, f, 16, prompt, cpu_tokens);
-    const auto got = run(w, *gpu, f, 16, prompt, cpu_tokens);
-    for (size_t s = 0; s < ref.size(); ++s) {
-      double max_abs = 0, max_ref = 0;
-      for (size_t i = 0; i < ref[s].size(); ++i) {
-        max_abs = test::worse(max_abs, (double)std::fabs(ref[s][i] - got[s][i]));
-        max_ref = std::max(max_ref, (double)std::fabs(ref[s][i]));
-      }
-      EXPECT_LE(max_abs, 0.05 * std::max(1.0, max_ref)) << format_traits(f).name << " step " << s;
-    }
-    EXPECT_EQ(gpu_tokens, cpu_tokens) << format_traits(f).name;
-  }
+  for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) expect_generation_matches_the_cpu(w, true, *gpu, f);
 }
 
 // The compressed caches on a real device (skipped without one): every quantized family's
