@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """End-to-end tests of the batch command `xctx summarize` on 2 MPI ranks: killed (SIGKILL to
 mpirun and every rank) part-way and resumed with --resume, every document ends up in the output
-exactly once and the lines written before the kill are kept; malformed input and duplicate ids
+exactly once, the lines written before the kill are kept, and every summary (greedy) equals the
+one an uninterrupted run writes; malformed input and duplicate ids
 are refused up front, naming the line or the id.
 
     /usr/bin/python3 tests/service/test_summarize_resume.py --xctx build/xctx --model models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -54,9 +55,9 @@ class SummarizeTest(unittest.TestCase):
         with open(self.docs_path, "w") as f:
             f.writelines(line + "\n" for line in lines)
 
-    def start(self, *extra):
+    def start(self, *extra, out=None):
         """`mpirun -np 2 xctx summarize` in its own session, output appended to the log."""
-        cmd = mpirun("summarize", "--model", OPTIONS.model, "--in", self.docs_path, "--out", self.out_path,
+        cmd = mpirun("summarize", "--model", OPTIONS.model, "--in", self.docs_path, "--out", out or self.out_path,
                      "--max-tokens", str(MAX_TOKENS), *extra)
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(cmd)}\n")
@@ -108,6 +109,18 @@ class SummarizeTest(unittest.TestCase):
             self.assertGreaterEqual(o["decode_s"], 0, o)
             self.assertEqual(o["cache"], "fp16", o)
             self.assertEqual(o["ranks"], RANKS, o)
+
+        # The same documents in one uninterrupted run: a resumed document is summarized from
+        # scratch, so with greedy decoding its summary is the uninterrupted run's, token for token.
+        whole_path = os.path.join(self.dir, "whole.jsonl")
+        self.assertEqual(self.finish(self.start(out=whole_path)), 0, tail(self.log_path))
+        whole = {o["id"]: o for o in map(json.loads, complete_lines(whole_path))}
+        self.assertEqual(sorted(whole), sorted(ids))
+        for i, o in enumerate(out):
+            w = whole[o["id"]]
+            when = "written before the kill" if i < len(before) else "resumed"
+            for field in ("summary", "generated_tokens", "prompt_tokens", "error"):
+                self.assertEqual(o.get(field), w.get(field), f"{o['id']} ({when}): {field} differs from the uninterrupted run")
 
     def assertRefused(self, lines, *words):
         """summarize over `lines` exits non-zero and its output names every one of `words`."""
