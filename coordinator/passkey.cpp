@@ -492,7 +492,8 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
       nlohmann::json layers = nlohmann::json::array();
       for (const auto& r : runner.selector()->probe_results())
         layers.push_back({{"layer", r.layer}, {"candidates", r.candidates}, {"minmax", r.rank_minmax},
-                          {"mean", r.rank_mean}, {"minmax_kv", r.rank_minmax_kv}, {"mean_kv", r.rank_mean_kv}});
+                          {"mean", r.rank_mean}, {"minmax_kv", r.rank_minmax_kv}, {"mean_kv", r.rank_mean_kv},
+                          {"top_minmax", r.top_minmax}, {"top_mean", r.top_mean}});
       tr["needle_rank"] = layers;
     };
   }

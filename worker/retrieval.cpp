@@ -233,6 +233,17 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
     sc.push_back(std::move(s));
   }
   r.candidates = (int64_t)ids.size();
+  for (int rule = 0; rule < 2; ++rule) {  // the same order as rank_of: score, then the lower id
+    std::vector<size_t> order(ids.size());
+    for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+    const size_t top = std::min<size_t>(order.size(), kProbeTop);
+    std::partial_sort(order.begin(), order.begin() + (std::ptrdiff_t)top, order.end(), [&](size_t a, size_t b) {
+      const double xa = sc[a][rule][(size_t)nkv], xb = sc[b][rule][(size_t)nkv];
+      return xa > xb || (xa == xb && ids[a] < ids[b]);
+    });
+    std::vector<int64_t>& out = rule == 0 ? r.top_minmax : r.top_mean;
+    for (size_t j = 0; j < top; ++j) out.push_back(ids[order[j]]);
+  }
   if (at >= 0) {
     const auto rank_of = [&](int rule, int col) {
       int64_t better_count = 0;

@@ -106,7 +106,10 @@ class retrieval_selector {
     int64_t candidates = 0;
     int64_t rank_minmax = 0, rank_mean = 0;                 // heads summed
     std::vector<int64_t> rank_minmax_kv, rank_mean_kv;     // [n_head_kv]
+    // The best kProbeTop candidate blocks (heads summed), best first: which blocks outrank it.
+    std::vector<int64_t> top_minmax, top_mean;
   };
+  static constexpr int kProbeTop = 8;
   void set_probe(int64_t pos);  // -1: off (and clears the results)
   const std::vector<probe_layer>& probe_results() const { return probe_; }
 

@@ -306,6 +306,10 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
           EXPECT_EQ(rule == block_score_rule::score_minmax ? r.rank_minmax : r.rank_mean, (int64_t)at + 1)
               << block_score_rule_name(rule) << " block " << scored[at].second;
           EXPECT_EQ(r.candidates, (int64_t)scored.size());
+          std::vector<int64_t> best;  // the brute force's best blocks, best first
+          for (size_t k = 0; k < scored.size() && k < (size_t)retrieval_selector::kProbeTop; ++k)
+            best.push_back(scored[k].second);
+          EXPECT_EQ(rule == block_score_rule::score_minmax ? r.top_minmax : r.top_mean, best);
         }
       }
     }
