@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--junit", default=os.path.join(ROOT, "build", "ctest-junit.xml"))
     ap.add_argument("--wall-s", type=float, default=None)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--source", default=None, help="what run the report came from (default: its path)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "test_times"))
     a = ap.parse_args()
     root = ET.parse(a.junit).getroot()
@@ -61,8 +62,8 @@ def main():
     stamp = datetime.date.today().isoformat()
     with open(a.out + ".md", "w") as f:
         f.write("# Test suite times\n\n")
-        f.write(f"Written by `benchmarks/test_times.py` from {os.path.relpath(a.junit, ROOT)} (the CTest run of "
-                f"`launch/run-tests`) on {cpu_identity()}, commit {xctx_commit()}, {stamp}. {len(rows)} tests: "
+        source = a.source or f"{os.path.relpath(a.junit, ROOT)} (the CTest run of `launch/run-tests`)"
+        f.write(f"Written by `benchmarks/test_times.py` from {source} on {cpu_identity()}, commit {xctx_commit()}, {stamp}. {len(rows)} tests: "
                 f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped. Sum of test times "
                 f"{total / 60:.1f} min" + (f"; wall time {a.wall_s / 60:.1f} min (CTest -j2)" if a.wall_s else "") +
                 ". Every row in the CSV.\n\n")
