@@ -14,7 +14,7 @@ int run_calibrate(const calibrate_cmd_options& opt) {
   XCTX_CHECK(opt.weighting == "attention" || opt.weighting == "none", "calibrate: --weighting must be attention or none, got '",
              opt.weighting, "'");
   run_params rp = opt.run;
-  rp.cache = cache_format::cache_fp32;  // the session's own cache is not used
+  rp.cache = cache_format::cache_fp32;  // so opening the session neither needs nor makes a calibration
   model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, "", rp, true);
   calibrate_options co = opt.calib;
   co.weighted = opt.weighting == "attention";

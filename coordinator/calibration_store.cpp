@@ -67,7 +67,7 @@ std::string stored_calibration::describe() const {
 
 std::string default_calibration_path(const std::string& model_path, uint64_t fingerprint) {
   fs::path model = fs::path(model_path);
-  if (model.has_filename() == false) model = model.parent_path();  // "dir/" of a checkpoint
+  if (!model.has_filename()) model = model.parent_path();  // "dir/" of a checkpoint
   char key[24];
   std::snprintf(key, sizeof key, "%016" PRIx64, fingerprint);
   const std::string name = model.stem().string() + "." + key + ".calib";

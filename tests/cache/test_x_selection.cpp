@@ -45,29 +45,24 @@ class x_selection : public ::testing::TestWithParam<test::x_case> {};
 TEST_P(x_selection, units_are_masked_exactly) {
   const test::x_case c = GetParam();
   x_sel_case k(c, 41, 8);
-  const cache_geometry& g = k.g;
-  test::filled& f = k.f;
-  const int qd = k.qd;
-  const std::vector<float>& q = k.q;
-  const std::vector<int32_t>& q_pos = k.q_pos;
   const attn_selection sel = selection_of({{0, 2, 4}, {1, 2}, {}});
   const attn_selection a = selection_of({{0, 4}, {2}, {}}), b = selection_of({{2}, {1}, {}});
   const attn_selection all = selection_of({{0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 4}});
-  for (int layer : {0, g.n_layer - 1})
+  for (int layer : {0, k.g.n_layer - 1})
     for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
       SCOPED_TRACE(test::case_name(c) + " layer " + std::to_string(layer) +
                    (path == attend_path::attend_decode ? " decode" : " prefill"));
       const int64_t nq = path == attend_path::attend_decode ? 1 : 3;
       const auto first = [&](const attn_selection& s) { return selection_of({{s.units.begin(), s.units.begin() + s.offsets[1]}}); };
       const auto run = [&](const attn_selection* s) {
-        softmax_acc acc(nq * g.n_head, g.head_dim);
+        softmax_acc acc(nq * k.g.n_head, k.g.head_dim);
         attn_selection one;
         if (s != nullptr && nq == 1) one = first(*s);
-        f.cache->attend(layer, q.data(), q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
+        k.f.cache->attend(layer, k.q.data(), k.q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
         return acc;
       };
       const auto finish = [&](const softmax_acc& acc, std::vector<float>& o, std::vector<float>& l) {
-        o.resize(nq * qd), l.resize(nq * g.n_head);
+        o.resize(nq * k.qd), l.resize(nq * k.g.n_head);
         acc.finish(o.data(), l.data());
       };
       std::vector<float> o_none, l_none, o_all, l_all, o_sel, l_sel, o_ab, l_ab;
@@ -82,7 +77,7 @@ TEST_P(x_selection, units_are_masked_exactly) {
       EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
       EXPECT_NE(std::memcmp(o_sel.data(), o_none.data(), o_sel.size() * 4), 0) << "the selection changed nothing";
       if (nq == 3)
-        for (int h = 0; h < g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * g.n_head + h])) << "empty list, head " << h;
+        for (int h = 0; h < k.g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * k.g.n_head + h])) << "empty list, head " << h;
     }
 }
 
@@ -90,13 +85,8 @@ TEST_P(x_selection, units_are_masked_exactly) {
 TEST_P(x_selection, a_per_kv_head_selection_gives_each_head_its_own_list) {
   const test::x_case c = GetParam();
   x_sel_case k(c, 43, 10);
-  const cache_geometry& g = k.g;
-  test::filled& f = k.f;
-  const int qd = k.qd;
-  const std::vector<float>& q = k.q;
-  const std::vector<int32_t>& q_pos = k.q_pos;
   const std::vector<std::vector<int64_t>> even = {{0, 2, 4}, {1, 2}, {}}, odd = {{1, 4}, {0}, {3}};
-  for (int layer : {0, g.n_layer - 1})
+  for (int layer : {0, k.g.n_layer - 1})
     for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
       SCOPED_TRACE(test::case_name(c) + " layer " + std::to_string(layer) +
                    (path == attend_path::attend_decode ? " decode" : " prefill"));
@@ -104,19 +94,19 @@ TEST_P(x_selection, a_per_kv_head_selection_gives_each_head_its_own_list) {
       const auto first = [&](const std::vector<std::vector<int64_t>>& l) {
         return std::vector<std::vector<int64_t>>(l.begin(), l.begin() + nq);
       };
-      const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), g.n_head_kv);
+      const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), k.g.n_head_kv);
       const attn_selection se = selection_of(first(even)), so = selection_of(first(odd));
       const auto run = [&](const attn_selection& s, std::vector<float>& o, std::vector<float>& l) {
-        softmax_acc acc(nq * g.n_head, g.head_dim);
-        f.cache->attend(layer, q.data(), q_pos.data(), nq, path, acc, &s);
-        o.resize(nq * qd), l.resize(nq * g.n_head);
+        softmax_acc acc(nq * k.g.n_head, k.g.head_dim);
+        k.f.cache->attend(layer, k.q.data(), k.q_pos.data(), nq, path, acc, &s);
+        o.resize(nq * k.qd), l.resize(nq * k.g.n_head);
         acc.finish(o.data(), l.data());
       };
       std::vector<float> o_h, l_h, o_e, l_e, o_o, l_o;
       run(heads, o_h, l_h);
       run(se, o_e, l_e);
       run(so, o_o, l_o);
-      test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, g.n_head, g.n_head_kv, g.head_dim);
+      test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, k.g.n_head, k.g.n_head_kv, k.g.head_dim);
     }
 }
 

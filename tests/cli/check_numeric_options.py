@@ -9,14 +9,17 @@ count (NUMERIC_TEXT below). Each gets the bad values of its kind; each run must 
 a clear error -- a non-zero exit that is not a signal's, whose output names the flag. A run that
 is still going after the time limit took the bad value as good (a job started).
 """
+import atexit
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 
 XCTX, MODEL = sys.argv[1], sys.argv[2]
 TMP = tempfile.mkdtemp(prefix="xctx-numeric-")
+atexit.register(shutil.rmtree, TMP, ignore_errors=True)
 DOC = os.path.join(TMP, "docs.jsonl")
 with open(DOC, "w") as f:
     f.write('{"id": "a", "text": "A short document about the sea."}\n')

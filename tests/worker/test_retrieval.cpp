@@ -71,6 +71,20 @@ struct kernel_case {
     q.resize(n_q * qd);
     for (float& x : q) x = 0.4f * nd(rng);
   }
+  // The CPU kernels' (o, lse) within float error of the reference backend's, which masks key by
+  // key: the decoded caches are the same bits (bit-identical encoders), so the difference is the
+  // kernels' float arithmetic, scores of head_dim products and a softmax. `same_empties`: every
+  // row the reference saw nothing in (lse -inf) is empty in `o` too.
+  void expect_near_reference(const std::vector<float>& o, const std::vector<float>& l, const std::vector<float>& o_ref,
+                             const std::vector<float>& l_ref, bool same_empties) const {
+    double max_v = 0;
+    for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
+    for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], 2e-4 * max_v) << i;
+    for (size_t i = 0; i < l.size(); ++i) {
+      if (same_empties) ASSERT_EQ(std::isinf(l[i]), std::isinf(l_ref[i])) << i;
+      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+    }
+  }
 };
 
 class retrieval_kernels : public ::testing::TestWithParam<cache_format> {};
@@ -78,55 +92,40 @@ class retrieval_kernels : public ::testing::TestWithParam<cache_format> {};
 TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
   const cache_format f = GetParam();
   kernel_case k(f, 5, 7);
-  const cache_geometry& g = k.g;
-  const int qd = k.qd;
-  const test::synthetic_kv& d = k.d;
-  kv_cache &c = *k.c, &r = *k.r;
-  const int64_t n_q = kernel_case::n_q;
-  const std::vector<float>& q = k.q;
-  const std::vector<int32_t>& q_pos = k.q_pos;
   // Query 0: units 0, 2, 5; query 1: units 1, 3 (3 holds its own position); query 2: none.
   const attn_selection sel = selection_of({{0, 2, 5}, {1, 3}, {}});
   const attn_selection sel_a = selection_of({{0, 5}, {1}, {}}), sel_b = selection_of({{2}, {3}, {}});
   const attn_selection all = selection_of({{0, 1, 2, 3, 4, 5}, {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}});
   for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
     SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
-    const int64_t nq = path == attend_path::attend_decode ? 1 : n_q;  // decode steps carry one query
+    const int64_t nq = path == attend_path::attend_decode ? 1 : kernel_case::n_q;  // decode steps carry one query
     const auto run = [&](kv_cache& cache, const attn_selection* s, std::vector<float>& o, std::vector<float>& l) {
-      softmax_acc acc(nq * g.n_head, g.head_dim);
+      softmax_acc acc(nq * k.g.n_head, k.g.head_dim);
       attn_selection one;  // the first query's list only, for one-query calls
       if (s != nullptr && nq == 1) one = selection_of({{s->units.begin(), s->units.begin() + s->offsets[1]}});
-      cache.attend(0, q.data(), q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
-      o.resize(nq * qd), l.resize(nq * g.n_head);
+      cache.attend(0, k.q.data(), k.q_pos.data(), nq, path, acc, s == nullptr ? nullptr : nq == 1 ? &one : s);
+      o.resize(nq * k.qd), l.resize(nq * k.g.n_head);
       acc.finish(o.data(), l.data());
       return acc;
     };
     std::vector<float> o_none, l_none, o_all, l_all, o_sel, l_sel, o_ref, l_ref, o_ab, l_ab;
-    run(c, nullptr, o_none, l_none);
-    run(c, &all, o_all, l_all);
+    run(*k.c, nullptr, o_none, l_none);
+    run(*k.c, &all, o_all, l_all);
     EXPECT_EQ(std::memcmp(o_none.data(), o_all.data(), o_all.size() * 4), 0) << "every unit listed = no selection";
-    softmax_acc a = run(c, &sel, o_sel, l_sel);
+    softmax_acc a = run(*k.c, &sel, o_sel, l_sel);
     std::vector<float> tmp_o, tmp_l;
-    softmax_acc parts = run(c, &sel_a, tmp_o, tmp_l);
-    parts.merge(run(c, &sel_b, tmp_o, tmp_l));
+    softmax_acc parts = run(*k.c, &sel_a, tmp_o, tmp_l);
+    parts.merge(run(*k.c, &sel_b, tmp_o, tmp_l));
     o_ab.resize(o_sel.size()), l_ab.resize(l_sel.size());
     parts.finish(o_ab.data(), l_ab.data());
     EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
     EXPECT_NE(std::memcmp(o_sel.data(), o_none.data(), o_sel.size() * 4), 0) << "the selection changed nothing";
-    if (nq == n_q) {  // an empty list sees nothing
-      for (int h = 0; h < g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * g.n_head + h]) && l_sel[2 * g.n_head + h] < 0);
+    if (nq == kernel_case::n_q) {  // an empty list sees nothing
+      for (int h = 0; h < k.g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * k.g.n_head + h]) && l_sel[2 * k.g.n_head + h] < 0);
     }
-    // The reference backend masks key by key (kernels/ref): the CPU kernels within float error of
-    // it. The decoded caches are the same bits on both backends (bit-identical encoders), so the
-    // difference is the kernels' float arithmetic: scores of head_dim products and a softmax.
-    run(r, &sel, o_ref, l_ref);
-    double max_v = 0;
-    for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
-    for (size_t i = 0; i < o_sel.size(); ++i) ASSERT_NEAR(o_sel[i], o_ref[i], 2e-4 * max_v) << i;
-    for (size_t i = 0; i < l_sel.size(); ++i)
-      if (!std::isinf(l_ref[i])) {
-        ASSERT_NEAR(l_sel[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
-      }
+    // Against the reference backend, which masks key by key (kernels/ref).
+    run(*k.r, &sel, o_ref, l_ref);
+    k.expect_near_reference(o_sel, l_sel, o_ref, l_ref, false);
   }
 }
 
@@ -136,43 +135,28 @@ TEST_P(retrieval_kernels, a_selection_masks_exactly_units_and_nothing_else) {
 TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) {
   const cache_format f = GetParam();
   kernel_case k(f, 6, 9);
-  const cache_geometry& g = k.g;
-  const int qd = k.qd;
-  const test::synthetic_kv& d = k.d;
-  kv_cache &c = *k.c, &r = *k.r;
-  const int64_t n_q = kernel_case::n_q;
-  const std::vector<float>& q = k.q;
-  const std::vector<int32_t>& q_pos = k.q_pos;
   const std::vector<std::vector<int64_t>> even = {{0, 2, 5}, {1, 3}, {}}, odd = {{1, 5}, {0, 3}, {4}};
   for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
     SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
-    const int64_t nq = path == attend_path::attend_decode ? 1 : n_q;  // decode steps carry one query
+    const int64_t nq = path == attend_path::attend_decode ? 1 : kernel_case::n_q;  // decode steps carry one query
     const auto first = [&](const std::vector<std::vector<int64_t>>& l) {
       return std::vector<std::vector<int64_t>>(l.begin(), l.begin() + nq);
     };
-    const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), g.n_head_kv);
+    const attn_selection heads = test::alternating_kv_head_selection(first(even), first(odd), k.g.n_head_kv);
     const attn_selection se = selection_of(first(even)), so = selection_of(first(odd));
     const auto run = [&](kv_cache& cache, const attn_selection& s, std::vector<float>& o, std::vector<float>& l) {
-      softmax_acc acc(nq * g.n_head, g.head_dim);
-      cache.attend(0, q.data(), q_pos.data(), nq, path, acc, &s);
-      o.resize(nq * qd), l.resize(nq * g.n_head);
+      softmax_acc acc(nq * k.g.n_head, k.g.head_dim);
+      cache.attend(0, k.q.data(), k.q_pos.data(), nq, path, acc, &s);
+      o.resize(nq * k.qd), l.resize(nq * k.g.n_head);
       acc.finish(o.data(), l.data());
     };
     std::vector<float> o_h, l_h, o_e, l_e, o_o, l_o, o_ref, l_ref;
-    run(c, heads, o_h, l_h);
-    run(c, se, o_e, l_e);
-    run(c, so, o_o, l_o);
-    test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, g.n_head, g.n_head_kv, g.head_dim);
-    run(r, heads, o_ref, l_ref);
-    double max_v = 0;
-    for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
-    for (size_t i = 0; i < o_h.size(); ++i) ASSERT_NEAR(o_h[i], o_ref[i], 2e-4 * max_v) << i;
-    for (size_t i = 0; i < l_h.size(); ++i) {
-      ASSERT_EQ(std::isinf(l_h[i]), std::isinf(l_ref[i])) << i;
-      if (!std::isinf(l_ref[i])) {
-        ASSERT_NEAR(l_h[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
-      }
-    }
+    run(*k.c, heads, o_h, l_h);
+    run(*k.c, se, o_e, l_e);
+    run(*k.c, so, o_o, l_o);
+    test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, k.g.n_head, k.g.n_head_kv, k.g.head_dim);
+    run(*k.r, heads, o_ref, l_ref);
+    k.expect_near_reference(o_h, l_h, o_ref, l_ref, true);
   }
 }
 
