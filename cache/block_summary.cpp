@@ -93,6 +93,7 @@ class summarized_cache final : public kv_cache {
         std::fill_n(mx, C_, -std::numeric_limits<float>::infinity());
         std::fill_n(sm, C_, 0.0f);
       }
+      if (t < in.summary_skip) continue;  // stored, not summarized (the block is still opened)
       const float* row = k + (size_t)t * C_;
       for (int c = 0; c < C_; ++c) {
         mn[c] = std::min(mn[c], row[c]);

@@ -5,6 +5,9 @@
 // format's codes by a cache wrapper that sees every append, so every format gets them without
 // a kernel of its own; their bytes are part of the cache's (cache_bytes::summaries).
 //
+// An append's first `layer_input::summary_skip` rows are stored but left out of the summaries
+// (a star-prefill block's restart: worker/retrieval.h, retrieval_options::restart_skip).
+//
 // Departure (docs/retrieval.md): the summaries are taken from the keys the layer hands the
 // cache (before quantization), not from the keys each format decodes. Computed at append time
 // from the same inputs on any rank count, they are rank-invariant either way; the attention
@@ -29,7 +32,7 @@ struct block_summary_view {
   int n_head_kv = 0, head_dim = 0;
   int64_t n_blocks = 0;
   const int64_t* ids = nullptr;     // [n_blocks] absolute block ids (first position / B)
-  const int32_t* count = nullptr;   // [n_blocks] keys seen
+  const int32_t* count = nullptr;   // [n_blocks] keys summarized (0: the block cannot be scored)
   const uint16_t* kmin = nullptr;   // [n_blocks, n_head_kv, head_dim] bf16
   const uint16_t* kmax = nullptr;   // [n_blocks, n_head_kv, head_dim] bf16
   const uint16_t* kmean = nullptr;  // [n_blocks, n_head_kv, head_dim] bf16

@@ -25,6 +25,9 @@ struct layer_input {
   const float* v = nullptr;      // [n, n_head_kv, head_dim]
   const int32_t* pos = nullptr;  // [n] absolute positions, increasing
   int64_t n = 0;
+  // Retrieval summaries only (cache/block_summary.h): the first rows left out of the block
+  // summaries (still stored and attended): a star-prefill block's restart (worker/retrieval.h).
+  int64_t summary_skip = 0;
 };
 
 // The caller's phase. Formats with two attention kernels (xquant: V rebuilt per unit for many

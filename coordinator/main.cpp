@@ -60,7 +60,7 @@ CLI::Validator seed_value() { return integer_in(0, std::numeric_limits<int64_t>:
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
   std::string attention = "auto", sink = "256", local = "4K", block_size = "256", block_score = "minmax";
-  std::string select_per = "layer";
+  std::string select_per = "layer", restart_skip = "64";
   int top_k = 32;
 };
 
@@ -87,6 +87,10 @@ void add_sequence_options(CLI::App* cmd, sequence_flags& f) {
   cmd->add_option("--select-per", f.select_per,
                   "retrieval: layer (one top-k per query, heads' scores summed) | kv-head (one per KV head)")
       ->default_val("layer");
+  cmd->add_option("--restart-skip", f.restart_skip,
+                  "retrieval after a star prefill: first positions of each star block left out of its block "
+                  "summary (they restart the sequence and outscore the blocks that matter)")
+      ->default_val("64");
 }
 
 void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) {
@@ -107,6 +111,7 @@ void apply_sequence_options(xctx::sequence_options& o, const sequence_flags& f) 
   o.retrieval.top_k = f.top_k;
   o.retrieval.rule = xctx::parse_block_score_rule(f.block_score);
   o.retrieval.scope = xctx::parse_selection_scope(f.select_per);
+  o.retrieval.restart_skip = f.restart_skip == "0" ? 0 : xctx::parse_count(f.restart_skip, "--restart-skip");
   // What does not depend on the model is refused here, whether or not the job ends up retrieving;
   // the bound by the trained window is checked where the model is known (apply_attention_mode).
   xctx::check_retrieval_options(o.retrieval, std::numeric_limits<int64_t>::max());

@@ -70,12 +70,15 @@ void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
   XCTX_CHECK(o.local < n_ctx_train, "--local ", o.local, " must be below the model's trained window of ", n_ctx_train,
              " positions: every retrieved key sits at distance --local from the query");
   XCTX_CHECK(o.sink <= (int64_t)1 << 30, "--sink ", o.sink, " is beyond any context");
+  XCTX_CHECK(o.restart_skip >= 0 && o.restart_skip < o.block, "--restart-skip must be in [0, --block-size ", o.block,
+             "), got ", o.restart_skip);
 }
 
 std::string describe_retrieval(const retrieval_options& o) {
   return "retrieval: sink " + std::to_string(o.sink) + ", local " + std::to_string(o.local) + ", top-" +
          std::to_string(o.top_k) + " blocks of " + std::to_string(o.block) + " per " + selection_scope_name(o.scope) +
-         " (" + block_score_rule_name(o.rule) + "), far keys at distance " + std::to_string(o.local);
+         " (" + block_score_rule_name(o.rule) + "), far keys at distance " + std::to_string(o.local) +
+         (o.restart_skip > 0 ? ", star-block restarts unscored: first " + std::to_string(o.restart_skip) : "");
 }
 
 retrieval_selector::retrieval_selector(const retrieval_options& o, const rope_config& rope, int n_head, backend& be,
@@ -162,7 +165,9 @@ std::vector<std::vector<retrieval_selector::scored_block>> retrieval_selector::s
     for (int l = 0; l < L; ++l) {
       cand.clear();
       for (int64_t b = 0; b < S.n_blocks; ++b) {
-        if (!candidate(S.ids[b], q_pos[i])) continue;
+        // A block none of whose keys was summarized has no bound to score (the star prefill
+        // leaves at least one key of every block in: sequence_parallel_runner::prefill_star).
+        if (S.count[b] == 0 || !candidate(S.ids[b], q_pos[i])) continue;
         const uint16_t* mn = S.kmin + (size_t)b * C;
         const uint16_t* mx = S.kmax + (size_t)b * C;
         const uint16_t* mean = S.kmean + (size_t)b * C;
@@ -215,7 +220,7 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
   std::vector<int64_t> ids;
   int64_t at = -1;
   for (int64_t b = 0; b < S.n_blocks; ++b) {
-    if (!candidate(S.ids[b], p)) continue;
+    if (S.count[b] == 0 || !candidate(S.ids[b], p)) continue;  // as score_blocks
     if (S.ids[b] == needle) at = (int64_t)ids.size();
     ids.push_back(S.ids[b]);
     std::array<std::vector<double>, 2> s;

@@ -61,6 +61,14 @@ struct retrieval_options {
   int top_k = 32;
   block_score_rule rule = block_score_rule::score_minmax;
   selection_scope scope = selection_scope::select_per_layer;
+  // After a star prefill: the first positions of every star block but the context's first are
+  // left out of their block's summary (still attended when the block is selected). Computed
+  // seeing only the anchor, a block's first tokens restart the sequence and their keys won
+  // Quest's bound over the blocks that matter (docs/retrieval.md, measured at 128K). At most
+  // star block - 1, so every block keeps a summarized key; below B. 64: at 32K (2 trials) the
+  // key's block ranked 1-2 in every layer against 1-6 with 0 or 16; 192 hid a key that sat at a
+  // star block's start (benchmarks/results/restart_skip_notes.md).
+  int64_t restart_skip = 64;
 };
 
 // Throws xctx::Error naming the flag (--sink, --local, --block-size, --top-k) for values the

@@ -222,11 +222,14 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
 
 // ---- star (anchor + one block) --------------------------------------------------------------
 
-star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be)
-    : own_(own), anchor_(anchor), block_(block), sum_(be) {}
+star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be,
+                               int64_t summary_skip_below)
+    : own_(own), anchor_(anchor), block_(block), summary_skip_below_(summary_skip_below), sum_(be) {}
 
 void star_attention::store(int layer, const layer_input& in) {
-  own_.append(layer, in);
+  layer_input kept = in;  // positions ascend: the rows below the mark lead
+  while (kept.summary_skip < kept.n && kept.pos[kept.summary_skip] < summary_skip_below_) ++kept.summary_skip;
+  own_.append(layer, kept);
   if (block_ != nullptr) block_->append(layer, in);
 }
 
@@ -467,7 +470,11 @@ void sequence_parallel_runner::prefill_star(const std::vector<int32_t>& context,
     const bool first = b == blocks.front().first;
     if (!first && !block_view) block_view = make_cache(spec_, engine_.cache_geometry_for(longest), be_);
     if (block_view) block_view->clear();
-    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get(), be_);
+    // A block after the context's first restarts (it sees only the anchor): its first positions
+    // stay out of the retrieval summaries, all but one at most, so every summary block it starts
+    // (b is on the summary grid: cache_alignment) keeps a summarized key.
+    const int64_t skip = b > 0 && spec_.options.summary_block > 0 ? std::min(opt_.retrieval.restart_skip, e - b - 1) : 0;
+    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get(), be_, b + skip);
     ids.assign(context.begin() + b, context.begin() + e);
     at.resize(e - b);
     for (int64_t i = 0; i < e - b; ++i) at[i] = (int32_t)(b + i);

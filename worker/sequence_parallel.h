@@ -256,7 +256,9 @@ class merged_attention final : public attention_exchange {
 // queries to see without the rank's earlier blocks.
 class star_attention final : public attention_exchange {
  public:
-  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be);
+  // Rows stored below position summary_skip_below are left out of the own cache's retrieval
+  // summaries (retrieval_options::restart_skip); 0: none.
+  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be, int64_t summary_skip_below = 0);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
@@ -264,6 +266,7 @@ class star_attention final : public attention_exchange {
   kv_cache& own_;
   kv_cache* anchor_;
   kv_cache* block_;
+  int64_t summary_skip_below_;
   attention_sum sum_;  // rows n_q·n_head
 };
 

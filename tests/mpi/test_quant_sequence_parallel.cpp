@@ -100,8 +100,9 @@ struct sp_case {
   cache_format format;
   cl_ring_mode cl_ring = cl_ring_mode::cl_ring_deltas;  // xquant-cl only
   int se_group = 0;  // SelfExtend G (0: off), W 200: both sides in every rank's attention
-  // Retrieval attention (worker/retrieval.h): star prefill in blocks of 512, then the suffix and
-  // decode steps through sink 256 + local 512 + the top-2 blocks of 256, chosen across ranks.
+  // Retrieval attention (worker/retrieval.h): star prefill in blocks of 512 (restarts left out of
+  // the summaries), then the suffix and decode steps through sink 256 + local 512 + the top-2
+  // blocks of 256, chosen across ranks.
   bool retrieval = false;
   bool per_kv_head = false;  // retrieval: one top-k per KV head (selection_scope)
 };
@@ -157,6 +158,7 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
     if (c.retrieval) {
       opt.attention = attention_mode::attention_retrieval;
       opt.retrieval.sink = 256, opt.retrieval.local = 512, opt.retrieval.block = 256, opt.retrieval.top_k = 2;
+      opt.retrieval.restart_skip = 64;  // star blocks after the first summarize from their 65th key
       if (c.per_kv_head) opt.retrieval.scope = selection_scope::select_per_kv_head;
       opt.mode = prefill_mode::prefill_star;
       opt.block_tokens = 512;

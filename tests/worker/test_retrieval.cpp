@@ -15,6 +15,7 @@
 #include "common/half.h"
 #include "test_util.h"
 #include "worker/retrieval.h"
+#include "worker/sequence_parallel.h"
 
 namespace xctx {
 namespace {
@@ -81,8 +82,12 @@ struct kernel_case {
     for (float x : d.v) max_v = std::max(max_v, (double)std::fabs(x));
     for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], o_ref[i], 2e-4 * max_v) << i;
     for (size_t i = 0; i < l.size(); ++i) {
-      if (same_empties) ASSERT_EQ(std::isinf(l[i]), std::isinf(l_ref[i])) << i;
-      if (!std::isinf(l_ref[i])) ASSERT_NEAR(l[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      if (same_empties) {
+        ASSERT_EQ(std::isinf(l[i]), std::isinf(l_ref[i])) << i;
+      }
+      if (!std::isinf(l_ref[i])) {
+        ASSERT_NEAR(l[i], l_ref[i], 2e-4 * (1 + std::fabs(l_ref[i]))) << i;
+      }
     }
   }
 };
@@ -216,6 +221,69 @@ TEST(block_summaries, bytes_equal_the_formula_and_snapshots_carry_them) {
   test::expect_error_contains([&] { again->restore_layer(1, snap.data(), snap.size() - 4); }, "layer 1");
 }
 
+// Rows an append marks (layer_input::summary_skip) are stored and attended but left out of the
+// summaries: the summaries equal those of a cache fed the other rows alone. A block whose every
+// key was left out has count 0 and is never a candidate of the selector; star_attention marks
+// the rows below its position.
+TEST(block_summaries, skipped_rows_are_stored_but_not_summarized) {
+  cache_geometry g = test::quant_geometry(kTokens + 8);
+  g.rope = with_fixed_distance(g.rope, kLocal);
+  const int C = g.n_head_kv * g.head_dim;
+  const test::synthetic_kv d = test::make_synthetic_kv(kTokens, C, 8);
+  std::vector<int32_t> pos(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) pos[i] = (int32_t)i;
+  auto be = make_backend(backend_kind::backend_cpu);
+  const int64_t skip = 300, B = 256;
+  auto marked = make_cache(spec_for(cache_format::cache_fp16, g, B), g, *be);
+  auto rest = make_cache(spec_for(cache_format::cache_fp16, g, B), g, *be);
+  for (int l = 0; l < g.n_layer; ++l) {
+    layer_input in{nullptr, d.k.data(), d.v.data(), pos.data(), kTokens};
+    in.summary_skip = skip;
+    marked->append(l, in);
+    rest->append(l, layer_input{nullptr, d.k.data() + skip * C, d.v.data() + skip * C, pos.data() + skip,
+                                kTokens - skip});
+  }
+  EXPECT_EQ(marked->n_tokens(1), kTokens);
+  const block_summary_view m = summaries_of(*marked, 1), r = summaries_of(*rest, 1);
+  ASSERT_EQ(m.n_blocks, r.n_blocks + 1);  // block 0 is opened, with nothing summarized
+  EXPECT_EQ(m.ids[0], 0);
+  EXPECT_EQ(m.count[0], 0);
+  for (int64_t b = 0; b < r.n_blocks; ++b) {
+    EXPECT_EQ(m.ids[b + 1], r.ids[b]);
+    EXPECT_EQ(m.count[b + 1], r.count[b]);
+  }
+  EXPECT_EQ(m.count[1], 2 * B - skip);
+  EXPECT_EQ(std::memcmp(m.kmin + C, r.kmin, (size_t)r.n_blocks * C * 2), 0);
+  EXPECT_EQ(std::memcmp(m.kmax + C, r.kmax, (size_t)r.n_blocks * C * 2), 0);
+  EXPECT_EQ(std::memcmp(m.kmean + C, r.kmean, (size_t)r.n_blocks * C * 2), 0);
+
+  // Block 0 (no summarized key) is never ranked; every other far block is, with a sink of 0.
+  auto comm = make_local_communicator();
+  retrieval_options o;
+  o.sink = 0, o.local = kLocal, o.block = B, o.top_k = 8;
+  retrieval_selector sel(o, g.rope, g.n_head, *be, *comm);
+  std::vector<float> q((size_t)g.n_head * g.head_dim, 0.5f);
+  const int32_t q_pos = (int32_t)kTokens - 1;
+  const auto scored = sel.score_blocks(*marked, 1, q.data(), &q_pos, 1, 8);
+  ASSERT_EQ(scored.size(), 1u);
+  EXPECT_FALSE(scored[0].empty());
+  for (const auto& sb : scored[0]) EXPECT_NE(sb.id, 0);
+
+  // star_attention marks the rows below its position, however the rows are split into appends.
+  auto starred = make_cache(spec_for(cache_format::cache_fp16, g, B), g, *be);
+  star_attention star(*starred, nullptr, nullptr, *be, skip);
+  for (int l = 0; l < g.n_layer; ++l)
+    for (int64_t at = 0; at < kTokens; at += 100) {
+      const int64_t n = std::min<int64_t>(100, kTokens - at);
+      star.store(l, layer_input{nullptr, d.k.data() + at * C, d.v.data() + at * C, pos.data() + at, n});
+    }
+  const block_summary_view s = summaries_of(*starred, 1);
+  ASSERT_EQ(s.n_blocks, m.n_blocks);
+  EXPECT_EQ(std::memcmp(s.count, m.count, (size_t)m.n_blocks * 4), 0);
+  EXPECT_EQ(std::memcmp(s.kmax, m.kmax, (size_t)m.n_blocks * C * 2), 0);
+  EXPECT_EQ(std::memcmp(s.kmean, m.kmean, (size_t)m.n_blocks * C * 2), 0);
+}
+
 // The selector's top-k against scores computed here from the raw keys in double: Quest's bound
 // and the mean key, the query turned to the fixed distance by the reference rope.
 TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
@@ -326,6 +394,9 @@ TEST(retrieval_options, bad_values_name_the_flag) {
   o = {};
   o.sink = -1;
   test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--sink");
+  o = {};
+  o.restart_skip = o.block;
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--restart-skip");
   test::expect_error_contains([] { parse_attention_mode("fast"); }, "--attention");
   test::expect_error_contains([] { parse_selection_scope("head"); }, "--select-per");
 }
