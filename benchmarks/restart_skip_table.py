@@ -17,6 +17,7 @@ def main():
     ap.add_argument("runs", nargs="+", help="passkey --json files written with --needle-rank")
     ap.add_argument("--star-block", type=int, default=4096, help="the runs' --block (star prefill)")
     ap.add_argument("--out", required=True, help="Markdown file to write")
+    ap.add_argument("--host", required=True, help="the CPU the runs ran on (model, family/model/stepping, ISA)")
     a = ap.parse_args()
     rows = []
     for f in a.runs:
@@ -35,6 +36,7 @@ def main():
                          min(ranks) if ranks else 0, max(ranks) if ranks else 0))
     rows.sort()
     with open(a.out, "w") as o:
+        o.write(f"Runs on {a.host}; one rank, 2 threads. Written by benchmarks/restart_skip_table.py.\n\n")
         o.write("| --restart-skip | depth | right | answer | layers with the key's block in the top 32 "
                 "| best-8 slots at star-block starts | key block rank (min-max over layers) |\n")
         o.write("| --- | --- | --- | --- | --- | --- | --- |\n")
