@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   auto comm = xctx::make_mpi_communicator(0);
   std::vector<float> buf(16, 1.0f);
   comm->all_reduce_sum(buf.data(), buf.size());  // everyone is alive here
+  std::printf("rank %d: alive after the first collective\n", comm->rank());
+  std::fflush(stdout);
   if (comm->rank() == 1) {
     if (std::strcmp(mode, "die") == 0) _exit(3);
     std::this_thread::sleep_for(std::chrono::hours(1));
