@@ -31,6 +31,7 @@
 #include "coordinator/sampler.h"
 #include "model/gguf_writer.h"
 #include "mpi_test.h"
+#include "reference_store.h"
 #include "worker/memory_plan.h"
 #include "test_util.h"
 #include "worker/cache_snapshot.h"
@@ -60,30 +61,29 @@ std::vector<int32_t> prompt_ids() {
   return {};
 }
 
-// One calibration per model for the run: rank 0 makes it (2 windows of 256 tokens of the
-// prompt), the others read the same file.
+// One calibration per model for the test run (the reference store's, else one per mpirun): rank
+// 0 makes it (2 windows of 256 tokens of the prompt), the others read the same file.
 std::shared_ptr<const calibration> shared_calibration(const model_weights& w, const std::vector<int32_t>& ids) {
   communicator& comm = mpi_test::world();
   static std::map<std::string, std::shared_ptr<const calibration>> cached;
-  auto& c = cached[w.hp.name];
+  const uint64_t fingerprint = model_fingerprint(w);
+  // Keyed by the prompt too: a case's reference (keyed by its prompt) always saw this calibration.
+  const std::string key = "calibration:" + w.hp.name + ":" + std::to_string(fingerprint) + ":" + mpi_test::fingerprint(ids);
+  auto& c = cached[key];
   if (c) return c;
-  // One file per mpirun (its ranks share the parent), so suites running side by side never
-  // read each other's half-written file.
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("xctx-tests-mpi-calib-" + w.hp.name + "-" + std::to_string(::getppid()) + ".bin"))
-                               .string();
-  if (comm.rank() == 0) {
-    auto be = make_backend(backend_kind::backend_cpu);
-    run_params rp;
-    llama_engine engine(w, *be, rp);
-    calibrate_options o;
-    o.n_samples = 2, o.seq_len = 256, o.queries_per_sample = 16;
-    save_calibration(calibrate_model(engine, *be, ids, model_fingerprint(w), o), path);
-  }
-  comm.barrier();
+  const std::string path = mpi_test::stored_file(
+      key,
+      [&](const std::string& p) {
+        auto be = make_backend(backend_kind::backend_cpu);
+        run_params rp;
+        llama_engine engine(w, *be, rp);
+        calibrate_options o;
+        o.n_samples = 2, o.seq_len = 256, o.queries_per_sample = 16;
+        save_calibration(calibrate_model(engine, *be, ids, fingerprint, o), p);
+      });
   c = std::make_shared<const calibration>(load_calibration(path));
   comm.barrier();
-  if (comm.rank() == 0) std::filesystem::remove(path);
+  if (comm.rank() == 0 && !mpi_test::has_store()) std::filesystem::remove(path);
   return c;
 }
 
@@ -217,28 +217,33 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
                  " vs " + std::to_string(b[t][i]);
     return "";
   };
+  // The one process (query chunks of 512), stored once per test run (reference_store.h); on one
+  // rank the comparison is the chunk size alone.
+  const mpi_test::reference_run stored = mpi_test::stored_reference(
+      "quant_sequence_parallel:" + w.hp.name + ":" + std::to_string(model_fingerprint(w)) + ":" + name + ":" +
+          mpi_test::fingerprint(ids) + ":" + std::to_string(n_greedy),
+      [&] {
+        auto local = make_local_communicator();
+        std::vector<std::vector<float>> steps;
+        mpi_test::reference_run r;
+        run(*local, 512, steps, r.tokens, nullptr);
+        for (const auto& l : steps) r.logits.insert(r.logits.end(), l.begin(), l.end());
+        return r;
+      });
+  if (mpi_test::references_only()) return 0;
   std::vector<std::vector<float>> one, many;
-  std::vector<int32_t> g_one, g_many;
+  for (size_t at = 0; at < stored.logits.size(); at += w.hp.n_vocab)
+    one.emplace_back(stored.logits.begin() + (std::ptrdiff_t)at, stored.logits.begin() + (std::ptrdiff_t)(at + w.hp.n_vocab));
+  const std::vector<int32_t>& g_one = stored.tokens;
+  std::vector<int32_t> g_many;
   uint64_t ring_bytes = 0;
-  if (comm.size() == 1) {  // one rank: the chunk size must not show either
-    auto local = make_local_communicator();
-    run(*local, 512, one, g_one, nullptr);
-    run(comm, 128, many, g_many, &ring_bytes);
-    EXPECT_EQ(first_difference(one, many), "") << name << ": n_batch 512 vs 128";
+  run(comm, 128, many, g_many, &ring_bytes);
+  const std::string diff = first_difference(one, many);
+  if (comm.size() == 1) {
+    EXPECT_EQ(diff, "") << name << ": n_batch 512 vs 128";
     EXPECT_EQ(g_many, g_one) << name;
     return ring_bytes;
   }
-  if (comm.rank() == 0) {
-    auto local = make_local_communicator();
-    run(*local, 512, one, g_one, nullptr);
-  } else {
-    one.assign(n_greedy + 1, std::vector<float>(w.hp.n_vocab));
-    g_one.resize(n_greedy);
-  }
-  for (auto& l : one) comm.broadcast(l.data(), l.size() * sizeof(float), 0);
-  comm.broadcast(g_one.data(), g_one.size() * sizeof(int32_t), 0);
-  run(comm, 128, many, g_many, &ring_bytes);
-  const std::string diff = first_difference(one, many);
   EXPECT_EQ(diff, "") << name << ": 1 (n_batch 512) vs " << comm.size() << " ranks (128), rank " << comm.rank();
   EXPECT_EQ(g_many, g_one) << name << " rank " << comm.rank() << " of " << comm.size();
   std::printf("[sp-quant] rank %d/%d %s, %lld tokens: logits bitwise equal to one process %d, ring bytes sent %llu\n",
@@ -436,15 +441,12 @@ TEST(x_factors_across_ranks, every_rank_runs_with_rank0s) {
     runner.prefill(ids, {}, logits.data());
     return with_greedy_steps(c, runner, logits);
   };
-  std::vector<float> expected;
-  if (comm.rank() == 0) {
-    auto local = make_local_communicator();
-    expected = run(*local, good);
-  }
-  uint64_t n = expected.size();
-  comm.broadcast(&n, sizeof n, 0);
-  expected.resize(n);
-  comm.broadcast(expected.data(), n * sizeof(float), 0);
+  const std::vector<float> expected =
+      mpi_test::stored_reference("x_factors_across_ranks:" + w.hp.name + ":" + mpi_test::fingerprint(ids), [&] {
+        auto local = make_local_communicator();
+        return mpi_test::reference_run{run(*local, good), {}};
+      }).logits;
+  if (mpi_test::references_only()) return;
   EXPECT_EQ(first_bitwise_difference(run(comm, mine), expected, w.hp.n_vocab), "")
       << "rank " << comm.rank() << " of " << comm.size();
 }

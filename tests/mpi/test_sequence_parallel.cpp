@@ -13,7 +13,9 @@
 
 #include "coordinator/sampler.h"
 #include "device_space_backend.h"
+#include "cache/calibration.h"
 #include "mpi_test.h"
+#include "reference_store.h"
 #include "test_util.h"
 #include "worker/sequence_parallel.h"
 
@@ -43,10 +45,7 @@ std::vector<int32_t> golden_ids(size_t n) {
   return {};
 }
 
-struct reference_run {
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
-};
+using mpi_test::reference_run;  // logits: after the prompt; tokens: the greedy continuation
 
 reference_run single_process(const model_weights& w, const std::vector<int32_t>& ids, cache_format fmt) {
   auto be = make_backend(backend_kind::backend_cpu);
@@ -67,30 +66,24 @@ reference_run single_process(const model_weights& w, const std::vector<int32_t>&
   int32_t p = (int32_t)ids.size();
   for (int t = 0; t < kGreedy; ++t, ++p) {
     const int32_t id = argmax(l.data(), w.hp.n_vocab);
-    r.greedy.push_back(id);
+    r.tokens.push_back(id);
     engine.forward(&id, &p, 1, *cache, llama_engine::logits_for::logits_last, l.data());
   }
   return r;
 }
 
-// The single-process run of `ids` in `fmt`, made once per format and process by rank 0 and
-// broadcast (every rank would compute the same bits; the cases share formats). Keyed by length:
-// every caller passes a prefix of the same golden text.
+// The single-process run of `ids` in `fmt`, made once per format by rank 0 and broadcast (every
+// rank would compute the same bits; the cases share formats) -- once per test run where the
+// reference store has it (reference_store.h). Keyed by length: every caller passes a prefix of
+// the same golden text.
 const reference_run& shared_reference(const model_weights& w, const std::vector<int32_t>& ids, cache_format fmt) {
   static std::map<std::pair<cache_format, size_t>, reference_run> made;
   const auto key = std::make_pair(fmt, ids.size());
   if (auto it = made.find(key); it != made.end()) return it->second;
-  communicator& comm = mpi_test::world();
-  reference_run r;
-  if (comm.rank() == 0) {
-    r = single_process(w, ids, fmt);
-  } else {
-    r.logits.resize(w.hp.n_vocab);
-    r.greedy.resize(kGreedy);
-  }
-  comm.broadcast(r.logits.data(), r.logits.size() * sizeof(float), 0);
-  comm.broadcast(r.greedy.data(), r.greedy.size() * sizeof(int32_t), 0);
-  return made[key] = std::move(r);
+  const std::string store_key = "sequence_parallel:" + w.hp.name + ":" + std::to_string(model_fingerprint(w)) + ":" +
+                                format_traits(fmt).name + ":" + mpi_test::fingerprint(ids) + ":" +
+                                std::to_string(kGreedy);
+  return made[key] = mpi_test::stored_reference(store_key, [&] { return single_process(w, ids, fmt); });
 }
 
 struct sp_case {
@@ -113,6 +106,7 @@ TEST_P(sequence_parallel, matches_single_process) {
   const auto ids = golden_ids(600);
   ASSERT_EQ(ids.size(), 600u);
   const reference_run& ref = shared_reference(w, ids, c.format);
+  if (mpi_test::references_only()) return;
 
   auto be = make_backend(backend_kind::backend_cpu);
   run_params rp;
@@ -138,15 +132,15 @@ TEST_P(sequence_parallel, matches_single_process) {
   }
   if (c.mode == prefill_mode::prefill_exact) {
     EXPECT_EQ(worst, 0.0f) << "rank " << comm.rank() << " of " << comm.size();
-    EXPECT_EQ(greedy, ref.greedy) << "rank " << comm.rank();
+    EXPECT_EQ(greedy, ref.tokens) << "rank " << comm.rank();
   } else if (c.anchor_tokens >= (int64_t)ids.size()) {  // star with an anchor covering all context
     EXPECT_LE(worst, logit_tolerance(c.format)) << "rank " << comm.rank() << " of " << comm.size();
-    EXPECT_EQ(greedy, ref.greedy) << "rank " << comm.rank();
+    EXPECT_EQ(greedy, ref.tokens) << "rank " << comm.rank();
   } else if (comm.size() <= 2) {
     // With two ranks the default anchor (rank 0's chunk) is all the context rank 1 precedes:
     // star is exact there.
     EXPECT_LE(worst, logit_tolerance(c.format));
-    EXPECT_EQ(greedy, ref.greedy);
+    EXPECT_EQ(greedy, ref.tokens);
   } else {
     // Beyond two ranks star approximates: rank r > 1 does not see the chunks between the
     // anchor and its own during prefill. The suffix still attends globally; on this prompt the
@@ -246,24 +240,30 @@ TEST(star_blocks, match_the_papers_masks) {
   // logits); this test is about the masks, so only attention arithmetic may separate the two.
   const test::decode_activations_scope f32_matmuls(cpu::decode_activations::act_f32);
 
-  // The reference on rank 0, broadcast: logits after the last context token and kSteps greedy steps.
-  std::vector<float> ref((size_t)(kSteps + 1) * w.hp.n_vocab), star_exact_gap(1, 0.0f);
-  if (comm.rank() == 0) {
-    masked_attention masked(w.hp, engine.rope(), *be, n_context, block, anchor);
-    std::vector<int32_t> pos(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) pos[i] = (int32_t)i;
-    engine.forward_layer_major(ids.data(), pos.data(), n_context, masked);
-    engine.forward(&ids.back(), &pos.back(), 1, masked, llama_engine::logits_for::logits_last, ref.data());
-    for (int t = 0; t < kSteps; ++t) {
-      int32_t id = argmax(ref.data() + (size_t)t * w.hp.n_vocab, w.hp.n_vocab), p = (int32_t)(n_context + 1 + t);
-      engine.forward(&id, &p, 1, masked, llama_engine::logits_for::logits_last, ref.data() + (size_t)(t + 1) * w.hp.n_vocab);
-    }
-    const reference_run exact = single_process(w, ids, cache_format::cache_fp32);
-    for (int i = 0; i < w.hp.n_vocab; ++i)
-      star_exact_gap[0] = std::max(star_exact_gap[0], std::fabs(exact.logits[i] - ref[i]));
-  }
-  comm.broadcast(ref.data(), ref.size() * sizeof(float), 0);
-  comm.broadcast(star_exact_gap.data(), sizeof(float), 0);
+  // The reference on rank 0, broadcast (stored once per test run): logits after the last context
+  // token and kSteps greedy steps, then star's gap to exact attention (max |Δlogit|).
+  const reference_run stored = mpi_test::stored_reference(
+      "star_blocks:" + w.hp.name + ":" + std::to_string(model_fingerprint(w)) + ":" + mpi_test::fingerprint(ids), [&] {
+        reference_run r;
+        r.logits.resize((size_t)(kSteps + 1) * w.hp.n_vocab + 1);
+        float* ref = r.logits.data();
+        masked_attention masked(w.hp, engine.rope(), *be, n_context, block, anchor);
+        std::vector<int32_t> pos(ids.size());
+        for (size_t i = 0; i < ids.size(); ++i) pos[i] = (int32_t)i;
+        engine.forward_layer_major(ids.data(), pos.data(), n_context, masked);
+        engine.forward(&ids.back(), &pos.back(), 1, masked, llama_engine::logits_for::logits_last, ref);
+        for (int t = 0; t < kSteps; ++t) {
+          int32_t id = argmax(ref + (size_t)t * w.hp.n_vocab, w.hp.n_vocab), p = (int32_t)(n_context + 1 + t);
+          engine.forward(&id, &p, 1, masked, llama_engine::logits_for::logits_last, ref + (size_t)(t + 1) * w.hp.n_vocab);
+        }
+        const reference_run exact = single_process(w, ids, cache_format::cache_fp32);
+        float& gap = r.logits.back();
+        for (int i = 0; i < w.hp.n_vocab; ++i) gap = std::max(gap, std::fabs(exact.logits[i] - ref[i]));
+        return r;
+      });
+  if (mpi_test::references_only()) return;
+  const std::vector<float> ref(stored.logits.begin(), stored.logits.end() - 1);
+  const float star_exact_gap = stored.logits.back();
 
   sequence_options opt;
   opt.mode = prefill_mode::prefill_auto;
@@ -289,14 +289,14 @@ TEST(star_blocks, match_the_papers_masks) {
   EXPECT_LE(worst, 5e-4f) << "rank " << comm.rank() << " of " << comm.size();  // measured 6e-5 at np 1-3
   // The masks matter: star is not exact on this prompt (a star that attended globally, or a
   // block that saw the rank's earlier blocks, would match exact instead).
-  EXPECT_GT(star_exact_gap[0], 0.05f);
+  EXPECT_GT(star_exact_gap, 0.05f);
   // Blocks are whole on their rank: every held range starts and ends on block boundaries.
   for (const auto& [b, e] : runner.plan().ranges[comm.rank()]) {
     EXPECT_EQ(b % block, 0);
     EXPECT_TRUE(e == n_context || e % block == 0) << e;
   }
   std::printf("[star-blocks] rank %d/%d: max |Δlogit| vs masked reference %.2e (star vs exact %.2f), %lld tokens\n",
-              comm.rank(), comm.size(), worst, star_exact_gap[0], (long long)runner.plan().tokens_of(comm.rank()));
+              comm.rank(), comm.size(), worst, star_exact_gap, (long long)runner.plan().tokens_of(comm.rank()));
 }
 
 // The exact ring and merged decode on a backend with its own memory space and no exact
@@ -316,6 +316,7 @@ TEST_P(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single
   const auto ids = golden_ids(600);
   ASSERT_EQ(ids.size(), 600u);
   const reference_run& ref = shared_reference(w, ids, cache_format::cache_fp16);
+  if (mpi_test::references_only()) return;
   test::device_space_backend dev;
   test::device_space_communicator dev_comm(dev, comm);
   run_params rp;
@@ -340,7 +341,7 @@ TEST_P(device_space_sequence_parallel, exact_ring_and_merged_decode_match_single
   EXPECT_LE(worst, logit_tolerance(cache_format::cache_fp16)) << "rank " << comm.rank() << " of " << comm.size();
   // Decode on the reference's greedy tokens: every rank's logits bitwise rank 0's.
   for (int t = 0; t < kGreedy; ++t) {
-    runner.step(&ref.greedy[t], 1, logits.data());
+    runner.step(&ref.tokens[t], 1, logits.data());
     std::vector<float> rank0 = logits;
     comm.broadcast(rank0.data(), rank0.size() * sizeof(float), 0);
     ASSERT_EQ(rank0, logits) << "step " << t << " rank " << comm.rank();
@@ -387,7 +388,7 @@ TEST(cuda_sequence_parallel, exact_ring_and_merged_decode_match_single_process) 
   }
   EXPECT_LE(worst, 0.05f * std::max(1.0f, largest)) << "rank " << comm.rank() << " of " << comm.size();
   for (int t = 0; t < kGreedy; ++t) {
-    runner.step(&ref.greedy[t], 1, logits.data());
+    runner.step(&ref.tokens[t], 1, logits.data());
     std::vector<float> rank0 = logits;
     comm.broadcast(rank0.data(), rank0.size() * sizeof(float), 0);
     ASSERT_EQ(rank0, logits) << "step " << t << " rank " << comm.rank();
