@@ -59,7 +59,11 @@ rpc::Job make_job(const client_options& opt) {
     XCTX_CHECK(opt.prompt.empty() != opt.prompt_file.empty(), "submit generate: give --prompt or --prompt-file");
     g.prompt = opt.prompt_file.empty() ? opt.prompt : read_file_bytes(opt.prompt_file, "--prompt-file");
     g.chat = opt.chat, g.system = opt.system, g.max_tokens = opt.max_tokens;
-    g.temperature = opt.temperature, g.top_p = opt.top_p, g.seed = opt.seed;
+    const sampler_params& sp = opt.sampling;
+    g.temperature = sp.temperature, g.top_p = sp.top_p, g.seed = opt.seed;
+    g.top_k = sp.top_k, g.min_p = sp.min_p, g.repetition_penalty = sp.repetition_penalty;
+    g.repeat_last_n = sp.repeat_last_n, g.frequency_penalty = sp.frequency_penalty;
+    g.presence_penalty = sp.presence_penalty, g.no_repeat_ngram = sp.no_repeat_ngram;
     job.__set_generate(g);
   } else if (opt.kind == "passkey") {
     job.kind = rpc::JobKind::PASSKEY;

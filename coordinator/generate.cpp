@@ -119,13 +119,13 @@ int run_generate(const generate_options& opt, communicator& comm) {
     if (coordinator)
       std::fprintf(stderr,
                    "\n[xctx] model %s | backend %s | %d rank(s) x %d thread(s), prefill %s | %s | rope %s | load %.2f s\n"
-                   "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens; decode %d steps in "
+                   "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens (%s); decode %d steps in "
                    "%.2f s = %.1f tokens/s\n"
                    "[xctx] peak memory (RSS) of rank 0: %s\n",
                    hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads, n_saved ? "resumed from a snapshot" : describe_prefill(seq, n_prompt).c_str(),
                    describe_attention(seq).c_str(), describe_rope(engine.rope(), hp.n_ctx_train).c_str(), load_s,
                    (long long)(n_prompt - n_saved), prefill_s, (n_prompt - n_saved) / prefill_s, n_generated,
-                   n_decode_steps, decode_s,
+                   describe_sampler(opt.sampling).c_str(), n_decode_steps, decode_s,
                    n_decode_steps > 0 ? n_decode_steps / decode_s : 0.0, format_bytes((double)peak_rss_bytes()).c_str());
     report_shards(comm, runner, opt.run.cache);
   }

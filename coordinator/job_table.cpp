@@ -55,6 +55,15 @@ rpc::Job parse_job(const std::string& bytes) {
   return job;
 }
 
+sampler_params sampling_of(const rpc::GenerateJob& g) {
+  sampler_params s;
+  s.temperature = (float)g.temperature, s.top_p = (float)g.top_p, s.seed = (uint64_t)g.seed;
+  s.top_k = g.top_k, s.min_p = (float)g.min_p, s.repetition_penalty = (float)g.repetition_penalty;
+  s.repeat_last_n = g.repeat_last_n, s.frequency_penalty = (float)g.frequency_penalty;
+  s.presence_penalty = (float)g.presence_penalty, s.no_repeat_ngram = g.no_repeat_ngram;
+  return s;
+}
+
 void check_job_request(const rpc::Job& job, const service_limits& lim) {
   const auto bad = [](const std::string& m) { return request_error(rpc::ErrorCode::BAD_REQUEST, m); };
   const auto too_large = [](const std::string& m) { return request_error(rpc::ErrorCode::TOO_LARGE, m); };
@@ -77,6 +86,11 @@ void check_job_request(const rpc::Job& job, const service_limits& lim) {
       if (!(g.temperature >= 0.0) || !std::isfinite(g.temperature))
         throw bad("generate.temperature must be a finite number >= 0");
       if (!(g.top_p > 0.0 && g.top_p <= 1.0)) throw bad("generate.top_p must be in (0, 1]");
+      try {  // the other processors, in the CLI's words (each message names its flag)
+        check_sampler_params(sampling_of(g));
+      } catch (const Error& e) {
+        throw bad(std::string("generate: ") + e.what());
+      }
       return;
     }
     case rpc::JobKind::PASSKEY: {

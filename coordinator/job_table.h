@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "coordinator/sampler.h"
 #include "xctx_types.h"
 
 namespace xctx {
@@ -32,6 +33,9 @@ struct service_limits {
 // The checks a job passes before it is queued; throws RequestError (BAD_REQUEST, TOO_LARGE)
 // naming the field. Token counts are checked when the job runs (tokenizing belongs there).
 void check_job_request(const rpc::Job& job, const service_limits& limits);
+
+// A generate job's sampler settings (unchecked: check_job_request checks them).
+sampler_params sampling_of(const rpc::GenerateJob& g);
 
 class job_table {
  public:

@@ -56,6 +56,48 @@ CLI::Validator integer_in(int64_t lo, int64_t hi) {
       rule);
 }
 CLI::Validator seed_value() { return integer_in(0, std::numeric_limits<int64_t>::max()); }
+// Numbers in [lo, hi] (NaN is not).
+CLI::Validator number_in(double lo, double hi) {
+  const std::string rule = "in [" + CLI::detail::to_string(lo) + ", " + CLI::detail::to_string(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, rule](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v)) return "'" + in + "' is not a number";
+        return v >= lo && v <= hi ? std::string() : "must be " + rule + ", got " + in;
+      },
+      rule);
+}
+
+// The sampler's options (coordinator/sampler.h says what each does and in which order), the same
+// on every job that decodes. with_seed: false where --seed is the job's own (submit).
+void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed = true) {
+  cmd->add_option("--temperature", s.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
+  cmd->add_option("--top-p", s.top_p, "nucleus sampling mass")->default_val(1.0f)->check(unit_mass());
+  cmd->add_option("--sample-top-k", s.top_k, "sample among the k most likely tokens (0 = all; --top-k is retrieval's)")
+      ->default_val(0)
+      ->check(integer_in(0, 1 << 30));
+  cmd->add_option("--min-p", s.min_p, "drop tokens below this fraction of the most likely one's probability (0 = off)")
+      ->default_val(0.0f)
+      ->check(number_in(0, 1));
+  cmd->add_option("--repeat-penalty", s.repetition_penalty,
+                  "divide the positive logits (multiply the negative) of the last --repeat-last-n tokens by this (1 = off)")
+      ->default_val(1.0f)
+      ->check(positive());
+  cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens of prompt and output the repeat penalty sees")
+      ->default_val(64)
+      ->check(integer_in(0, 1 << 20));
+  cmd->add_option("--frequency-penalty", s.frequency_penalty,
+                  "OpenAI's: logit -= this x how often the token was generated")
+      ->default_val(0.0f)
+      ->check(number_in(-2, 2));
+  cmd->add_option("--presence-penalty", s.presence_penalty, "OpenAI's: logit -= this if the token was generated")
+      ->default_val(0.0f)
+      ->check(number_in(-2, 2));
+  cmd->add_option("--no-repeat-ngram", s.no_repeat_ngram, "never generate an n-gram of the output twice (0 = off)")
+      ->default_val(0)
+      ->check(integer_in(0, 1 << 10));
+  if (with_seed) cmd->add_option("--seed", s.seed, "sampling seed")->default_val(0)->check(seed_value());
+}
 
 struct sequence_flags {
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
@@ -229,9 +271,7 @@ int main(int argc, char** argv) {
   g->add_flag("--chat", gen.chat, "wrap the prompt in the model's chat template as a user message");
   g->add_option("--system", gen.system, "system message for --chat");
   g->add_option("--max-tokens,-n", gen.max_tokens, "tokens to generate")->default_val(128);
-  g->add_option("--temperature", gen.sampling.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
-  g->add_option("--top-p", gen.sampling.top_p, "nucleus sampling mass")->default_val(1.0f)->check(unit_mass());
-  g->add_option("--seed", gen.sampling.seed, "sampling seed")->default_val(0)->check(seed_value());
+  add_sampling_options(g, gen.sampling);
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
   g->add_option("--save-cache", gen.save_cache,
                 "save every rank's cache shard to this directory once the prompt is in (-n 0: only save)");
@@ -364,8 +404,7 @@ int main(int argc, char** argv) {
       ->default_val(200);
   sc->add_option("--chunk-tokens", sum_chunk, "map-reduce: text tokens per chunk (default: as many as fit --ctx)");
   sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160)->check(CLI::Range(1, 1 << 20));
-  sc->add_option("--temperature", sum.settings.sampling.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
-  sc->add_option("--seed", sum.settings.sampling.seed, "sampling seed")->default_val(0)->check(seed_value());
+  add_sampling_options(sc, sum.settings.sampling);
   add_run_options(sc, sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
   sequence_flags sum_seq;
   add_sequence_options(sc, sum_seq);
@@ -406,8 +445,7 @@ int main(int argc, char** argv) {
   sub->add_option("--max-tokens,-n", cl.max_tokens, "tokens to generate (summaries: 0 = the service's default)")
       ->default_val(128)
       ->check(integer_in(0, 1 << 30));
-  sub->add_option("--temperature", cl.temperature, "0 = greedy")->default_val(0.0)->check(at_least(0));
-  sub->add_option("--top-p", cl.top_p, "nucleus mass")->default_val(1.0)->check(unit_mass());
+  add_sampling_options(sub, cl.sampling, false);  // generate
   sub->add_option("--seed", cl.seed, "sampling / passkey seed")->default_val(0)->check(seed_value());
   sub->add_option("--context", cl.context, "passkey: prompt tokens")->default_val(4096)->check(integer_in(64, int64_t(1) << 40));
   sub->add_option("--trials", cl.trials, "passkey: trials per depth")->default_val(1)->check(integer_in(1, 1 << 20));

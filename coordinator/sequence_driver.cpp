@@ -1,5 +1,6 @@
 #include "coordinator/sequence_driver.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "common/error.h"
@@ -35,6 +36,7 @@ sequence_outcome sequence_driver::run(const sequence_request& req, const sequenc
                " tokens needs ", need, " tokens on one rank; the caches hold ", so.capacity_per_rank,
                " tokens per rank");
   }
+  check_sampler_params(req.sampling);  // before the followers are told: a bad value fails here alone
   int32_t head[2] = {op_run, req.max_tokens};
   comm_.broadcast(head, sizeof head, 0);
   std::vector<int32_t> context = req.context, suffix = req.suffix;
@@ -123,7 +125,13 @@ void sequence_driver::run_sequence(const std::vector<int32_t>& context, const st
 
   stopwatch decode_clock;
   std::optional<sampler> smp;
-  if (lead) smp.emplace(req->sampling);
+  if (lead) {  // the repetition penalty's window reaches back into the prompt: its last tokens
+    const size_t want = (size_t)std::max(0, req->sampling.repeat_last_n);
+    const size_t from_suffix = std::min(want, suffix.size()), from_context = std::min(want - from_suffix, context.size());
+    std::vector<int32_t> tail(context.end() - (std::ptrdiff_t)from_context, context.end());
+    tail.insert(tail.end(), suffix.end() - (std::ptrdiff_t)from_suffix, suffix.end());
+    smp.emplace(req->sampling, tail);
+  }
   for (;;) {
     int32_t id = kSequenceOver;
     if (lead) {

@@ -227,9 +227,7 @@ class job_runner {
     h.prefill_progress = [&](int64_t d, int64_t) { st_.table.set_tokens(id, d, total); };
     int64_t made = 0;
     h.on_token = [&](int32_t) { st_.table.set_tokens(id, n + ++made, total); };
-    sampler_params sp;
-    sp.temperature = (float)g.temperature, sp.top_p = (float)g.top_p, sp.seed = (uint64_t)g.seed;
-    const sequence_outcome out = driver_.run({ids, {}, g.max_tokens, sp}, h);
+    const sequence_outcome out = driver_.run({ids, {}, g.max_tokens, sampling_of(g)}, h);
     r.text = s_.tok->decode(out.ids);
     r.prompt_tokens = out.prompt_tokens, r.generated_tokens = (int64_t)out.ids.size();
     r.prefill_s = out.prefill_s, r.decode_s = out.decode_s;

@@ -43,7 +43,7 @@ struct client_options {
   std::string prompt, prompt_file, system;
   bool chat = false;
   int max_tokens = 128;
-  double temperature = 0.0, top_p = 1.0;
+  sampler_params sampling;       // generate (its seed is --seed below)
   int64_t seed = 0;
   int64_t context = 4096;        // passkey
   int trials = 1;

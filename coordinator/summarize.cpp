@@ -408,9 +408,9 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   for (const auto& d : docs) n_todo += !done.count(d.id);
   std::fprintf(stderr,
                "[summarize] %zu documents in %s, %zu to do (%zu done before) | cache %s, %d rank(s), context %lld "
-               "tokens | load %.2f s\n",
+               "tokens | %s | load %.2f s\n",
                docs.size(), opt.in.c_str(), n_todo, docs.size() - n_todo, cache_name.c_str(), comm.size(),
-               (long long)settings.n_ctx, load_clock.seconds());
+               (long long)settings.n_ctx, describe_sampler(settings.sampling).c_str(), load_clock.seconds());
   stopwatch batch_clock;
   size_t n_run = 0, n_failed = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;

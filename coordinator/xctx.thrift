@@ -45,6 +45,14 @@ struct GenerateJob {
   5: double temperature = 0.0,   // 0: greedy
   6: double top_p = 1.0,
   7: i64 seed = 0,
+  // The sampler's other processors (coordinator/sampler.h), neutral by default.
+  8: i32 top_k = 0,
+  9: double min_p = 0.0,
+  10: double repetition_penalty = 1.0,
+  11: i32 repeat_last_n = 64,
+  12: double frequency_penalty = 0.0,
+  13: double presence_penalty = 0.0,
+  14: i32 no_repeat_ngram = 0,
 }
 
 struct PasskeyJob {

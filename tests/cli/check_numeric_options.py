@@ -48,6 +48,8 @@ BAD = {
     "FLOAT": ["abc", "-1", "nan"],
     "TEXT": ["abc", "-1", "99999999999999999999", "9000000000T"],
 }
+# Options whose range holds negatives (OpenAI's penalties, [-2, 2]): bad values past the range.
+BAD_FOR = {opt: ["abc", "-3", "nan"] for opt in ("--frequency-penalty", "--presence-penalty")}
 OPTION = re.compile(r"^\s+(?:-[a-zA-Z],)?(--[a-z][a-z0-9-]*)(?:,--[a-z0-9-]+)? (INT|UINT|FLOAT|TEXT)\b")
 
 
@@ -68,7 +70,7 @@ def main():
         if not opts:
             failures.append(f"{sub}: no numeric options found in --help (parser changed?)")
         for opt, kind in opts:
-            for bad in BAD[kind]:
+            for bad in BAD_FOR.get(opt, BAD[kind]):
                 runs += 1
                 out_file = os.path.join(TMP, f"out{runs}")  # a run that wrongly succeeds cannot mask the next
                 cmd = [XCTX, sub, *[a.replace("{out}", out_file) for a in base], opt, bad]

@@ -107,6 +107,10 @@ TEST(job_requests, every_bad_field_is_named) {
   no_struct.kind = rpc::JobKind::SUMMARIZE;
   rpc::Job bad_temp = generate_job("x");
   bad_temp.generate.temperature = -1;
+  rpc::Job bad_ngram = generate_job("x");
+  bad_ngram.generate.no_repeat_ngram = 1;
+  rpc::Job bad_penalty = generate_job("x");
+  bad_penalty.generate.frequency_penalty = 3;
   rpc::Job passkey_long;
   passkey_long.kind = rpc::JobKind::PASSKEY;
   rpc::PasskeyJob pk;
@@ -123,6 +127,8 @@ TEST(job_requests, every_bad_field_is_named) {
       {"empty prompt", generate_job(""), ErrorCode::BAD_REQUEST, "generate.prompt is empty"},
       {"kind without struct", no_struct, ErrorCode::BAD_REQUEST, "needs its \"summarize\" field"},
       {"negative temperature", bad_temp, ErrorCode::BAD_REQUEST, "temperature"},
+      {"no-repeat 1-gram", bad_ngram, ErrorCode::BAD_REQUEST, "generate: --no-repeat-ngram must be 0 (off) or >= 2"},
+      {"frequency penalty past OpenAI's range", bad_penalty, ErrorCode::BAD_REQUEST, "--frequency-penalty"},
       {"passkey over context", passkey_long, ErrorCode::TOO_LARGE, "passkey.context 4096"},
       {"passkey bad depth", passkey_depth, ErrorCode::BAD_REQUEST, "outside [0, 1]"},
       {"batch not json", batch_job("{\"id\":\"a\",\"text\":\"x\"}\n{oops"), ErrorCode::BAD_REQUEST, "line 2"},
