@@ -72,12 +72,14 @@ def _generate(out):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def generate(prompt, max_tokens=128, chat=False, system="", temperature=0.0, top_p=1.0, seed=0):
-    """A GENERATE job (greedy unless temperature > 0)."""
+def generate(prompt, max_tokens=128, chat=False, system="", temperature=0.0, top_p=1.0, seed=0, **sampling):
+    """A GENERATE job (greedy unless temperature > 0). `sampling`: the GenerateJob's other
+    sampler fields (top_k, min_p, repetition_penalty, repeat_last_n, frequency_penalty,
+    presence_penalty, no_repeat_ngram; coordinator/xctx.thrift)."""
     t = bindings().ttypes
     return t.Job(kind=t.JobKind.GENERATE, generate=t.GenerateJob(
         prompt=prompt, chat=chat, system=system, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, seed=seed))
+        top_p=top_p, seed=seed, **sampling))
 
 
 def passkey(context=4096, trials=1, depths=(0.0, 0.5, 1.0), seed=1, filler="classic"):

@@ -340,6 +340,18 @@ class JobTest(ServiceTest):
         self.assertGreaterEqual(res.prefill_s, 0)
         self.assertGreaterEqual(res.decode_s, 0)
 
+    def test_generate_with_penalties(self):
+        # Greedy loops on this prompt; the repeat penalty and the 3-gram ban leave the loop.
+        prompt = "The sea was calm and the sea was"
+        plain = self.run_job(xctx_client.generate(prompt, max_tokens=24))
+        self.assertDone(plain)
+        self.assertIn("the sea was calm.", plain.text)
+        res = self.run_job(xctx_client.generate(prompt, max_tokens=24, repetition_penalty=1.2, no_repeat_ngram=3))
+        self.assertDone(res)
+        self.assertNotIn("the sea was calm.", res.text)
+        self.assertRefused(T.ErrorCode.BAD_REQUEST, self.c.submit,
+                           xctx_client.generate(prompt, max_tokens=4, no_repeat_ngram=1), contains=["--no-repeat-ngram"])
+
     def test_status_progress(self):
         """tokens_done only grows, through PREFILL and DECODE, and ends at prompt + generated."""
         seen = []
