@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/cpu/roofline.h"
 #include "common/sys.h"
 #include "coordinator/jobs.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -210,6 +211,22 @@ int run_doctor(const doctor_options& opt, communicator& comm) {
   rep["mpi"] = mpi.empty() ? std::string("unknown") : mpi;
   rep["per_rank"] = all;
   print_report(rep);
+  if (opt.probe) {
+    // Rank 0 alone, on its threads (the other ranks have returned).
+    const cpu::roofline r = cpu::measure_roofline();
+    rep["roofline"] = {{"threads", r.threads},          {"read_bytes", r.read_bytes},
+                       {"read_gbs_1", r.read_gbs_1},     {"read_gbs_all", r.read_gbs_all},
+                       {"fma_gflops_1", r.fma_gflops_1}, {"fma_gflops_all", r.fma_gflops_all},
+                       {"int8_gops_1", r.int8_gops_1},   {"int8_gops_all", r.int8_gops_all},
+                       {"read_isa", r.read_isa},         {"fma_isa", r.fma_isa},
+                       {"int8_isa", r.int8_isa}};
+    std::printf("roofline    read %.1f GB/s on 1 thread, %.1f on %d (%s loads, %zu MiB)\n"
+                "            fp32 FMA %.1f GFLOP/s on 1 thread, %.1f on %d (%s)\n"
+                "            int8 dot %.1f GOP/s on 1 thread, %.1f on %d (%s)\n",
+                r.read_gbs_1, r.read_gbs_all, r.threads, r.read_isa.c_str(), r.read_bytes >> 20, r.fma_gflops_1,
+                r.fma_gflops_all, r.threads, r.fma_isa.c_str(), r.int8_gops_1, r.int8_gops_all, r.threads,
+                r.int8_isa.c_str());
+  }
   if (!opt.json_path.empty()) {
     std::ofstream out(opt.json_path);
     XCTX_CHECK(out.good(), "cannot write ", opt.json_path);

@@ -44,6 +44,7 @@ int run_info(const info_options& opt);
 // under mpirun; rank 0 prints).
 struct doctor_options {
   std::string json_path;  // non-empty: also write the report there
+  bool probe = false;     // also measure the host's limits (kernels/cpu/roofline.h) on rank 0
 };
 int run_doctor(const doctor_options& opt, communicator& comm);
 

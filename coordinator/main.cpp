@@ -315,6 +315,8 @@ int main(int argc, char** argv) {
   xctx::doctor_options doc;
   auto* dr = app.add_subcommand("doctor", "backends, CPU kernels, BLAS/MPI/NCCL/CUDA versions, devices and what each rank binds to");
   dr->add_option("--json", doc.json_path, "also write the report to this JSON file");
+  dr->add_flag("--probe", doc.probe,
+               "also measure this host's limits on rank 0: read bandwidth, fp32 FMA and int8 dot-product peaks (~10 s)");
   auto* i = app.add_subcommand("info", "hyper-parameters, metadata and tensors of a model file");
   i->add_option("model", info.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
   i->add_option("--cache", info.cache, "also print the byte breakdown of this cache format");
