@@ -30,6 +30,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import hostinfo  # noqa: E402
+import roofline  # noqa: E402
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
 NATIVE = os.path.join(ROOT, "build-llama-native")
@@ -298,6 +299,26 @@ def write_results(rows, args, info):
             mark = " †" if r.get("from_decode_run") else ""
             f.write(f"| {r['config']}{mark} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}) | "
                     f"{ratio} | {r['peak_rss_mib']:.0f} MiB |\n")
+        limits = roofline.load_limits()
+        if limits:
+            # Against this host's limits (benchmarks/roofline.py): a decode token streams every weight
+            # byte once (the GGUF's size, embeddings included), so read bandwidth caps tok/s; a prompt
+            # token costs 2 flops per weight at best, so the fp32 FMA peak caps prefill tok/s.
+            weight_bytes = os.path.getsize(args.model)
+            n_params = 134.5e6  # SmolLM2-135M, tied embeddings counted once
+            decode_cap = limits["read_gbs_all"] * 1e9 / weight_bytes
+            prefill_cap = limits["fma_gflops_all"] * 1e9 / (2 * n_params)
+            f.write(f"\nAgainst this host's limits (benchmarks/results/roofline_{roofline.host_key()}.md): decode "
+                    f"{limits['read_gbs_all']:.1f} GB/s / {weight_bytes / 1e6:.0f} MB of weights = {decode_cap:.0f} "
+                    f"tok/s; prefill {limits['fma_gflops_all']:.0f} GFLOP/s fp32 / (2 x {n_params / 1e6:.1f}M "
+                    f"weights) = {prefill_cap:.0f} tok/s (attention not counted).\n\n"
+                    "| config | engine | cache | tok/s | of the limit |\n|---|---|---|---|---|\n")
+            for r in rows:
+                kind = next(c[3] for c in CONFIGS if c[0] == r["config"])
+                cap = decode_cap if kind == "decode" else prefill_cap
+                f.write(f"| {r['config']} | {r['engine']} | {r['variant']} | {r['tok_s']:.1f} | {r['tok_s'] / cap:.0%} |\n")
+        else:
+            f.write("\nNo committed limits for this host (run benchmarks/roofline.py first): no fractions.\n")
         if any(r.get("from_decode_run") for r in rows):
             f.write("\n† the prefill of the decode run of the same length: its prompt is 64 tokens shorter "
                     "(`--prefill-from-decode`).\n")

@@ -460,6 +460,8 @@ def step_run(args):
             cmd += ["--threads", str(args.threads)]
         if fmt.startswith("nuq"):
             cmd += ["--calib", calib]
+        if args.sampling:
+            cmd += shlex.split(args.sampling)
         if args.resume:
             cmd += ["--resume"]
         est = sum(est_seconds(m, fmt, args) for m in metas)
@@ -731,6 +733,9 @@ def main():
     ap.add_argument("--instruction", help="override the command's default instruction")
     ap.add_argument("--threads", type=int, default=0, help="--threads per rank (default: the launcher's)")
     ap.add_argument("--calib", help="nuq calibration file (default: made once under benchmarks/results/tmp/)")
+    ap.add_argument("--sampling", default="",
+                    help="run: sampler flags for `xctx summarize`, e.g. \"--repeat-penalty 1.2 --no-repeat-ngram 3\" "
+                         "(default: the command's, greedy); the report lists the commands that ran")
     ap.add_argument("--resume", action="store_true", help="run: keep existing summaries and pass --resume")
     ap.add_argument("--timeout", type=float, default=0,
                     help="run: seconds per format before the run is stopped (default: 3x the estimate + 10 min)")
