@@ -128,8 +128,13 @@ roofline measure_roofline(int threads, size_t read_bytes, double seconds, int pa
     g_float_sink = avx512 ? rk::fma_avx512(iters) : avx2 ? rk::fma_avx2(iters) : rk::fma_scalar(iters);
   };
   const auto flops = [&](int64_t iters) { return (double)iters * rk::kFmaChains * lanes * 2.0; };
-  r.fma_gflops_1 = best_rate(1, seconds, passes, fma, flops, 1 << 16) / 1e9;
-  r.fma_gflops_all = r.threads == 1 ? r.fma_gflops_1 : best_rate(r.threads, seconds, passes, fma, flops, 1 << 16) / 1e9;
+  // A compute peak on one thread and on all (in units of 1e9 per second).
+  const auto peaks = [&](const std::function<void(int64_t)>& body, const std::function<double(int64_t)>& amount,
+                         double& one, double& all) {
+    one = best_rate(1, seconds, passes, body, amount, 1 << 16) / 1e9;
+    all = r.threads == 1 ? one : best_rate(r.threads, seconds, passes, body, amount, 1 << 16) / 1e9;
+  };
+  peaks(fma, flops, r.fma_gflops_1, r.fma_gflops_all);
 
   // int8 dot-product peak: VNNI where present, else AVX2's three-instruction sequence.
   if (avx2) {
@@ -139,8 +144,7 @@ roofline measure_roofline(int threads, size_t read_bytes, double seconds, int pa
       g_int_sink = avx512 ? rk::dot_avx512(iters) : avx_vnni ? rk::dot_avxvnni(iters) : rk::dot_avx2(iters);
     };
     const auto ops = [&](int64_t iters) { return (double)iters * rk::kDotChains * macs * 2.0; };
-    r.int8_gops_1 = best_rate(1, seconds, passes, dot, ops, 1 << 16) / 1e9;
-    r.int8_gops_all = r.threads == 1 ? r.int8_gops_1 : best_rate(r.threads, seconds, passes, dot, ops, 1 << 16) / 1e9;
+    peaks(dot, ops, r.int8_gops_1, r.int8_gops_all);
   } else {
     r.int8_isa = "none (no AVX2)";
   }

@@ -50,9 +50,7 @@ int32_t dot_avx2(int64_t iters) {
   for (int c = 1; c < kDotChains; ++c) s = _mm256_add_epi32(s, acc[c]);
   alignas(32) int32_t out[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(out), s);
-  uint32_t sum = 0;  // wrapping, as the lanes do
-  for (int32_t v : out) sum += (uint32_t)v;
-  return (int32_t)sum;
+  return wrapping_sum(out, 8);
 }
 
 }  // namespace xctx::cpu::roofline_kernels

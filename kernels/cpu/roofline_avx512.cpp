@@ -12,7 +12,11 @@ float fma_avx512(int64_t iters) {
     for (int c = 0; c < kFmaChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], mul, add);
   __m512 s = acc[0];
   for (int c = 1; c < kFmaChains; ++c) s = _mm512_add_ps(s, acc[c]);
-  return _mm512_reduce_add_ps(s);
+  alignas(64) float out[16];  // stored, not _mm512_reduce_add_ps (gcc 12 warns on its undefined lanes)
+  _mm512_store_ps(out, s);
+  float sum = 0;
+  for (float v : out) sum += v;
+  return sum;
 }
 
 int32_t dot_avx512(int64_t iters) {
@@ -23,7 +27,9 @@ int32_t dot_avx512(int64_t iters) {
     for (int c = 0; c < kDotChains; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
   __m512i s = acc[0];
   for (int c = 1; c < kDotChains; ++c) s = _mm512_add_epi32(s, acc[c]);
-  return _mm512_reduce_add_epi32(s);
+  alignas(64) int32_t out[16];
+  _mm512_store_si512(out, s);
+  return wrapping_sum(out, 16);
 }
 
 }  // namespace xctx::cpu::roofline_kernels

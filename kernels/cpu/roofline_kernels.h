@@ -28,6 +28,13 @@ constexpr int kDotChains = 12;
 // The scalar reference: `lanes` lanes of the VNNI recurrence (acc += 4 x 3 x -2 per round) or,
 // avx2_feedback, of dot_avx2's (acc += the pairwise-saturated products of acc's own bytes and -2).
 int32_t dot_scalar(int64_t iters, int lanes, bool avx2_feedback);
+
+// The wrapping sum of n 32-bit lanes (as the lanes themselves wrap): what the dot loops return.
+inline int32_t wrapping_sum(const int32_t* lanes, int n) {
+  uint32_t sum = 0;
+  for (int i = 0; i < n; ++i) sum += (uint32_t)lanes[i];
+  return (int32_t)sum;
+}
 int32_t dot_avx2(int64_t iters);     // vpmaddubsw + vpmaddwd + vpaddd: 32 multiply-adds, 3 instructions
 int32_t dot_avxvnni(int64_t iters);  // vpdpbusd ymm: 32 multiply-adds
 int32_t dot_avx512(int64_t iters);   // vpdpbusd zmm: 64 multiply-adds
