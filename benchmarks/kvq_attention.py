@@ -15,9 +15,11 @@ import csv
 import datetime
 import io
 import os
-import platform
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -30,13 +32,6 @@ def uptime():
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return open("/proc/loadavg").read().strip()
-
-
-def cpu_model():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def cpu_flags():
@@ -119,7 +114,7 @@ def write_markdown(path, rows, meta, info):
     w = out.append
     w("# Decode attention over quantized KV caches (CPU)\n")
     w(f"Command: `{info['command']}`  ")
-    w(f"Date: {info['date']}; commit {info['commit']}; {info['cpu']}, {info['cores']} cores; "
+    w(f"Date: {info['date']}; commit {info['commit']}; {info['cpu']}; "
       f"isa {info['isa']}, fused decode kernel {info['fused_isa']}; CPU flags: {info['cpu_flags']}.  ")
     w(f"Build: {info['build']}.  ")
     w(f"Load before: `{info['uptime_before']}`  ")
@@ -265,7 +260,7 @@ def main():
         commit = "?"
     info = {
         "command": "python3 benchmarks/kvq_attention.py" + "".join(f" {a}" for a in sys.argv[1:]),
-        "date": t0.strftime("%Y-%m-%d %H:%M"), "commit": commit or "?", "cpu": cpu_model(),
+        "date": t0.strftime("%Y-%m-%d %H:%M"), "commit": commit or "?", "cpu": hostinfo.cpu_identity(),
         "cores": os.cpu_count(), "isa": head.get("isa", "?"), "fused_isa": head.get("fused_isa", "?"),
         "cpu_flags": cpu_flags(), "build": build_flags(args.binary),
         "uptime_before": before, "uptime_after": after,
