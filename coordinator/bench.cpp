@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -52,13 +53,12 @@ int run_bench(const bench_options& opt, communicator& comm) {
   }
   broadcast_tokens(comm, ids);
 
-  run_params rp = opt.run;
-  sequence_options seq = opt.seq;
-  apply_attention_mode(seq, rp, s.cache, opt.prompt_tokens + opt.gen_tokens, hp.n_ctx_train);
-  if (seq.attention == attention_mode::attention_retrieval && rp.n_ctx == 0) rp.n_ctx = opt.prompt_tokens + opt.gen_tokens;
-  llama_engine engine(s.weights, *s.be, rp);
-  seq.max_new_tokens = opt.gen_tokens + 1;
-  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  const sequence_plan plan =
+      plan_sequences(hp, opt.seq, opt.run, s.cache,
+                     {opt.prompt_tokens, opt.prompt_tokens + opt.gen_tokens, (int64_t)opt.gen_tokens + 1, false}, comm.size());
+  const sequence_options& seq = plan.seq;
+  llama_engine engine(s.weights, *s.be, plan.run);
+  sequence_parallel_runner runner(engine, comm, *s.be, plan.cache, seq);
   std::vector<float> logits(hp.n_vocab);
 
   comm.barrier();
@@ -115,6 +115,9 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["prefill_mode"] = prefill_mode_name(runner.mode());
   j["prefill"] = describe_prefill(seq, opt.prompt_tokens);
   j["rope"] = describe_rope(engine.rope(), hp.n_ctx_train);
+  j["attention"] = describe_attention(seq);
+  j["plan"] = plan.header();
+  j["planned_bytes_per_rank"] = plan.memory.total();  // the fit check's figure for the fullest rank
   j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
   j["decode_activations"] = cpu::decode_activations_name(cpu::get_decode_activations());

@@ -14,6 +14,7 @@
 #include "worker/cache_snapshot.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -71,21 +72,16 @@ int run_generate(const generate_options& opt, communicator& comm) {
   if (!opt.load_cache.empty() && coordinator) n_saved = read_snapshot_manifest(opt.load_cache).tokens;
   comm.broadcast(&n_saved, sizeof n_saved, 0);
   const int64_t n_prompt = n_saved + (int64_t)prompt_ids.size();
-  run_params rp = opt.run;
-  sequence_options seq = opt.seq;
-  // Past the trained window, auto turns retrieval on; the capacity then follows the prompt.
-  if (apply_attention_mode(seq, rp, s.cache, n_prompt + opt.max_tokens, hp.n_ctx_train) ==
-          attention_mode::attention_retrieval &&
-      rp.n_ctx == 0)
-    rp.n_ctx = n_prompt + opt.max_tokens;
-  const int64_t n_ctx = rp.n_ctx > 0 ? rp.n_ctx : hp.n_ctx_train;
-  XCTX_CHECK(n_prompt + opt.max_tokens <= n_ctx, "prompt (", n_prompt, " tokens", n_saved ? ", saved ones included" : "",
-             ") + --max-tokens (", opt.max_tokens, ") exceed the context of ", n_ctx,
+  // Past the trained window, auto turns retrieval on; the context then follows the prompt.
+  const sequence_plan plan = plan_sequences(hp, opt.seq, opt.run, s.cache,
+                                            {n_prompt, n_prompt + opt.max_tokens, (int64_t)opt.max_tokens + 1, false},
+                                            comm.size());
+  XCTX_CHECK(n_prompt + opt.max_tokens <= plan.n_ctx, "prompt (", n_prompt, " tokens", n_saved ? ", saved ones included" : "",
+             ") + --max-tokens (", opt.max_tokens, ") exceed the context of ", plan.n_ctx,
              " tokens (raise --ctx, with --rope-scaling beyond the trained ", hp.n_ctx_train, ")");
 
-  llama_engine engine(s.weights, *s.be, rp);
-  seq.max_new_tokens = opt.max_tokens + 1;
-  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  llama_engine engine(s.weights, *s.be, plan.run);
+  sequence_parallel_runner runner(engine, comm, *s.be, plan.cache, plan.seq);
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   const double load_s = load_clock.seconds();
 
@@ -118,12 +114,12 @@ int run_generate(const generate_options& opt, communicator& comm) {
   if (opt.show_stats) {
     if (coordinator)
       std::fprintf(stderr,
-                   "\n[xctx] model %s | backend %s | %d rank(s) x %d thread(s), prefill %s | %s | rope %s | load %.2f s\n"
+                   "\n[xctx] model %s | backend %s | %d rank(s) x %d thread(s), %s | load %.2f s\n"
                    "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens (%s); decode %d steps in "
                    "%.2f s = %.1f tokens/s\n"
                    "[xctx] peak memory (RSS) of rank 0: %s\n",
-                   hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads, n_saved ? "resumed from a snapshot" : describe_prefill(seq, n_prompt).c_str(),
-                   describe_attention(seq).c_str(), describe_rope(engine.rope(), hp.n_ctx_train).c_str(), load_s,
+                   hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads,
+                   n_saved ? ("resumed from a snapshot | " + plan.header()).c_str() : plan.header().c_str(), load_s,
                    (long long)(n_prompt - n_saved), prefill_s, (n_prompt - n_saved) / prefill_s, n_generated,
                    describe_sampler(opt.sampling).c_str(), n_decode_steps, decode_s,
                    n_decode_steps > 0 ? n_decode_steps / decode_s : 0.0, format_bytes((double)peak_rss_bytes()).c_str());

@@ -21,6 +21,7 @@
 #include "coordinator/sequence_driver.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -430,10 +431,11 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
   const model_hparams& hp = s.weights.hp;
   // Retrieval past the trained window (auto): its positions and summaries, and a capacity that
   // holds the prompt and the answer, derived here rather than asked of the user.
-  if (apply_attention_mode(opt.seq, opt.run, s.cache, passkey_tokens_needed(opt), hp.n_ctx_train) ==
-          attention_mode::attention_retrieval &&
-      opt.run.n_ctx == 0)
-    opt.run.n_ctx = (passkey_tokens_needed(opt) + 1023) / 1024 * 1024;
+  const int64_t needed = passkey_tokens_needed(opt);
+  const sequence_plan plan = plan_sequences(
+      hp, opt.seq, opt.run, s.cache, {std::min(opt.context, needed), needed, (int64_t)opt.max_answer_tokens + 1, false},
+      comm.size());
+  opt.seq = plan.seq, opt.run = plan.run, s.cache = plan.cache;
   // Every rank checks the same numbers, so a bad setting fails everywhere before a collective.
   check_passkey_options(opt, hp);
   if (coordinator && opt.run.rope_scale != rope_scaling::rope_scaling_none &&
@@ -447,7 +449,6 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
   // auto is decided once from --context, not per prompt: the prompts vary within the tolerance,
   // and a sweep's trials must all run the prefill its header names.
   sequence_options seq = with_mode_resolved(opt.seq, opt.context);
-  seq.max_new_tokens = opt.max_answer_tokens + 1;
   sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   if (!coordinator) {
@@ -457,10 +458,8 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
   }
 
   std::fprintf(stderr, "[passkey] load %.2f s\n", load_clock.seconds());
-  std::printf("passkey: model %s | %d rank(s) x %d thread(s), prefill %s | attention %s | rope %s | cache %s | filler %s%s | context %lld tokens (±%lld)\n",
-              hp.name.c_str(), comm.size(), engine.params().n_threads, describe_prefill(opt.seq, opt.context).c_str(),
-              describe_attention(opt.seq).c_str(),
-              describe_rope(engine.rope(), hp.n_ctx_train).c_str(),
+  std::printf("passkey: model %s | %d rank(s) x %d thread(s), %s | cache %s | filler %s%s | haystack %lld tokens (±%lld)\n",
+              hp.name.c_str(), comm.size(), engine.params().n_threads, plan.header().c_str(),
               format_traits(opt.run.cache).name, opt.filler.c_str(), opt.chat ? " | chat" : "", (long long)opt.context,
               (long long)passkey_token_tolerance(opt.context));
   std::unique_ptr<progress_line> progress;

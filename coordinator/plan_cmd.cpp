@@ -9,6 +9,7 @@
 #include "common/sys.h"
 #include "coordinator/cluster_plan.h"
 #include "coordinator/jobs.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -74,13 +75,17 @@ int run_plan(const plan_options& opt) {
     in.cpu = &cpu;
     in.hosts = opt.hosts;
   }
-  // What auto runs for a sequence of this length (the jobs' rule, worker/retrieval.h).
-  const bool retrieval = resolve_attention_mode(attention_mode::attention_auto, in.context, in.hp.n_ctx_train,
-                                                false) == attention_mode::attention_retrieval;
-  if (retrieval) {
-    check_retrieval_options(opt.retrieval, in.hp.n_ctx_train);
-    in.retrieval = &opt.retrieval;
-  }
+  // What a job would run for a sequence of this length with the default settings: the jobs' own
+  // plan (worker/sequence_plan.h), so auto is decided in one place.
+  sequence_options job_seq;
+  job_seq.attention = attention_mode::attention_auto;
+  job_seq.mode = prefill_mode::prefill_auto;
+  job_seq.block_tokens = opt.block;
+  job_seq.retrieval = opt.retrieval;
+  const sequence_plan job = plan_sequences(in.hp, job_seq, run_params{}, cache_spec(formats[0]),
+                                           {in.context, in.context, 0, false}, in.ranks);
+  const bool retrieval = job.seq.attention == attention_mode::attention_retrieval;
+  if (retrieval) in.retrieval = &job.seq.retrieval;
   std::vector<format_plan> plans;
   for (cache_format f : formats) plans.push_back(plan_format(in, f));
   const model_hparams& hp = in.hp;
@@ -90,6 +95,7 @@ int run_plan(const plan_options& opt) {
   if (opt.json) {
     nlohmann::json j;
     j["model"] = hp.name, j["context"] = in.context, j["ranks"] = in.ranks;
+    j["jobs_run"] = job.header();
     if (in.cpu != nullptr) j["hosts"] = in.hosts;
     j["device"] = in.cpu != nullptr ? "cpu:" + cpu.machine : in.device.name;
     j["network"] = in.cpu != nullptr ? "shared memory" : in.network.name;
@@ -141,6 +147,11 @@ int run_plan(const plan_options& opt) {
                 "bandwidth and %.0f%% of peak FLOP/s\n\n",
                 100 * in.usable_fraction, 100 * in.bandwidth_efficiency, 100 * in.flops_efficiency);
   }
+  std::printf("      a job of this length runs: %s\n", job.header().c_str());
+  if (in.cpu != nullptr)
+    std::printf("      this CPU backend's fit check counts for the fullest rank (%s): %s\n", format_traits(formats[0]).name,
+                job.memory.describe().c_str());
+  std::printf("\n");
   std::printf("| format | B/token | cache/rank | fits | max context | decode step (memory / compute / merge) | tok/s | "
               "prefill ring | prefill star (%s blocks) |\n|---|---|---|---|---|---|---|---|---|\n",
               tokens_text(std::min<int64_t>(in.star_block, plans[0].tokens_per_rank)).c_str());

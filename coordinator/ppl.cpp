@@ -27,6 +27,7 @@
 #include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
 #include "coordinator/session.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 
@@ -76,12 +77,16 @@ int run_ppl(const ppl_options& opt, communicator& comm) {
   model_session s = open_session(opt.model.empty() ? default_model_path() : opt.model, opt.tokenizer, opt.run, comm.rank() == 0);
   // Full attention by default (windows inside the trained context); retrieval only when asked,
   // with its window below the scoring window's length so it selects (docs/retrieval.md).
-  sequence_options seq = opt.seq;
-  if (seq.attention == attention_mode::attention_auto) seq.attention = attention_mode::attention_full;
-  run_params rp = opt.run;
-  apply_attention_mode(seq, rp, s.cache, opt.ctx, s.weights.hp.n_ctx_train);
-  if (seq.attention == attention_mode::attention_retrieval) seq.max_new_tokens = opt.ctx;
-  llama_engine engine(s.weights, *s.be, rp);
+  sequence_options asked = opt.seq;
+  if (asked.attention == attention_mode::attention_auto) asked.attention = attention_mode::attention_full;
+  // Retrieval scores every window position through the merged path: it reserves the window.
+  const bool retrieval = asked.attention == attention_mode::attention_retrieval;
+  const sequence_plan plan = plan_sequences(s.weights.hp, asked, opt.run, s.cache,
+                                            {opt.ctx, opt.ctx, retrieval ? opt.ctx : asked.max_new_tokens, false},
+                                            comm.size());
+  const sequence_options& seq = plan.seq;
+  s.cache = plan.cache;
+  llama_engine engine(s.weights, *s.be, plan.run);
   std::vector<int32_t> ids;
   if (coordinator) ids = s.tok->encode(load_text(opt.text), false, false);
   broadcast_tokens(comm, ids);

@@ -25,6 +25,7 @@
 #include "coordinator/session.h"
 #include "coordinator/summarize.h"
 #include "worker/llama_engine.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -366,14 +367,14 @@ int run_serve(const serve_options& opt, communicator& comm) {
              "--max-output-tokens must be in [1, --max-context), got ", limits.max_output_tokens);
   XCTX_CHECK(limits.max_request_bytes >= 1024, "--max-request-bytes must be >= 1024");
 
-  run_params rp = opt.run;
-  sequence_options seq = opt.seq;
   // The one cache is sized for --max-context: retrieval when that is past the trained window.
-  apply_attention_mode(seq, rp, s.cache, limits.max_context, hp.n_ctx_train);
-  llama_engine engine(s.weights, *s.be, rp);
-  seq.max_new_tokens = limits.max_output_tokens;
-  seq.capacity_per_rank = sequence_capacity_per_rank(limits.max_context, comm.size(), s.cache, seq);
-  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  const sequence_plan plan =
+      plan_sequences(hp, opt.seq, opt.run, s.cache,
+                     {limits.max_context - 1, limits.max_context, limits.max_output_tokens, /*one_cache=*/true},
+                     comm.size());
+  const sequence_options& seq = plan.seq;
+  llama_engine engine(s.weights, *s.be, plan.run);
+  sequence_parallel_runner runner(engine, comm, *s.be, plan.cache, seq);
   runner.reserve();  // the one cache every job reuses, allocated now so a shortfall shows at start
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   if (!lead) {
@@ -395,6 +396,9 @@ int run_serve(const serve_options& opt, communicator& comm) {
   info.backend = s.be->name();
   info.prefill = prefill_mode_name(seq.mode);
   info.auth_required = !st.secret.empty();
+  std::fprintf(stderr, "[xctx] serve: %d rank(s) | %s | cache %s per rank, %s planned for the fullest\n", comm.size(),
+               plan.header().c_str(), format_bytes((double)runner.cache().bytes_allocated()).c_str(),
+               plan.memory.describe().c_str());
 
   int bound_port = opt.port;
   auto socket = std::make_shared<th::transport::TServerSocket>(opt.bind, opt.port);

@@ -18,6 +18,7 @@
 #include "coordinator/distributed.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
+#include "worker/sequence_plan.h"
 
 namespace xctx {
 namespace {
@@ -364,16 +365,16 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   summarize_settings settings = opt.settings;
   settings.n_ctx = opt.run.n_ctx > 0 ? opt.run.n_ctx : hp.n_ctx_train;
 
-  run_params rp = opt.run;
-  sequence_options seq = opt.seq;
-  // Sequences up to the context: retrieval when that is past the trained window.
-  apply_attention_mode(seq, rp, s.cache, settings.n_ctx, hp.n_ctx_train);
-  llama_engine engine(s.weights, *s.be, rp);
-  seq.max_new_tokens = std::min<int64_t>(std::max({settings.max_tokens, settings.map_tokens, kMaxSummaryTokens}),
-                                         settings.n_ctx - 1);
-  // One cache, sized for the longest sequence and reused by every document.
-  seq.capacity_per_rank = sequence_capacity_per_rank(settings.n_ctx, comm.size(), s.cache, seq);
-  sequence_parallel_runner runner(engine, comm, *s.be, s.cache, seq);
+  // Sequences up to the context: retrieval when that is past the trained window. One cache,
+  // sized for the longest sequence and reused by every document.
+  const int64_t new_tokens =
+      std::min<int64_t>(std::max({settings.max_tokens, settings.map_tokens, kMaxSummaryTokens}), settings.n_ctx - 1);
+  const sequence_plan plan = plan_sequences(
+      hp, opt.seq, opt.run, s.cache, {settings.n_ctx - new_tokens, settings.n_ctx, new_tokens, /*one_cache=*/true},
+      comm.size());
+  const sequence_options& seq = plan.seq;
+  llama_engine engine(s.weights, *s.be, plan.run);
+  sequence_parallel_runner runner(engine, comm, *s.be, plan.cache, seq);
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
   if (!coordinator) {
     driver.follow();
@@ -407,10 +408,10 @@ int run_summarize(const summarize_options& opt, communicator& comm) {
   size_t n_todo = 0;
   for (const auto& d : docs) n_todo += !done.count(d.id);
   std::fprintf(stderr,
-               "[summarize] %zu documents in %s, %zu to do (%zu done before) | cache %s, %d rank(s), context %lld "
-               "tokens | %s | load %.2f s\n",
+               "[summarize] %zu documents in %s, %zu to do (%zu done before) | cache %s, %d rank(s) | %s | %s | "
+               "load %.2f s\n",
                docs.size(), opt.in.c_str(), n_todo, docs.size() - n_todo, cache_name.c_str(), comm.size(),
-               (long long)settings.n_ctx, describe_sampler(settings.sampling).c_str(), load_clock.seconds());
+               plan.header().c_str(), describe_sampler(settings.sampling).c_str(), load_clock.seconds());
   stopwatch batch_clock;
   size_t n_run = 0, n_failed = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;

@@ -55,7 +55,7 @@ attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache
 
 std::string describe_attention(const sequence_options& seq) {
   switch (seq.attention) {
-    case attention_mode::attention_full: return "full attention";
+    case attention_mode::attention_full: return "full";
     case attention_mode::attention_retrieval: return describe_retrieval(seq.retrieval);
     case attention_mode::attention_auto: return "auto (unresolved)";
   }

@@ -64,7 +64,7 @@ struct sequence_options {
 // checks the retrieval options (errors name the flags). Returns the mode that runs.
 attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache_spec& spec, int64_t n_total,
                                     int64_t n_ctx_train);
-// "full attention" or "retrieval: sink 256, local 4096, ..." (+ " (auto: ...)" when auto chose).
+// "full" or "retrieval: sink 256, local 4096, ..." (+ " (auto: ...)" when auto chose).
 std::string describe_attention(const sequence_options& seq);
 
 // The mode a prefill of a prompt of n_prompt tokens (context + suffix) runs with, auto resolved;
