@@ -172,4 +172,15 @@ class decode_activations_scope {
   cpu::decode_activations saved_;
 };
 
+// The message of the xctx::Error that `f` throws, or "(no error)".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
 }  // namespace xctx::test

@@ -121,15 +121,7 @@ TEST(cluster_plan, smollm2_preset_equals_the_shipped_gguf) {
   EXPECT_FLOAT_EQ(file.rope_freq_base, p.rope_freq_base);
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 TEST(cluster_plan, unknown_names_are_listed_in_the_error) {
   EXPECT_NE(error_of([] { plan_model_hparams("llama-9-1t"); }).find("llama-2-7b"), std::string::npos);

@@ -18,16 +18,7 @@ model_hparams smollm2_like() {
   return hp;
 }
 
-// The message of what `f` throws ("" when it does not).
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 sequence_options job_defaults() {  // what the CLI passes (coordinator/main.cpp)
   sequence_options seq;
