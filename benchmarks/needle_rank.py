@@ -9,9 +9,12 @@ Each run is `xctx passkey --attention retrieval --needle-rank --json` on one ran
 blocks do not depend on the sharding: the selection is rank-count invariant, test
 mpi_retrieval_*). For the last question token (the one that predicts the answer's first digit)
 and each layer it records the needle block's rank among the candidate blocks (every block not
-wholly inside the sink or the local window) under Quest's bound (minmax) and the mean key
-(mean), for the layer's heads summed (what the selector uses) and for each KV head's query heads
-alone. CSV (one row per trial, layer and rule) and Markdown in benchmarks/results/.
+wholly inside the sink or the local window) under Quest's bound (minmax), the mean key (mean)
+and InfLLM's representative tokens (repr: the 4 keys of each block with the highest mean logit
+from the queries after them in their star block, worker/representative_tokens.h; measured by the
+probe, not a rule the selector runs), for the layer's heads summed (what the selector uses) and
+for each KV head's query heads alone. CSV (one row per trial, layer and rule) and Markdown in
+benchmarks/results/.
 """
 import argparse
 import csv
@@ -81,7 +84,9 @@ def main():
             res = run(args, ctx, filler)
             for t in res["trials"]:
                 for L in t.get("needle_rank", []):
-                    for rule in ("minmax", "mean"):
+                    for rule in ("minmax", "mean", "repr"):
+                        if rule not in L:  # repr: only after a star prefill
+                            continue
                         kv = L[rule + "_kv"]
                         rows.append({"context": ctx, "filler": filler, "depth": t["depth"], "seed": t["seed"],
                                      "key_token": t["key_token"], "ok": int(t["ok"]), "layer": L["layer"],

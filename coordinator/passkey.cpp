@@ -489,10 +489,13 @@ int run_passkey(const passkey_options& opt_in, communicator& comm) {
     hooks.before_trial = [&](int64_t key_pos) { runner.selector()->set_probe(key_pos); };
     hooks.annotate_trial = [&](nlohmann::json& tr) {
       nlohmann::json layers = nlohmann::json::array();
-      for (const auto& r : runner.selector()->probe_results())
-        layers.push_back({{"layer", r.layer}, {"candidates", r.candidates}, {"minmax", r.rank_minmax},
-                          {"mean", r.rank_mean}, {"minmax_kv", r.rank_minmax_kv}, {"mean_kv", r.rank_mean_kv},
-                          {"top_minmax", r.top_minmax}, {"top_mean", r.top_mean}});
+      for (const auto& r : runner.selector()->probe_results()) {
+        nlohmann::json L = {{"layer", r.layer},          {"candidates", r.candidates},   {"minmax", r.rank_minmax},
+                            {"mean", r.rank_mean},       {"minmax_kv", r.rank_minmax_kv}, {"mean_kv", r.rank_mean_kv},
+                            {"top_minmax", r.top_minmax}, {"top_mean", r.top_mean}};
+        if (r.rank_repr >= 0) L["repr"] = r.rank_repr, L["repr_kv"] = r.rank_repr_kv, L["top_repr"] = r.top_repr;
+        layers.push_back(std::move(L));
+      }
       tr["needle_rank"] = layers;
     };
   }

@@ -8,6 +8,7 @@
 #include "cache/block_summary.h"
 #include "common/error.h"
 #include "common/half.h"
+#include "worker/representative_tokens.h"
 
 namespace xctx {
 
@@ -89,6 +90,8 @@ retrieval_selector::retrieval_selector(const retrieval_options& o, const rope_co
   XCTX_CHECK(fixed_distance_on(rope) && rope.se_window == o.local,
              "retrieval attention: the keys' rope must place far keys at distance --local (internal)");
 }
+
+retrieval_selector::~retrieval_selector() = default;
 
 bool retrieval_selector::candidate(int64_t id, int64_t p) const {
   const int64_t first = id * opt_.block, last = first + opt_.block - 1;
@@ -204,7 +207,40 @@ void retrieval_selector::set_probe(int64_t pos) {
   probe_pos_ = pos;
   probe_.clear();
   probed_.clear();
+  repr_.reset();
 }
+
+void retrieval_selector::probe_star_block() {
+  if (repr_) repr_->begin_star_block();
+}
+
+void retrieval_selector::probe_keys(int layer, const cache_geometry& g, const layer_input& in) {
+  if (!probing()) return;
+  if (!repr_)
+    repr_ = std::make_unique<representative_tokens>(n_head_, g.n_head_kv, g.head_dim, opt_.block, opt_.local, rope_, be_);
+  repr_->keys(layer, in);
+}
+
+void retrieval_selector::probe_queries(int layer, const float* q, const int32_t* q_pos, int64_t n_q) {
+  if (probing() && repr_) repr_->queries(layer, q, q_pos, n_q);
+}
+
+namespace {
+
+// InfLLM's block score for one query head: Σ over the block's representative keys of q·k.
+double repr_head_score(const float* qh, const representative_tokens::block_keys* bk, int kvh, int hd) {
+  if (bk == nullptr) return -std::numeric_limits<double>::infinity();
+  double s = 0.0;
+  for (int j = 0; j < bk->count[(size_t)kvh]; ++j) {
+    const float* k = bk->k.data() + ((size_t)kvh * representative_tokens::kPerBlock + j) * hd;
+    float d = 0.0f;
+    for (int c = 0; c < hd; ++c) d += qh[c] * k[c];
+    s += d;
+  }
+  return s;
+}
+
+}  // namespace
 
 void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t* q_pos, int64_t n_q) {
   const block_summary_view S = summaries_of(own, layer);
@@ -212,25 +248,30 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
   const int64_t i = n_q - 1, p = q_pos[i];  // the last query: the one that predicts the answer
   const int64_t needle = floor_div(probe_pos_, opt_.block);
   const float* qi = qf_.data() + (size_t)i * H * hd;
+  // The rules: 0 minmax, 1 mean (the summaries), 2 repr (the star prefill's representatives).
+  const int n_rules = repr_ && !repr_->empty() ? 3 : 2;
   probe_layer r;
   r.layer = layer;
-  r.rank_minmax_kv.assign((size_t)nkv, 0), r.rank_mean_kv.assign((size_t)nkv, 0);
   // [candidates][rule][nkv + 1]: per KV head's query heads, and their sum (the layer).
-  std::vector<std::array<std::vector<double>, 2>> sc;
+  std::vector<std::array<std::vector<double>, 3>> sc;
   std::vector<int64_t> ids;
   int64_t at = -1;
   for (int64_t b = 0; b < S.n_blocks; ++b) {
     if (S.count[b] == 0 || !candidate(S.ids[b], p)) continue;  // as score_blocks
     if (S.ids[b] == needle) at = (int64_t)ids.size();
     ids.push_back(S.ids[b]);
-    std::array<std::vector<double>, 2> s;
-    for (int rule = 0; rule < 2; ++rule) {
+    const representative_tokens::block_keys* bk = n_rules > 2 ? repr_->of(layer, S.ids[b]) : nullptr;
+    std::array<std::vector<double>, 3> s;
+    for (int rule = 0; rule < n_rules; ++rule) {
       s[rule].assign((size_t)nkv + 1, 0.0);
       for (int h = 0; h < H; ++h) {
         const int c0 = (h / g) * hd;
-        const double x = head_score(rule == 0 ? block_score_rule::score_minmax : block_score_rule::score_mean,
-                                    qi + (size_t)h * hd, S.kmin + (size_t)b * C + c0, S.kmax + (size_t)b * C + c0,
-                                    S.kmean + (size_t)b * C + c0, hd);
+        const float* qh = qi + (size_t)h * hd;
+        const double x =
+            rule == 2 ? repr_head_score(qh, bk, h / g, hd)
+                      : head_score(rule == 0 ? block_score_rule::score_minmax : block_score_rule::score_mean, qh,
+                                   S.kmin + (size_t)b * C + c0, S.kmax + (size_t)b * C + c0,
+                                   S.kmean + (size_t)b * C + c0, hd);
         s[rule][(size_t)(h / g)] += x;
         s[rule][(size_t)nkv] += x;
       }
@@ -238,7 +279,8 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
     sc.push_back(std::move(s));
   }
   r.candidates = (int64_t)ids.size();
-  for (int rule = 0; rule < 2; ++rule) {  // the same order as rank_of: score, then the lower id
+  std::vector<int64_t>* const tops[3] = {&r.top_minmax, &r.top_mean, &r.top_repr};
+  for (int rule = 0; rule < n_rules; ++rule) {  // the same order as rank_of: score, then the lower id
     std::vector<size_t> order(ids.size());
     for (size_t j = 0; j < order.size(); ++j) order[j] = j;
     const size_t top = std::min<size_t>(order.size(), kProbeTop);
@@ -246,9 +288,10 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
       const double xa = sc[a][rule][(size_t)nkv], xb = sc[b][rule][(size_t)nkv];
       return xa > xb || (xa == xb && ids[a] < ids[b]);
     });
-    std::vector<int64_t>& out = rule == 0 ? r.top_minmax : r.top_mean;
-    for (size_t j = 0; j < top; ++j) out.push_back(ids[order[j]]);
+    for (size_t j = 0; j < top; ++j) tops[rule]->push_back(ids[order[j]]);
   }
+  r.rank_minmax_kv.assign((size_t)nkv, 0), r.rank_mean_kv.assign((size_t)nkv, 0);
+  if (n_rules > 2) r.rank_repr = 0, r.rank_repr_kv.assign((size_t)nkv, 0);
   if (at >= 0) {
     const auto rank_of = [&](int rule, int col) {
       int64_t better_count = 0;
@@ -259,8 +302,12 @@ void retrieval_selector::run_probe(const kv_cache& own, int layer, const int32_t
       }
       return better_count + 1;
     };
-    r.rank_minmax = rank_of(0, nkv), r.rank_mean = rank_of(1, nkv);
-    for (int h = 0; h < nkv; ++h) r.rank_minmax_kv[(size_t)h] = rank_of(0, h), r.rank_mean_kv[(size_t)h] = rank_of(1, h);
+    int64_t* const ranks[3] = {&r.rank_minmax, &r.rank_mean, &r.rank_repr};
+    std::vector<int64_t>* const ranks_kv[3] = {&r.rank_minmax_kv, &r.rank_mean_kv, &r.rank_repr_kv};
+    for (int rule = 0; rule < n_rules; ++rule) {
+      *ranks[rule] = rank_of(rule, nkv);
+      for (int h = 0; h < nkv; ++h) (*ranks_kv[rule])[(size_t)h] = rank_of(rule, h);
+    }
   }
   probe_.push_back(std::move(r));
 }

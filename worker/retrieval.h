@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,8 @@
 #include "comm/communicator.h"
 
 namespace xctx {
+
+class representative_tokens;
 
 // full: every query sees every earlier key. retrieval: as above. auto: full while the prompt and
 // the generation fit the trained window, retrieval beyond it (resolve_attention_mode below).
@@ -83,6 +86,7 @@ class retrieval_selector {
  public:
   // rope: the keys' rope (the fixed-distance rope of the run); be: host-memory backends only.
   retrieval_selector(const retrieval_options& o, const rope_config& rope, int n_head, backend& be, communicator& comm);
+  ~retrieval_selector();
 
   // The units each query sees: sink, local window and its top-k blocks over all ranks.
   // q: [n_q, n_head, head_dim] with RoPE at q_pos (backend memory, host here).
@@ -106,20 +110,30 @@ class retrieval_selector {
 
   // The needle-rank measurement (issue 53's tool; `passkey --needle-rank`): with a probe position
   // set, the first selection of each layer (the suffix's) also ranks the block holding that
-  // position among all candidate blocks, for the last query, under both rules, for the whole
+  // position among all candidate blocks, for the last query, under each rule, for the whole
   // layer (heads summed) and for each KV head's query heads alone. Rank 1 = the best block; 0 =
-  // the block is in the sink or the local window (always seen). One rank only.
+  // the block is in the sink or the local window (always seen). One rank only. The rules: the
+  // two the selector runs (minmax, mean) and InfLLM's representative tokens (repr,
+  // worker/representative_tokens.h), which the probe computes itself during a star prefill
+  // (rank -1: not measured, the prefill was not star).
   struct probe_layer {
     int layer = 0;
     int64_t candidates = 0;
-    int64_t rank_minmax = 0, rank_mean = 0;                 // heads summed
-    std::vector<int64_t> rank_minmax_kv, rank_mean_kv;     // [n_head_kv]
+    int64_t rank_minmax = 0, rank_mean = 0, rank_repr = -1;             // heads summed
+    std::vector<int64_t> rank_minmax_kv, rank_mean_kv, rank_repr_kv;   // [n_head_kv]
     // The best kProbeTop candidate blocks (heads summed), best first: which blocks outrank it.
-    std::vector<int64_t> top_minmax, top_mean;
+    std::vector<int64_t> top_minmax, top_mean, top_repr;
   };
   static constexpr int kProbeTop = 8;
   void set_probe(int64_t pos);  // -1: off (and clears the results)
+  bool probing() const { return probe_pos_ >= 0; }
   const std::vector<probe_layer>& probe_results() const { return probe_; }
+  // Fed by the star prefill while probing (star_attention): each star block's start, its keys
+  // (pre-RoPE, as the cache gets them) and its queries, from which the representative tokens
+  // are chosen.
+  void probe_star_block();
+  void probe_keys(int layer, const cache_geometry& g, const layer_input& in);
+  void probe_queries(int layer, const float* q, const int32_t* q_pos, int64_t n_q);
 
   uint64_t gather_bytes_sent() const { return gather_bytes_sent_; }
   uint64_t summary_bytes_read() const { return summary_bytes_read_; }
@@ -141,6 +155,7 @@ class retrieval_selector {
   int64_t probe_pos_ = -1;
   std::vector<probe_layer> probe_;
   std::vector<bool> probed_;  // [n_layer] the layer's first selection was probed
+  std::unique_ptr<representative_tokens> repr_;  // while probing a star prefill
   uint64_t gather_bytes_sent_ = 0, summary_bytes_read_ = 0, own_units_ = 0;
 };
 

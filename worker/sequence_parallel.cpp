@@ -223,14 +223,15 @@ void merged_attention::attend(int layer, const float* q, const int32_t* q_pos, i
 // ---- star (anchor + one block) --------------------------------------------------------------
 
 star_attention::star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be,
-                               int64_t summary_skip_below)
-    : own_(own), anchor_(anchor), block_(block), summary_skip_below_(summary_skip_below), sum_(be) {}
+                               int64_t summary_skip_below, retrieval_selector* probe)
+    : own_(own), anchor_(anchor), block_(block), summary_skip_below_(summary_skip_below), probe_(probe), sum_(be) {}
 
 void star_attention::store(int layer, const layer_input& in) {
   layer_input kept = in;  // positions ascend: the rows below the mark lead
   while (kept.summary_skip < kept.n && kept.pos[kept.summary_skip] < summary_skip_below_) ++kept.summary_skip;
   own_.append(layer, kept);
   if (block_ != nullptr) block_->append(layer, in);
+  if (probe_ != nullptr) probe_->probe_keys(layer, own_.geometry(), kept);
 }
 
 void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) {
@@ -239,6 +240,7 @@ void star_attention::attend(int layer, const float* q, const int32_t* q_pos, int
   sum_.add(block_ != nullptr ? *block_ : own_, layer, q, q_pos, n_q, attend_path::attend_prefill);
   if (anchor_ != nullptr) sum_.add(*anchor_, layer, q, q_pos, n_q, attend_path::attend_prefill);
   sum_.finish(o);
+  if (probe_ != nullptr) probe_->probe_queries(layer, q, q_pos, n_q);
 }
 
 // ---- the runner ------------------------------------------------------------------------------
@@ -474,7 +476,10 @@ void sequence_parallel_runner::prefill_star(const std::vector<int32_t>& context,
     // stay out of the retrieval summaries, all but one at most, so every summary block it starts
     // (b is on the summary grid: cache_alignment) keeps a summarized key.
     const int64_t skip = b > 0 && spec_.options.summary_block > 0 ? std::min(opt_.retrieval.restart_skip, e - b - 1) : 0;
-    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get(), be_, b + skip);
+    retrieval_selector* probe = selector_ != nullptr && selector_->probing() ? selector_.get() : nullptr;
+    if (probe != nullptr) probe->probe_star_block();
+    star_attention star(*cache_, a > 0 ? anchor.get() : nullptr, first ? nullptr : block_view.get(), be_, b + skip,
+                        probe);
     ids.assign(context.begin() + b, context.begin() + e);
     at.resize(e - b);
     for (int64_t i = 0; i < e - b; ++i) at[i] = (int32_t)(b + i);

@@ -257,8 +257,10 @@ class merged_attention final : public attention_exchange {
 class star_attention final : public attention_exchange {
  public:
   // Rows stored below position summary_skip_below are left out of the own cache's retrieval
-  // summaries (retrieval_options::restart_skip); 0: none.
-  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be, int64_t summary_skip_below = 0);
+  // summaries (retrieval_options::restart_skip); 0: none. probe: the needle-rank probe, fed the
+  // block's keys and queries (retrieval_selector::probe_keys); null: none.
+  star_attention(kv_cache& own, kv_cache* anchor, kv_cache* block, backend& be, int64_t summary_skip_below = 0,
+                 retrieval_selector* probe = nullptr);
   void store(int layer, const layer_input& in) override;
   void attend(int layer, const float* q, const int32_t* q_pos, int64_t n_q, float* o) override;
 
@@ -267,6 +269,7 @@ class star_attention final : public attention_exchange {
   kv_cache* anchor_;
   kv_cache* block_;
   int64_t summary_skip_below_;
+  retrieval_selector* probe_;
   attention_sum sum_;  // rows n_q·n_head
 };
 

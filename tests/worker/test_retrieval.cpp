@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "common/half.h"
 #include "test_util.h"
+#include "worker/representative_tokens.h"
 #include "worker/retrieval.h"
 #include "worker/sequence_parallel.h"
 
@@ -366,6 +367,67 @@ TEST(retrieval_selector, top_k_equals_brute_force_scoring) {
       }
     }
   }
+}
+
+// InfLLM's representative tokens against a scalar reference in double: each key's mean logit
+// from the later queries within W (rotated at the true positions by the reference rope), the
+// top kPerBlock eligible keys of each block and KV head. Keys and queries arrive in uneven
+// chunks, and the first rows of the star block are stored but not eligible (restart_skip).
+TEST(representative_tokens, choose_what_a_brute_force_chooses) {
+  const cache_geometry g = test::quant_geometry(4096, 1);
+  const int C = g.n_head_kv * g.head_dim, hd = g.head_dim, H = g.n_head, grp = H / g.n_head_kv;
+  constexpr int64_t kBlock = 256, kSkip = 5, kFirst = 512;  // a star block at [512, 1536)
+  const int64_t n = 1024;
+  const test::synthetic_kv d = test::make_synthetic_kv(n, C, 21);
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(kFirst + i);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> q((size_t)n * H * hd);
+  for (float& x : q) x = nd(rng);
+  auto be = make_backend(backend_kind::backend_cpu);
+  auto ref = make_backend(backend_kind::backend_ref);
+  representative_tokens rt(H, g.n_head_kv, hd, kBlock, kLocal, g.rope, *be);
+  rt.begin_star_block();
+  for (const auto& [at, m] : {std::pair<int64_t, int64_t>{0, 600}, {600, 424}}) {
+    layer_input in{nullptr, d.k.data() + at * C, d.v.data() + at * C, pos.data() + at, m};
+    in.summary_skip = at == 0 ? kSkip : 0;
+    rt.keys(0, in);
+  }
+  for (const auto& [at, m] : {std::pair<int64_t, int64_t>{0, 700}, {700, 324}})
+    rt.queries(0, q.data() + at * H * hd, pos.data() + at, m);
+
+  std::vector<float> kr(d.k.begin(), d.k.begin() + n * C);
+  rope_config plain = g.rope;
+  ref->rope(kr.data(), pos.data(), n, g.n_head_kv, plain);
+  for (int64_t b = 0; b < n / kBlock; ++b) {
+    const int64_t id = (kFirst + b * kBlock) / kBlock;
+    const representative_tokens::block_keys* got = rt.of(0, id);
+    ASSERT_NE(got, nullptr) << "block " << id;
+    for (int kvh = 0; kvh < g.n_head_kv; ++kvh) {
+      std::vector<std::pair<double, int64_t>> mean;  // (-mean, row)
+      for (int64_t m = b * kBlock; m < (b + 1) * kBlock; ++m) {
+        if (m < kSkip) continue;
+        double s = 0;
+        int64_t seen = 0;
+        for (int64_t j = m + 1; j < n && j - m <= kLocal; ++j, ++seen)
+          for (int h = kvh * grp; h < (kvh + 1) * grp; ++h)
+            for (int c = 0; c < hd; ++c) s += (double)q[(j * H + h) * hd + c] * kr[m * C + kvh * hd + c];
+        if (seen > 0) mean.push_back({-s / (double)seen, m});
+      }
+      std::sort(mean.begin(), mean.end());
+      const size_t top = std::min<size_t>(mean.size(), representative_tokens::kPerBlock);
+      ASSERT_EQ(got->count[(size_t)kvh], (int)top);
+      for (size_t j = 0; j < top; ++j) {
+        const float* expect = d.k.data() + mean[j].second * C + kvh * hd;  // pre-RoPE, as stored
+        EXPECT_EQ(std::memcmp(got->k.data() + ((size_t)kvh * representative_tokens::kPerBlock + j) * hd, expect,
+                              (size_t)hd * sizeof(float)),
+                  0)
+            << "block " << id << " KV head " << kvh << " representative " << j << " (row " << mean[j].second << ")";
+      }
+    }
+  }
+  EXPECT_EQ(rt.of(0, 0), nullptr);  // not prefilled here
 }
 
 // auto's one rule: full inside the trained window or with the user's own positions, retrieval
