@@ -162,7 +162,8 @@ struct attn_args {
   // the CPU kernels run those through an accumulator of the call's own rows.
   rope_config rope;
   // When set (retrieval attention), query i sees only the units select->sees(i, unit) lists.
-  // ref and cpu take it; cuda refuses it (not built there yet).
+  // Every backend takes it (cuda copies the lists to the device per call and skips tiles no row
+  // lists); choosing the units, worker/retrieval.h, runs on host-memory backends only so far.
   const attn_selection* select = nullptr;
 };
 

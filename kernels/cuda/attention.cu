@@ -14,6 +14,9 @@
 // SelfExtend (attention.cuh): the rows also hold their turned queries, and a key grouped for a
 // row is scored against it turned by its own shift (decode: per lane in registers; prefill: a
 // turned K tile beside the plain one). Tiles that no row sees grouped take the plain path only.
+// Retrieval (attn_args::select): a row sees a key only when the key's unit is in the row's list
+// (attention.cuh, attn_sel_view); a tile that no row of the block (decode: of the warp) lists
+// is skipped before its K/V bytes are read.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -27,8 +30,38 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"  // kvq_rope_setup, kvq_rotate_pair, se_turned_query_pair
+#include "kernels/softmax_acc.h"   // kAttnUnit
 
 namespace xctx::cuda {
+
+static_assert(attn_unit == kAttnUnit, "the device selection's unit must be the host's");
+
+attn_scratch attention_scratch(context& ctx, size_t part_bytes, const attn_selection* select, int64_t n_q,
+                               int n_head_kv, const char* who) {
+  attn_scratch out;
+  size_t sel_bytes = 0, units_at = 0;
+  if (select != nullptr) {
+    check_selection(*select, n_q, n_head_kv, who);
+    units_at = select->offsets.size() * sizeof(int64_t);
+    sel_bytes = units_at + select->units.size() * sizeof(int64_t);
+  }
+  const size_t parts_end = (part_bytes + 255) / 256 * 256;  // the lists start 256-byte aligned
+  if (part_bytes + sel_bytes == 0) return out;
+  char* base = static_cast<char*>(ctx.scratch(parts_end + sel_bytes));
+  if (part_bytes > 0) out.parts = reinterpret_cast<float*>(base);
+  if (select != nullptr) {
+    char* lists = base + parts_end;
+    // Pageable sources: the copy is staged before cudaMemcpyAsync returns, so the host lists may go.
+    CUDA_CHECK(cudaMemcpyAsync(lists, select->offsets.data(), units_at, cudaMemcpyHostToDevice, ctx.stream));
+    if (!select->units.empty())
+      CUDA_CHECK(cudaMemcpyAsync(lists + units_at, select->units.data(), sel_bytes - units_at,
+                                 cudaMemcpyHostToDevice, ctx.stream));
+    out.sel.offsets = reinterpret_cast<const int64_t*>(lists);
+    out.sel.units = reinterpret_cast<const int64_t*>(lists + units_at);
+    out.sel.lists_per_query = select->lists_per_query;
+  }
+  return out;
+}
 
 namespace {
 
@@ -55,6 +88,7 @@ struct attn_params {
   int se_group, se_window, n_pair;
   double pos_div;
   double w[attn_max_head_dim / 2];
+  attn_sel_view sel;  // retrieval: the rows' unit lists (off when lists_per_query == 0)
 };
 
 __device__ inline bool se_on(const attn_params& p) { return p.se_group > 1; }
@@ -166,7 +200,7 @@ __device__ inline float softmax_step(float s, float& m, float& l, float (&acc)[K
 // ---- decode kernel ----------------------------------------------------------------------
 
 template <int KD, bool F16>
-__global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params p) {
+__global__ void __launch_bounds__(kThreads) attn_decode_kernel(const __grid_constant__ attn_params p) {
   constexpr int R = attn_decode_rows;
   extern __shared__ float4 smem4[];
   const bool se = se_on(p);
@@ -182,11 +216,15 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
   load_q_tile(p, qs, R, r0, g);
   if (se) load_turned_q_tile(p, qf, R, r0, g);
 
+  const bool sel = sel_on(p.sel);
   int qpos[R];
+  int64_t qlist[R];  // retrieval: each row's unit list
   int max_pos = INT_MIN;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    qpos[r] = r < n_rows ? resolve_row(p, r0 + r, g).pos : INT_MIN;
+    const row_ref rr = resolve_row(p, r0 + r, g);
+    qpos[r] = r < n_rows ? rr.pos : INT_MIN;
+    qlist[r] = sel && r < n_rows ? sel_list(p.sel, rr.i, g) : 0;
     max_pos = max(max_pos, qpos[r]);
   }
   __syncthreads();
@@ -210,6 +248,8 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
     const int kvp = lane < nt ? p.kv_pos[j0 + lane] : INT_MAX;
     int no_prev = INT_MIN;  // a warp's tiles are not adjacent: only the order inside a tile is checked
     check_kv_order(p, j0, nt, kvp, no_prev);
+    const unsigned seen = rows_seeing<R>(p.sel, sel, qpos, qlist, n_rows, lane < nt, kvp);
+    if (sel && !__any_sync(0xffffffffu, seen != 0u)) continue;  // warp-uniform: no row lists the tile
 
     // Scores: lane = key j0 + lane (clamped to a real key; masked below).
     const int64_t kbase = (j0 + min(lane, nt - 1)) * kv_row + kv_off;
@@ -218,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
     if (se && lane < nt) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < n_rows && kvp <= qpos[r]) (se_grouped(qpos[r], kvp, p.se_window) ? any_grouped : any_near) = true;
+        if ((seen >> r) & 1u) (se_grouped(qpos[r], kvp, p.se_window) ? any_grouped : any_near) = true;
     }
     const bool tile_grouped = se && __any_sync(0xffffffffu, any_grouped);
     const bool tile_near = !se || __any_sync(0xffffffffu, any_near);
@@ -257,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
     for (int r = 0; r < R; ++r) {
       pr[r] = 0.0f;
       if (r < n_rows) {
-        const bool vis = lane < nt && kvp <= qpos[r];
+        const bool vis = (seen >> r) & 1u;
         const float sc = se && se_grouped(qpos[r], kvp, p.se_window) ? sg[r] : s[r];
         pr[r] = softmax_step<KD>(vis ? sc : -INFINITY, m[r], l[r], acc[r]);
       }
@@ -325,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) attn_decode_kernel(const attn_params
 // ---- prefill kernel ---------------------------------------------------------------------
 
 template <int KD, bool F16>
-__global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_params p) {
+__global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_constant__ attn_params p) {
   constexpr int R = attn_prefill_rows;
   constexpr int RW = R / attn_warps;  // rows per warp: warp w owns rows w, w+4, ...
   extern __shared__ float4 smem4[];
@@ -350,11 +390,18 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
     if (se) kf[j * p.k_stride + d] = 0.0f;
   }
 
+  const bool sel = sel_on(p.sel);
   row_ref rows[RW];
+  int row_pos[RW];
+  int64_t row_list[RW];  // retrieval: each row's unit list
+  int n_valid = 0;       // rows w, w + 4, ... are valid up to a point
   int max_pos = INT_MIN, min_pos = INT_MAX;
 #pragma unroll
   for (int k = 0; k < RW; ++k) {
     rows[k] = resolve_row(p, r0 + warp + attn_warps * k, g);
+    row_pos[k] = rows[k].pos;
+    row_list[k] = sel && rows[k].valid ? sel_list(p.sel, rows[k].i, g) : 0;
+    n_valid += rows[k].valid ? 1 : 0;
     max_pos = max(max_pos, rows[k].pos);
     if (rows[k].valid) min_pos = min(min_pos, rows[k].pos);
   }
@@ -380,7 +427,14 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
   for (int64_t j0 = j_begin; j0 < j_end; j0 += attn_tile) {
     if (p.kv_pos[j0] > max_pos) break;  // block-uniform
     const int nt = (int)min((int64_t)attn_tile, j_end - j0);
-    __syncthreads();  // the previous tile is no longer read
+    const int kvp = lane < nt ? p.kv_pos[j0 + lane] : INT_MAX;
+    const unsigned seen = rows_seeing<RW>(p.sel, sel, row_pos, row_list, n_valid, lane < nt, kvp);
+    // The previous tile is no longer read; with a selection, a tile no row lists is not staged.
+    if (sel) {
+      if (!__syncthreads_or(seen != 0u)) continue;
+    } else {
+      __syncthreads();
+    }
     if (p.kv_vec) {
       const int d4n = p.head_dim / 4;
       for (int idx = threadIdx.x; idx < nt * d4n; idx += kThreads) {
@@ -413,7 +467,6 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
         if (d + 1 < p.head_dim) kf[j * p.k_stride + d + 1] = x[1];
       }
     }
-    const int kvp = lane < nt ? p.kv_pos[j0 + lane] : INT_MAX;
     if (warp == 0 && blockIdx.x == 0) check_kv_order(p, j0, nt, kvp, prev_last);
     __syncthreads();
 
@@ -439,7 +492,7 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const attn_param
     for (int k = 0; k < RW; ++k) {
       pr[k] = 0.0f;
       if (rows[k].valid) {
-        const bool vis = lane < nt && kvp <= rows[k].pos;
+        const bool vis = (seen >> k) & 1u;
         const float sc = se && se_grouped(rows[k].pos, kvp, p.se_window) ? sg[k] : s[k];
         pr[k] = softmax_step<KD>(vis ? sc : -INFINITY, m[k], l[k], acc[k]);
       }
@@ -553,8 +606,6 @@ void attention_partial(context& ctx, const attn_args& a) {
   if (a.n_q == 0) return;
   XCTX_CHECK(a.q && a.q_pos && a.o && a.lse && (a.n_kv == 0 || (a.k && a.v && a.kv_pos)),
              "cuda attention: null pointer among q/q_pos/k/v/kv_pos/o/lse");
-  XCTX_CHECK(a.select == nullptr, "cuda: retrieval attention (a key selection) is not built on the CUDA backend yet; "
-             "run it with --backend cpu");
   const bool se = self_extend_on(a.rope);
   if (se)
     XCTX_CHECK(a.rope.n_rot >= 0 && a.rope.n_rot <= a.head_dim && a.rope.n_rot % 2 == 0 && a.rope.se_window >= 0,
@@ -594,13 +645,15 @@ void attention_partial(context& ctx, const attn_args& a) {
   }
 
   const int64_t n_row = a.n_q * a.n_head;
-  float* parts = nullptr;
+  const size_t o_elems = plan.n_split == 1 ? 0 : (size_t)plan.n_split * n_row * a.head_dim;
+  const size_t part_bytes = plan.n_split == 1 ? 0 : (o_elems + (size_t)plan.n_split * n_row) * sizeof(float);
+  const attn_scratch scr = attention_scratch(ctx, part_bytes, a.select, a.n_q, a.n_head_kv, "cuda attention");
+  prm.sel = scr.sel;
   if (plan.n_split == 1) {
     prm.o = a.o;
     prm.lse = a.lse;
   } else {
-    const size_t o_elems = (size_t)plan.n_split * n_row * a.head_dim;
-    parts = static_cast<float*>(ctx.scratch((o_elems + (size_t)plan.n_split * n_row) * sizeof(float)));
+    float* parts = scr.parts;
     prm.o = parts;                 // [n_split, n_row, head_dim]
     prm.lse = parts + o_elems;     // [n_split, n_row]
     prm.o_split_stride = n_row * a.head_dim;

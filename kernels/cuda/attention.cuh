@@ -23,6 +23,51 @@ XCTX_HOST_DEVICE inline int64_t se_key_shift(int64_t p, int G) { return se_floor
 XCTX_HOST_DEVICE inline int64_t se_query_shift(int64_t i, int G, int W) { return se_floor_div(i, G) + W - W / G - i; }
 XCTX_HOST_DEVICE inline bool se_grouped(int64_t q_pos, int64_t k_pos, int W) { return q_pos - k_pos >= W; }
 
+// ---- retrieval attention's selection (kernels/ops.h attn_selection) in device memory --------
+// The kernels see a (query, KV head) pair's key only when its unit (attn_unit positions) is in
+// the pair's list: lists_per_query lists per query (1: shared by every head; n_head_kv: one per
+// KV head), units ascending per list. A tile whose keys no row of the block lists is skipped
+// before its K/V bytes are read, so a step reads what the selection names plus the unit lists.
+constexpr int attn_unit = 256;  // kAttnUnit (kernels/softmax_acc.h; checked equal where both are seen)
+struct attn_sel_view {
+  const int64_t* offsets = nullptr;  // [n_q * lists_per_query + 1]
+  const int64_t* units = nullptr;
+  int lists_per_query = 0;  // 0: no selection, every causal key is seen
+};
+XCTX_HOST_DEVICE inline bool sel_on(const attn_sel_view& s) { return s.lists_per_query > 0; }
+XCTX_HOST_DEVICE inline int64_t sel_list(const attn_sel_view& s, int64_t i, int kvh) {
+  return i * s.lists_per_query + (s.lists_per_query == 1 ? 0 : kvh);
+}
+// Whether list `list` holds the unit of position pos (binary search; lists are short).
+XCTX_HOST_DEVICE inline bool sel_listed(const attn_sel_view& s, int64_t list, int64_t pos) {
+  const int64_t unit = se_floor_div(pos, attn_unit);
+  int64_t lo = s.offsets[list], hi = s.offsets[list + 1];
+  const int64_t end = hi;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (s.units[mid] < unit) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < end && s.units[lo] == unit;
+}
+
+// Bit r set: row r (of the first n_rows) sees a lane's key at position kvp: a real key, causal,
+// and listed when selecting. Rows of one query share a list, so a row reuses the previous row's
+// lookup. (N <= 32 rows.)
+template <int N>
+XCTX_HOST_DEVICE inline unsigned rows_seeing(const attn_sel_view& s, bool sel, const int (&pos)[N], const int64_t (&list)[N],
+                                       int n_rows, bool real_key, int kvp) {
+  unsigned seen = 0;
+  int64_t last_list = -1;
+  bool last_listed = false;
+  for (int r = 0; r < N; ++r) {
+    if (r >= n_rows || !real_key || kvp > pos[r]) continue;
+    if (sel && list[r] != last_list) last_list = list[r], last_listed = sel_listed(s, list[r], kvp);
+    if (!sel || last_listed) seen |= 1u << r;
+  }
+  return seen;
+}
+
 constexpr int attn_max_head_dim = 256;  // per-lane accumulators cover head_dim in 32-wide slices
 constexpr int attn_warps = 4;
 constexpr int attn_tile = 32;                    // keys per tile: one per lane

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/attention.cuh"  // attn_sel_view
 #include "kernels/ops.h"
 
 namespace xctx::cuda {
@@ -59,6 +60,16 @@ void convert_rows(context& ctx, void* dst /*[n] of type*/, kv_dtype type, const 
 
 // ---- attention.cu -------------------------------------------------------------------------
 void attention_partial(context& ctx, const attn_args& a);
+// One call's scratch for the three attention launchers (attention.cu, kvq.cu, xq.cu): the split
+// partials (part_bytes, may be 0) and, with a retrieval selection, its lists copied behind them
+// (checked against the call's n_q and n_head_kv first; the copy is queued on ctx.stream from the
+// host vectors, which may go once this returns). The view is empty without a selection.
+struct attn_scratch {
+  float* parts = nullptr;
+  attn_sel_view sel;
+};
+attn_scratch attention_scratch(context& ctx, size_t part_bytes, const attn_selection* select, int64_t n_q,
+                               int n_head_kv, const char* who);
 void merge_partials(context& ctx, const float* o_parts /*[n_part, n_row, head_dim]*/,
                     const float* lse_parts /*[n_part, n_row]*/, int n_part, int64_t n_row, int head_dim,
                     float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/);

@@ -288,6 +288,7 @@ struct attn_params {
   int64_t o_split_stride, lse_split_stride;
   int se_group, se_window;  // SelfExtend when se_group > 1 (plan.self_extend)
   double w[kvq_max_pairs];  // RoPE frequency per pair
+  attn_sel_view sel;        // retrieval: the rows' unit lists (off when lists_per_query == 0)
 };
 static_assert(sizeof(attn_params) <= 4096, "kernel parameters must fit the 4 KiB every architecture accepts");
 
@@ -366,9 +367,11 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
   for (int idx = threadIdx.x; idx < kvq_setup_items(L, pl.n_pair); idx += kvq_threads)
     kvq_tile_setup(L, t, p.w, pl.n_pair, idx);
 
-  int64_t row_i[RW];
+  const bool sel = sel_on(p.sel);
+  int64_t row_i[RW], row_list[RW];  // row_list: retrieval, each row's unit list
   int row_h[RW], row_pos[RW];
   bool row_ok[RW];
+  int n_valid = 0;  // rows w, w + 4, ... are valid up to a point
   int max_pos = INT_MIN, min_pos = INT_MAX;
 #pragma unroll
   for (int k = 0; k < RW; ++k) {
@@ -377,6 +380,8 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
     row_i[k] = row_ok[k] ? rho / p.group : 0;
     row_h[k] = g * p.group + (int)(rho % p.group);
     row_pos[k] = row_ok[k] ? p.q_pos[row_i[k]] : INT_MIN;
+    row_list[k] = sel && row_ok[k] ? sel_list(p.sel, row_i[k], g) : 0;
+    n_valid += row_ok[k] ? 1 : 0;
     max_pos = max(max_pos, row_pos[k]);
     if (row_ok[k]) min_pos = min(min_pos, row_pos[k]);
   }
@@ -400,6 +405,13 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kvq_tile) {
     if (L.pos[j0] > max_pos) break;  // block-uniform; positions ascend, later tiles are invisible too
     const int nt = (int)min((int64_t)kvq_tile, j_end - j0);
+    // Retrieval: bit k, row k sees the lane's slot; a tile no row of the block lists is not decoded.
+    unsigned seen = 0;
+    if (sel) {
+      const int kvp_sel = lane < nt ? L.pos[j0 + lane] : INT_MAX;
+      seen = rows_seeing<RW>(p.sel, true, row_pos, row_list, n_valid, lane < nt, kvp_sel);
+      if (!__syncthreads_or(seen != 0u)) continue;  // block-uniform; also the barrier below
+    }
     t.s0 = j0;
     __syncthreads();  // the previous tile is no longer read
     if ((int)threadIdx.x < nt) kvq_tile_meta(L, t, p.pos_div, threadIdx.x);
@@ -447,7 +459,7 @@ __global__ void __launch_bounds__(kvq_threads) kvq_attn_kernel(const __grid_cons
     for (int k = 0; k < RW; ++k) {
       pr[k] = 0.0f;
       if (row_ok[k]) {
-        const bool vis = lane < nt && kvp <= row_pos[k];
+        const bool vis = lane < nt && kvp <= row_pos[k] && (!sel || ((seen >> k) & 1u));
         const float sc = se && se_grouped(row_pos[k], kvp, p.se_window) ? sg[k] : s[k];
         pr[k] = softmax_step<KD>(vis ? sc : -INFINITY, m[k], l[k], acc[k]);
       }
@@ -607,8 +619,6 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   if (a.n_q == 0) return;
   const kvq_layer_view& L = a.kv;
   attn_params prm{};
-  XCTX_CHECK(a.select == nullptr, "cuda: retrieval attention (a key selection) is not built on the CUDA backend yet; "
-             "run it with --backend cpu");
   const bool se = self_extend_on(a.rope);
   XCTX_CHECK(!se || a.rope.se_window >= 0, "cuda attention_kvq: SelfExtend window ", a.rope.se_window, " is negative");
   prm.plan = plan_kvq_attention(a.n_q, L.n, a.n_head, L.n_head_kv, L.head_dim, a.rope.n_rot, ctx.n_sm, se);
@@ -627,12 +637,15 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   prm.se_window = se ? a.rope.se_window : 0;
 
   const int64_t n_row = a.n_q * a.n_head;
+  const size_t o_elems = pl.n_split == 1 ? 0 : (size_t)pl.n_split * n_row * L.head_dim;
+  const size_t part_bytes = pl.n_split == 1 ? 0 : (o_elems + (size_t)pl.n_split * n_row) * sizeof(float);
+  const attn_scratch scr = attention_scratch(ctx, part_bytes, a.select, a.n_q, L.n_head_kv, "cuda attention_kvq");
+  prm.sel = scr.sel;
   if (pl.n_split == 1) {
     prm.o = a.o;
     prm.lse = a.lse;
   } else {
-    const size_t o_elems = (size_t)pl.n_split * n_row * L.head_dim;
-    float* parts = static_cast<float*>(ctx.scratch((o_elems + (size_t)pl.n_split * n_row) * sizeof(float)));
+    float* parts = scr.parts;
     prm.o = parts;              // [n_split, n_row, head_dim]
     prm.lse = parts + o_elems;  // [n_split, n_row]
     prm.o_split_stride = n_row * L.head_dim;

@@ -193,6 +193,7 @@ struct attn_params {
   float* lse_out;  // [n_split][n_q * n_head]
   int64_t u_split_stride, lse_split_stride;
   double w[kvq_max_pairs];
+  attn_sel_view sel;  // retrieval: the rows' unit lists (off when lists_per_query == 0)
 };
 static_assert(sizeof(attn_params) <= 4096, "kernel parameters must fit the 4 KiB every architecture accepts");
 
@@ -202,6 +203,8 @@ __global__ void __launch_bounds__(xq_threads) xq_attn_kernel(const __grid_consta
   const xq_attn_plan& pl = p.plan;
   xq_tile_view t = xq_bind_tile(pl, reinterpret_cast<char*>(smem4), (int)blockIdx.y, (int64_t)blockIdx.x);
   t.v_off = a.m_v != nullptr ? 0 : t.g * pl.hd;
+  t.sel = p.sel;
+  t.group = a.n_head / a.n_head_kv;
   const int tid = threadIdx.x, hd = pl.hd;
   __shared__ int s_maxpos;
 
@@ -223,8 +226,15 @@ __global__ void __launch_bounds__(xq_threads) xq_attn_kernel(const __grid_consta
   const int64_t j_end = min(a.n, j_begin + pl.chunk);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += xq_tile) {
     if (a.pos[j0] > max_pos) break;  // block-uniform; positions ascend
+    const int nt = (int)min((int64_t)xq_tile, j_end - j0);
+    if (sel_on(t.sel)) {  // retrieval: a tile no row lists is neither decoded nor rebuilt
+      bool any = false;
+      for (int idx = tid; idx < t.n_rows * nt && !any; idx += xq_threads)
+        any = xq_row_sees(t, idx / nt, a.pos[j0 + idx % nt]);
+      if (!__syncthreads_or(any)) continue;  // block-uniform
+    }
     t.s0 = j0;
-    t.nt = (int)min((int64_t)xq_tile, j_end - j0);
+    t.nt = nt;
     if (tid < t.nt) xq_tile_meta(a, t, p.pos_div, tid);
     kvq_for_items(tid, xq_threads, t.nt, hd, [&](int j, int d) { xq_tile_k_init(a, t, j, d); });
     if (a.m_k != nullptr) {
@@ -342,8 +352,6 @@ void xq_encode(context& ctx, const xq_encode_job& j) {
 void attention_xq(context& ctx, const xq_attn_args& a) {
   check_attn_args(a);
   if (a.n_q == 0) return;
-  XCTX_CHECK(a.select == nullptr, "cuda: retrieval attention (a key selection) is not built on the CUDA backend yet; "
-             "run it with --backend cpu");
   const bool se = self_extend_on(a.rope);
   const int wv = a.m_v != nullptr ? a.zv.channels : a.head_dim;
   attn_params prm{};
@@ -360,7 +368,10 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
   const int64_t n_row = a.n_q * a.n_head;
   // Scratch: the split partials (or the single partial) of U, then their lse when split.
   const size_t u_elems = (size_t)pl.n_split * n_row * wv;
-  float* scratch = static_cast<float*>(ctx.scratch((u_elems + (size_t)pl.n_split * n_row) * sizeof(float)));
+  const attn_scratch scr = attention_scratch(ctx, (u_elems + (size_t)pl.n_split * n_row) * sizeof(float), a.select,
+                                             a.n_q, a.n_head_kv, "cuda attention_xq");
+  float* scratch = scr.parts;
+  prm.sel = scr.sel;
   prm.u_out = scratch;
   prm.u_split_stride = n_row * wv;
   if (pl.n_split == 1) {

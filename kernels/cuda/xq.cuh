@@ -223,6 +223,8 @@ struct xq_tile_view {
   float* u = nullptr;         // [R, wv] Σ p z_v in the latent window
   int32_t* row_pos = nullptr;  // [R] q_pos of each row
   int32_t* pos = nullptr;      // [T]
+  attn_sel_view sel;           // retrieval: the rows' unit lists (off by default)
+  int group = 1;               // query heads per kv head (the rows' lists are per query)
 };
 
 XCTX_HOST_DEVICE inline xq_tile_view xq_bind_tile(const xq_attn_plan& pl, char* sm, int g, int64_t row_block) {
@@ -377,11 +379,21 @@ XCTX_HOST_DEVICE inline void xq_tile_rope_grouped(const xq_tile_view& t, int se_
   kvq_tile_rope_grouped(kv, j, c, t.pl.hd, t.pl.n_pair, se_group, pos_div);
 }
 
+// Whether row r < n_rows sees a slot at position pos: causal, and listed when selecting.
+XCTX_HOST_DEVICE inline bool xq_row_sees(const xq_tile_view& t, int r, int32_t pos) {
+  if (pos > t.row_pos[r]) return false;
+  if (!sel_on(t.sel)) return true;
+  int64_t i;
+  int h;
+  xq_row_of(t, t.group, r, i, h);
+  return sel_listed(t.sel, sel_list(t.sel, i, t.g), pos);
+}
+
 // Item (r, j) of r < n_rows, j < T: score of row r against slot j (-inf when invisible); with
 // SelfExtend (se_window >= 0) the turned row against the grouped key where the row sees it so.
 XCTX_HOST_DEVICE inline void xq_tile_score(const xq_tile_view& t, int r, int j, int se_window = -1) {
   float s = -INFINITY;
-  if (j < t.nt && t.pos[j] <= t.row_pos[r]) {
+  if (j < t.nt && xq_row_sees(t, r, t.pos[j])) {
     s = 0.0f;
     const bool grouped = se_window >= 0 && se_grouped(t.row_pos[r], t.pos[j], se_window);
     const float* q = (grouped ? t.qf : t.q) + r * t.pl.hd;

@@ -41,6 +41,7 @@
 #include "kernels/cuda/kvq.cuh"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 
 namespace xctx {
 
@@ -261,6 +262,49 @@ TEST(CudaAttentionPlan, CoversCacheWithinBudget) {
 // The f32/f16 attention kernels' SelfExtend arithmetic, run on the host: the row turned by the
 // query's shift and the key by its own, dotted, equal the reference's single turn of the key by
 // their difference, at positions up to 10M (the half-turn reduction keeps the angles exact).
+// The kernels' view of a retrieval selection (attention.cuh: sel_listed, rows_seeing) sees
+// exactly the (query, KV head, key) triples attn_selection::sees lists: host code, so it runs
+// without a GPU.
+TEST(CudaSelection, device_view_sees_what_the_host_selection_lists) {
+  std::mt19937 rng(53);
+  for (int lists : {1, 3}) {
+    constexpr int kRows = 8, kGroup = 3;  // rows (query, head) of one KV head; 3 heads per query
+    const int64_t n_q = 5;
+    attn_selection s;
+    s.lists_per_query = lists;
+    s.offsets.push_back(0);
+    std::bernoulli_distribution pick(0.4);
+    for (int64_t l = 0; l < n_q * lists; ++l) {
+      for (int64_t u = -2; u < 40; ++u)
+        if (pick(rng)) s.units.push_back(u);
+      s.offsets.push_back((int64_t)s.units.size());
+    }
+    const cuda::attn_sel_view v{s.offsets.data(), s.units.data(), lists};
+    for (int g = 0; g < 3; ++g) {
+      for (int64_t r0 = 0; r0 < n_q * kGroup; r0 += kRows) {
+        int pos[kRows];
+        int64_t list[kRows];
+        const int n_rows = (int)std::min<int64_t>(kRows, n_q * kGroup - r0);
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t i = std::min<int64_t>((r0 + r) / kGroup, n_q - 1);
+          pos[r] = 900 + 1500 * (int)i;
+          list[r] = cuda::sel_list(v, i, g);
+        }
+        for (int kvp = -600; kvp < 40 * cuda::attn_unit; kvp += 37) {
+          const unsigned seen = cuda::rows_seeing<kRows>(v, true, pos, list, n_rows, true, kvp);
+          for (int r = 0; r < kRows; ++r) {
+            const int64_t i = (r0 + r) / kGroup;
+            const bool want = r < n_rows && kvp <= pos[r] && s.sees(i, g, attn_unit_of(kvp));
+            ASSERT_EQ(((seen >> r) & 1u) != 0, want) << "lists " << lists << " g " << g << " row " << r0 + r
+                                                      << " key " << kvp;
+          }
+          ASSERT_EQ(cuda::rows_seeing<kRows>(v, true, pos, list, n_rows, false, kvp), 0u);  // padding lane
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaSelfExtend, turned_rows_and_keys_score_like_the_reference) {
   std::mt19937 rng(20261127);
   for (auto [n_rot, scaling] : {std::pair{64, rope_scaling::rope_scaling_none}, std::pair{48, rope_scaling::rope_scaling_linear},
@@ -595,13 +639,15 @@ struct attn_case {
   pos_layout layout;
   int se_group = 1, se_window = 0;  // SelfExtend when se_group > 1
   int n_rot = 0;                    // rotated dims SelfExtend turns (0: head_dim)
+  int select = 0;                   // retrieval selection: 0 none, 1 one list per query, 2 one per KV head
   std::string name() const {
     const char* lay = layout == pos_layout::layout_decode ? "decode" : layout == pos_layout::layout_causal ? "causal" : "gapped";
     return std::string(lay) + "_q" + std::to_string(n_q) + "_kv" + std::to_string(n_kv) + "_h" +
            std::to_string(n_head) + "x" + std::to_string(n_head_kv) + "_d" + std::to_string(head_dim) +
            (kv == kv_dtype::kv_f16 ? "_f16" : "_f32") +
            (se_group > 1 ? "_se" + std::to_string(se_group) + "w" + std::to_string(se_window) : "") +
-           (n_rot > 0 ? "_rot" + std::to_string(n_rot) : "");
+           (n_rot > 0 ? "_rot" + std::to_string(n_rot) : "") +
+           (select == 1 ? "_sel" : select == 2 ? "_selkv" : "");
   }
 };
 
@@ -635,6 +681,15 @@ std::vector<attn_case> attn_cases() {
   cs.push_back({64, 1000, 9, 3, 64, f16, L::layout_causal, 16, 100});
   cs.push_back({40, 900, 9, 3, 64, f16, L::layout_gapped, 3, 50});
   cs.push_back({70, 300, 4, 2, 128, f32, L::layout_causal, 2, 33, 96});
+  // Retrieval: random unit lists (one per query, or one per KV head) with the fixed-distance
+  // rope retrieval runs with (far keys at distance W), on both kernels and both element types.
+  const int far = kFixedDistanceGroup;
+  cs.push_back({1, 20000, 9, 3, 64, f16, L::layout_decode, far, 4096, 0, 1});
+  cs.push_back({1, 20000, 9, 3, 64, f16, L::layout_decode, far, 4096, 0, 2});
+  cs.push_back({3, 5000, 32, 8, 128, f32, L::layout_decode, far, 700, 0, 2});
+  cs.push_back({1, 3000, 9, 3, 64, f32, L::layout_decode, 1, 0, 0, 1});  // a selection without a rope turn
+  cs.push_back({64, 3000, 9, 3, 64, f16, L::layout_causal, far, 1000, 0, 1});
+  cs.push_back({40, 2900, 9, 3, 64, f32, L::layout_gapped, far, 500, 0, 2});
   return cs;
 }
 
@@ -673,6 +728,18 @@ TEST_P(CudaAttention, MatchesReference) {
   }
   const float scale = 1.0f / std::sqrt((float)hd);
   const size_t n_o = q.size(), n_lse = (size_t)(c.n_q * c.n_head);
+  attn_selection sel;  // retrieval: each list holds each unit up to the query's with probability 1/3
+  if (c.select > 0) {
+    sel.lists_per_query = c.select == 1 ? 1 : c.n_head_kv;
+    sel.offsets.push_back(0);
+    std::bernoulli_distribution pick(1.0 / 3.0);
+    for (int64_t i = 0; i < c.n_q; ++i)
+      for (int g = 0; g < sel.lists_per_query; ++g) {
+        for (int64_t u = 0; u <= attn_unit_of(std::max<int32_t>(0, q_pos[(size_t)i])); ++u)
+          if (pick(rng)) sel.units.push_back(u);
+        sel.offsets.push_back((int64_t)sel.units.size());
+      }
+  }
 
   backends be;
   std::vector<float> o[2], lse[2];
@@ -691,6 +758,7 @@ TEST_P(CudaAttention, MatchesReference) {
     a.rope.head_dim = hd;
     a.rope.n_rot = c.n_rot > 0 ? c.n_rot : hd;
     a.rope.se_group = c.se_group, a.rope.se_window = c.se_window;
+    if (c.select > 0) a.select = &sel;
     list[b]->attention_partial(a);
     o[b] = od.read<float>(n_o);
     lse[b] = ld.read<float>(n_lse);
@@ -704,6 +772,7 @@ TEST_P(CudaAttention, MatchesReference) {
       int64_t n_vis = 0;
       for (int64_t j = 0; j < c.n_kv; ++j) {
         if (kv_pos[(size_t)j] > q_pos[(size_t)i]) continue;
+        if (c.select > 0 && !sel.sees(i, h / group, attn_unit_of(kv_pos[(size_t)j]))) continue;
         ++n_vis;
         const size_t kr = (size_t)((j * c.n_head_kv + h / group) * hd);
         double s = 0.0;

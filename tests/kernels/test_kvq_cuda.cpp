@@ -40,6 +40,7 @@
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 #include "kernels/kvq_cuda_test_util.h"
 
 namespace xctx {
@@ -504,23 +505,40 @@ TEST_P(KvqCudaLayer, device_attention_matches_ref) {
       {L.pos[n - 1], L.pos[n / 2], L.pos[n / 2] + 1, L.pos[0] - 1, L.pos[std::min<int64_t>(L.n_sink + 3, n - 1)]}};
   std::mt19937 rng(seed + 1);
   std::normal_distribution<float> nd;
-  // Plain, and SelfExtend with windows that put the block's rows on both sides of many tiles.
+  // Plain, and SelfExtend with windows that put the block's rows on both sides of many tiles;
+  // retrieval (select: 1 list per query, 2 one per KV head) with far keys at distance W.
   struct query_case {
     std::vector<int32_t> q_pos;
-    int se_group, se_window;
+    int se_group, se_window, select;
   };
   std::vector<query_case> cases;
   for (auto [G, W] : {std::pair{1, 0}, std::pair{4, 37}, std::pair{64, 100}})
-    for (const std::vector<int32_t>& q_pos : q_pos_sets) cases.push_back({q_pos, G, W});
-  for (const auto& [q_pos, se_group, se_window] : cases) {
+    for (const std::vector<int32_t>& q_pos : q_pos_sets) cases.push_back({q_pos, G, W, 0});
+  for (int select : {1, 2})
+    for (const std::vector<int32_t>& q_pos : q_pos_sets) cases.push_back({q_pos, kFixedDistanceGroup, 100, select});
+  for (const auto& [q_pos, se_group, se_window, select] : cases) {
     const int64_t n_q = (int64_t)q_pos.size();
-    SCOPED_TRACE(::testing::Message() << "n_q " << n_q << " se_group " << se_group << " se_window " << se_window);
+    SCOPED_TRACE(::testing::Message() << "n_q " << n_q << " se_group " << se_group << " se_window " << se_window
+                                      << " select " << select);
+    attn_selection sel;  // each list holds each unit up to its query's with probability 1/2
+    if (select > 0) {
+      sel.lists_per_query = select == 1 ? 1 : c.n_head_kv;
+      sel.offsets.push_back(0);
+      std::bernoulli_distribution pick(0.5);
+      for (int64_t i = 0; i < n_q; ++i)
+        for (int l = 0; l < sel.lists_per_query; ++l) {
+          for (int64_t u = 0; u <= attn_unit_of(std::max<int32_t>(0, q_pos[i])); ++u)
+            if (pick(rng)) sel.units.push_back(u);
+          sel.offsets.push_back((int64_t)sel.units.size());
+        }
+    }
     std::vector<float> q(n_q * c.n_head * hd);
     for (float& x : q) x = nd(rng);
     kvq_attn_args a;
     a.kv = L, a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = n_q, a.n_head = c.n_head;
     a.scale = 1.0f / std::sqrt((float)hd), a.rope = rope;
     a.rope.se_group = se_group, a.rope.se_window = se_window;
+    if (select > 0) a.select = &sel;
     const bool se = se_group > 1;
     std::vector<float> o_ref(q.size()), l_ref(n_q * c.n_head);
     a.o = o_ref.data(), a.lse = l_ref.data();
@@ -544,6 +562,7 @@ TEST_P(KvqCudaLayer, device_attention_matches_ref) {
         for (int d = 0; d < hd; ++d) q1 += std::fabs(qr[d]);
         for (int64_t s = 0; s < n; ++s) {
           if (L.pos[s] > q_pos[i]) continue;
+          if (select > 0 && !sel.sees(i, g, attn_unit_of(L.pos[s]))) continue;
           ++n_vis;
           double sum = 0;
           const float* kk = kr.data() + (size_t)s * C + g * hd;

@@ -39,6 +39,7 @@
 #include "kernels/cuda/xq.cuh"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "kernels/softmax_acc.h"
 #include "kernels/x_quant.h"
 
 #if XCTX_USE_CUDA
@@ -194,6 +195,7 @@ struct xq_case {
   bool ch0, bias;
   float eta;
   int se_group = 1, se_window = 0;  // SelfExtend when se_group > 1
+  int select = 0;                   // retrieval selection: 0 none, 1 one list per query, 2 one per KV head
 };
 void PrintTo(const xq_case& c, std::ostream* os) { *os << c.name; }
 
@@ -211,6 +213,13 @@ const xq_case kCases[] = {
     {"mha_x_same_stream_se", 3, 200, 4, 4, 32, 16, 128, 128, true, false, 3, 3, 64, 64, 192, 192, false, true, 0.0f, 16,
      50},
     {"clkv_identity_se", 2, 180, 4, 2, 32, 32, 0, 0, false, false, 1, 2, 32, 32, 160, 176, false, false, 0.1f, 8, 16},
+    // Retrieval: random unit lists over a stream of 7 units, far keys at distance W (as it runs).
+    {"gqa_latent_decode_sel", 1, 1500, 9, 3, 64, 64, 96, 96, false, false, 4, 2, 32, 32, 1472, 1490, true, true, 0.0f,
+     kFixedDistanceGroup, 300, 1},
+    {"gqa_latent_prefill_selkv", 40, 1500, 6, 2, 32, 32, 48, 40, false, false, 3, 4, 16, 8, 1488, 1500, false, true,
+     0.0f, kFixedDistanceGroup, 200, 2},
+    {"clkv_identity_selkv", 2, 1200, 4, 2, 32, 32, 0, 0, false, false, 1, 2, 32, 32, 1184, 1190, false, false, 0.1f,
+     1, 0, 2},
 };
 
 struct host_stream {
@@ -266,6 +275,7 @@ struct host_problem {
   std::vector<float> m_k, m_v, b_k, b_v, q;
   std::vector<int32_t> pos, q_pos;
   rope_config rope;
+  attn_selection sel;  // c.select > 0
   int kv = 0;
   xq_attn_args args(float* o, float* lse) const {
     xq_attn_args a;
@@ -277,6 +287,7 @@ struct host_problem {
     a.q = q.data(), a.q_pos = q_pos.data(), a.n_q = c.n_q;
     a.n_head = c.n_head, a.n_head_kv = c.n_head_kv, a.head_dim = c.hd;
     a.scale = 1.0f / std::sqrt((float)c.hd), a.rope = rope, a.o = o, a.lse = lse;
+    if (c.select > 0) a.select = &sel;
     return a;
   }
 };
@@ -310,6 +321,17 @@ host_problem make_problem(const xq_case& c, uint32_t seed) {
     P.q_pos.push_back(c.n_q > 2 && i == 0 ? 1 : P.pos[(size_t)((c.n - 1) * (i + 1) / c.n_q)]);
   P.rope.head_dim = c.hd, P.rope.n_rot = c.n_rot, P.rope.freq_base = 1e5f;
   P.rope.se_group = c.se_group, P.rope.se_window = c.se_window;
+  if (c.select > 0) {  // each list holds each unit up to its query's with probability 1/2
+    P.sel.lists_per_query = c.select == 1 ? 1 : c.n_head_kv;
+    P.sel.offsets.push_back(0);
+    std::bernoulli_distribution pick(0.5);
+    for (int64_t i = 0; i < c.n_q; ++i)
+      for (int l = 0; l < P.sel.lists_per_query; ++l) {
+        for (int64_t u = 0; u <= attn_unit_of(P.q_pos[(size_t)i]); ++u)
+          if (pick(rng)) P.sel.units.push_back(u);
+        P.sel.offsets.push_back((int64_t)P.sel.units.size());
+      }
+  }
   return P;
 }
 
@@ -358,9 +380,10 @@ void expect_close(const xq_attn_args& a, const std::vector<float>& o, const std:
   const double dk0 = kEps * mk.p * mk1 + (ck + 2) * kEps * k_max;
   const double dk = 2 * dk0 + (kvq_rope_cs_err + kRopeRotEps * kEps) * 2 * k_max;
   for (int64_t i = 0; i < a.n_q; ++i) {
-    int64_t n_vis = 0;
-    while (n_vis < a.n && a.pos[n_vis] <= a.q_pos[i]) ++n_vis;
     for (int h = 0; h < a.n_head; ++h) {
+      int64_t n_vis = 0;  // causal and, with a selection, listed for the head's KV head
+      for (int64_t t = 0; t < a.n && a.pos[t] <= a.q_pos[i]; ++t)
+        n_vis += a.select == nullptr || a.select->sees(i, h / (a.n_head / a.n_head_kv), attn_unit_of(a.pos[t]));
       const int64_t row = i * a.n_head + h;
       double q1 = 0;
       for (int d = 0; d < hd; ++d) q1 += std::fabs(a.q[row * hd + d]);
@@ -413,6 +436,9 @@ void emulate_attention(const xq_attn_args& a, int n_sm, size_t smem_cap, int* n_
         std::fill(smem.begin(), smem.end(), std::nan(""));  // stale shared memory must not matter
         xq_tile_view t = xq_bind_tile(pl, reinterpret_cast<char*>(smem.data()), g, b);
         t.v_off = a.m_v != nullptr ? 0 : g * hd;
+        if (a.select != nullptr)
+          t.sel = cuda::attn_sel_view{a.select->offsets.data(), a.select->units.data(), a.select->lists_per_query};
+        t.group = a.n_head / a.n_head_kv;
         items(pl.R, hd, [&](int r, int d) { xq_setup_q(a, t, r, d); });
         if (se) items(pl.R, (hd + 1) / 2, [&](int r, int c) { xq_setup_qf(a, t, w, pos_div, r, c); });
         for (int idx = 0; idx < xq_setup_items(pl); ++idx) xq_setup_misc(a, t, w, idx);
@@ -421,7 +447,13 @@ void emulate_attention(const xq_attn_args& a, int n_sm, size_t smem_cap, int* n_
         const int64_t j_end = std::min(a.n, (z + 1) * pl.chunk);
         for (int64_t j0 = z * pl.chunk; j0 < j_end; j0 += xq_tile) {
           if (a.pos[j0] > max_pos) break;
-          t.s0 = j0, t.nt = (int)std::min<int64_t>(xq_tile, j_end - j0);
+          const int nt = (int)std::min<int64_t>(xq_tile, j_end - j0);
+          if (sel_on(t.sel)) {  // the kernel's skip: a tile no row lists is not decoded
+            bool any = false;
+            for (int idx = 0; idx < t.n_rows * nt && !any; ++idx) any = xq_row_sees(t, idx / nt, a.pos[j0 + idx % nt]);
+            if (!any) continue;
+          }
+          t.s0 = j0, t.nt = nt;
           for (int j = 0; j < t.nt; ++j) xq_tile_meta(a, t, pos_div, j);
           items(t.nt, hd, [&](int j, int d) { xq_tile_k_init(a, t, j, d); });
           if (a.m_k != nullptr)
