@@ -584,8 +584,7 @@ template <int KD, bool F16>
 void launch_attention(context& ctx, const attn_plan& plan, const attn_params& prm, int n_head_kv) {
   const dim3 grid((unsigned)plan.row_blocks, (unsigned)n_head_kv, (unsigned)plan.n_split);
   const auto kernel = plan.decode ? attn_decode_kernel<KD, F16> : attn_prefill_kernel<KD, F16>;
-  if (plan.smem_bytes > (48u << 10))
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem_bytes));
+  prepare_shared_memory(ctx, reinterpret_cast<const void*>(kernel), plan.smem_bytes, "cuda attention");
   kernel<<<grid, kThreads, plan.smem_bytes, ctx.stream>>>(prm);
   CUDA_CHECK_LAUNCH();
 }

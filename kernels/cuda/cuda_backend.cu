@@ -53,6 +53,23 @@ void* device_malloc(size_t bytes, int device) {
 
 }  // namespace
 
+void prepare_shared_memory(context& ctx, const void* kernel, size_t dynamic, const char* who) {
+  size_t stat = 0;
+  bool known = false;
+  for (const auto& [k, bytes] : ctx.static_smem)
+    if (k == kernel) stat = bytes, known = true;
+  if (!known) {
+    cudaFuncAttributes attr{};
+    CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    stat = attr.sharedSizeBytes;
+    ctx.static_smem.emplace_back(kernel, stat);
+  }
+  XCTX_CHECK(stat + dynamic <= ctx.smem_optin, who, ": ", dynamic, " bytes of dynamic and ", stat,
+             " of static shared memory per block; the device allows ", ctx.smem_optin);
+  if (stat + dynamic > (48u << 10))
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic));
+}
+
 void* context::scratch(size_t bytes) {
   if (bytes <= scratch_bytes) return scratch_ptr;
   if (scratch_ptr != nullptr) {

@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "kernels/cuda/attention.cuh"  // attn_sel_view
 #include "kernels/ops.h"
@@ -36,7 +38,16 @@ struct context {
   void* scratch(size_t bytes);
   void* scratch_ptr = nullptr;
   size_t scratch_bytes = 0;
+  // Static shared memory of each kernel launched with dynamic shared memory (cudaFuncGetAttributes
+  // once per kernel; prepare_shared_memory).
+  std::vector<std::pair<const void*, size_t>> static_smem;
 };
+
+// Before a launch with `dynamic` bytes of dynamic shared memory: checks static + dynamic against
+// the device's per-block opt-in limit (an Error naming `who` otherwise) and, when the sum passes
+// the 48 KiB every block gets unasked, opts the kernel into the dynamic size. The 48 KiB line is
+// for static + dynamic together: comparing the dynamic part alone lets a launch fail at runtime.
+void prepare_shared_memory(context& ctx, const void* kernel, size_t dynamic, const char* who);
 
 // ---- dequant.cu ---------------------------------------------------------------------------
 // out[i, :] = dequant(W[row_i, :]) with row_i = ids ? ids[i] : row0 + i.

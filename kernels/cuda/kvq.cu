@@ -545,8 +545,7 @@ template <int RW, int KD>
 void launch_attention(context& ctx, const attn_params& prm, int n_head_kv) {
   const kvq_attn_plan& pl = prm.plan;
   const auto kernel = kvq_attn_kernel<RW, KD>;
-  if (pl.smem_bytes > (48u << 10))
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem_bytes));
+  prepare_shared_memory(ctx, reinterpret_cast<const void*>(kernel), pl.smem_bytes, "cuda attention_kvq");
   const dim3 grid((unsigned)pl.row_blocks, (unsigned)n_head_kv, (unsigned)pl.n_split);
   kernel<<<grid, kvq_threads, pl.smem_bytes, ctx.stream>>>(prm);
   CUDA_CHECK_LAUNCH();
@@ -594,9 +593,8 @@ void kvq_encode(context& ctx, const kvq_encode_job& j) {
       XCTX_CHECK(plan.smem_bytes <= ctx.smem_optin, "cuda kvq_encode: lut values rows of ", j.channels,
                  " channels need ", plan.smem_bytes, " bytes of shared memory per block, the device allows ",
                  ctx.smem_optin);
-      if (plan.smem_bytes > (48u << 10))
-        CUDA_CHECK(cudaFuncSetAttribute(lut_values_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)plan.smem_bytes));
+      prepare_shared_memory(ctx, reinterpret_cast<const void*>(lut_values_kernel), plan.smem_bytes,
+                            "cuda kvq_encode (lut values)");
       lut_values_kernel<<<plan.blocks, kvq_threads, plan.smem_bytes, ctx.stream>>>(j, plan.sort_n);
       break;
   }

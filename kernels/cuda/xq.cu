@@ -340,6 +340,7 @@ void xq_encode(context& ctx, const xq_encode_job& j) {
     case xq_axis::xq_per_token:
       XCTX_CHECK(plan.smem_bytes <= (48u << 10), "cuda xq_encode: ", j.channels / j.group,
                  " channel groups per row exceed the shared-memory parameter table");
+      prepare_shared_memory(ctx, reinterpret_cast<const void*>(per_token_kernel), plan.smem_bytes, "cuda xq_encode");
       per_token_kernel<<<plan.blocks_x, xq_threads, plan.smem_bytes, ctx.stream>>>(j);
       break;
     case xq_axis::xq_per_channel:
@@ -380,8 +381,7 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
     prm.lse_out = scratch + u_elems;
     prm.lse_split_stride = n_row;
   }
-  if (pl.smem_bytes > (48u << 10))
-    CUDA_CHECK(cudaFuncSetAttribute(xq_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem_bytes));
+  prepare_shared_memory(ctx, reinterpret_cast<const void*>(xq_attn_kernel), pl.smem_bytes, "cuda attention_xq");
   const dim3 grid((unsigned)pl.row_blocks, (unsigned)a.n_head_kv, (unsigned)pl.n_split);
   xq_attn_kernel<<<grid, xq_threads, pl.smem_bytes, ctx.stream>>>(prm);
   CUDA_CHECK_LAUNCH();
@@ -391,8 +391,7 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
 
   const size_t proj_smem = (size_t)wv * sizeof(float);
   XCTX_CHECK(proj_smem <= ctx.smem_optin, "cuda attention_xq: latent rows of ", wv, " channels exceed shared memory");
-  if (proj_smem > (48u << 10))
-    CUDA_CHECK(cudaFuncSetAttribute(xq_project_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)proj_smem));
+  prepare_shared_memory(ctx, reinterpret_cast<const void*>(xq_project_kernel), proj_smem, "cuda xq_project");
   const unsigned blocks = (unsigned)std::min<int64_t>(n_row, 32 * (int64_t)ctx.n_sm);
   xq_project_kernel<<<blocks, xq_threads, proj_smem, ctx.stream>>>(a, wv, prm.u_out, n_row);
   CUDA_CHECK_LAUNCH();

@@ -681,6 +681,10 @@ std::vector<attn_case> attn_cases() {
   cs.push_back({64, 1000, 9, 3, 64, f16, L::layout_causal, 16, 100});
   cs.push_back({40, 900, 9, 3, 64, f16, L::layout_gapped, 3, 50});
   cs.push_back({70, 300, 4, 2, 128, f32, L::layout_causal, 2, 33, 96});
+  // SelfExtend decode at head_dim 256: exactly 48 KiB of dynamic shared memory plus the static
+  // merge arrays, over the limit a block gets without opting in (issue 54: once a launch failure).
+  cs.push_back({1, 2000, 4, 2, 256, f16, L::layout_decode, 8, 100});
+  cs.push_back({1, 2000, 4, 2, 253, f32, L::layout_decode, 8, 100, 252});
   // Retrieval: random unit lists (one per query, or one per KV head) with the fixed-distance
   // rope retrieval runs with (far keys at distance W), on both kernels and both element types.
   const int far = kFixedDistanceGroup;
