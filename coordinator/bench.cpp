@@ -110,6 +110,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   nlohmann::json j;
   j["engine"] = "xctx";
   j["backend"] = s.be->name();
+  if (!s.be->arithmetic().empty()) j["backend_arithmetic"] = s.be->arithmetic();
   j["cache"] = format_traits(opt.run.cache).name;
   j["ranks"] = comm.size();
   j["prefill_mode"] = prefill_mode_name(runner.mode());

@@ -118,7 +118,9 @@ int run_generate(const generate_options& opt, communicator& comm) {
                    "[xctx] prefill %lld tokens in %.2f s = %.1f tokens/s | generated %d tokens (%s); decode %d steps in "
                    "%.2f s = %.1f tokens/s\n"
                    "[xctx] peak memory (RSS) of rank 0: %s\n",
-                   hp.name.c_str(), s.be->name().c_str(), comm.size(), engine.params().n_threads,
+                   hp.name.c_str(),
+                   (s.be->name() + (s.be->arithmetic().empty() ? "" : " (" + s.be->arithmetic() + ")")).c_str(),
+                   comm.size(), engine.params().n_threads,
                    n_saved ? ("resumed from a snapshot | " + plan.header()).c_str() : plan.header().c_str(), load_s,
                    (long long)(n_prompt - n_saved), prefill_s, (n_prompt - n_saved) / prefill_s, n_generated,
                    describe_sampler(opt.sampling).c_str(), n_decode_steps, decode_s,

@@ -171,6 +171,9 @@ class backend {
  public:
   virtual ~backend() = default;
   virtual std::string name() const = 0;
+  // Where this backend's arithmetic departs from the CPU backend's fp32, for run headers and
+  // results (cuda: TF32 prefill GEMMs unless XCTX_CUDA_TF32=0); empty when it does not.
+  virtual std::string arithmetic() const { return {}; }
 
   // Memory of this backend's space (host for ref/cpu, device for cuda).
   virtual void* alloc(size_t bytes) = 0;

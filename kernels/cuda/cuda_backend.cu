@@ -101,6 +101,9 @@ class cuda_backend final : public backend {
   cuda_backend& operator=(const cuda_backend&) = delete;
 
   std::string name() const override { return "cuda"; }
+  std::string arithmetic() const override {
+    return ctx_.tf32 ? "prefill GEMMs in TF32, 10-bit mantissas (XCTX_CUDA_TF32=0: fp32)" : "GEMMs in fp32";
+  }
   bool has_device_collectives() const override { return true; }  // NCCL (comm/nccl.h)
   size_t memory_share_bytes() const override {
     size_t free_b = 0, total_b = 0;
