@@ -121,14 +121,15 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
 // rounded to 16-bit blocks / to 8-bit blocks (llama.cpp's arithmetic), on the best kernels this
 // CPU has (AVX-512 VNNI for the integer paths where present); *_avx2: the same with AVX-512 off,
 // the baseline of the VNNI kernels in the same run. "cpu" is cpu::matmul with the process's
-// setting.
+// setting. prefill_q8: the integer prefill GEMM (8-bit activation blocks, AVX-512 VNNI), against
+// prefill_split_rows (the f32 GEMM cpu::matmul runs by default) in the same run.
 enum variant : int {
   v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16,
-  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni
+  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni, v_prefill_q8
 };
 const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
                                        "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2",
-                                       "decode_q16_avxvnni", "decode_q8_avxvnni"};
+                                       "decode_q16_avxvnni", "decode_q8_avxvnni", "prefill_q8"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -177,6 +178,7 @@ void BM_matmul(benchmark::State& state) {
         cpu::detail::matmul_prefill(d.view, d.x.data(), n_tok, d.y.data(),
                                     cpu::detail::prefill_mode::prefill_whole_matrix);
         break;
+      case v_prefill_q8: cpu::detail::matmul_prefill_q8(d.view, d.x.data(), n_tok, d.y.data(), true); break;
       case v_dequant_blas: dequant_blas(d, n_tok, scratch); break;
       case v_ref: ref::matmul(d.view, d.x.data(), n_tok, d.y.data()); break;
     }
@@ -215,6 +217,7 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         for (int v : {v_decode_q16_avxvnni, v_decode_q8_avxvnni}) b->Args({shape, 1, threads, v});
       }
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
+      if (cpu::prefill_q8_supported()) b->Args({shape, 512, threads, v_prefill_q8});
     }
   }
 }

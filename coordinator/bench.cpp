@@ -122,6 +122,8 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
   j["decode_activations"] = cpu::decode_activations_name(cpu::get_decode_activations());
+  j["prefill_activations"] = cpu::prefill_activations_name(cpu::get_prefill_activations());
+  j["prefill_q8_gemm"] = cpu::prefill_q8_supported();
   j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;
   j["prefill_s"] = prefill_s;

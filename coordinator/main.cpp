@@ -165,6 +165,7 @@ struct cache_flags {
   int se_group = 0;        // 0: not given (given values are checked >= 2)
   std::string se_window;   // empty: not given
   std::string decode_act;  // empty: XCTX_DECODE_ACT, else q16
+  std::string prefill_act;  // empty: XCTX_PREFILL_ACT, else f32
   std::string backend;     // empty: XCTX_BACKEND, else cpu
 };
 
@@ -199,6 +200,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
   cmd->add_option("--decode-act", cf.decode_act,
                   "activations of the decode matmuls: q16 (16-bit blocks, default) | f32 (exact float) | q8 "
                   "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16");
+  cmd->add_option("--prefill-act", cf.prefill_act,
+                  "activations of the prefill matmuls: f32 (default) | q8 (8-bit blocks and VPDPBUSD on AVX-512 "
+                  "VNNI CPUs, the f32 path elsewhere); default: XCTX_PREFILL_ACT, else f32");
   cmd->add_option("--rope-scaling", rope,
                   "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
                   "(grouped positions, with --group and --window)")
@@ -219,6 +223,9 @@ void apply_run_options(xctx::run_params& rp, const std::string& cache, const std
   rp.backend = xctx::choose_backend(cf.backend);
   if (!cf.decode_act.empty()) {  // process-wide: every rank parses the same command line
     xctx::cpu::set_decode_activations(xctx::cpu::parse_decode_activations(cf.decode_act, "--decode-act"));
+  }
+  if (!cf.prefill_act.empty()) {
+    xctx::cpu::set_prefill_activations(xctx::cpu::parse_prefill_activations(cf.prefill_act, "--prefill-act"));
   }
   XCTX_CHECK(cf.qnorm == "auto" || cf.qnorm == "on" || cf.qnorm == "off", "--qnorm: unknown '", cf.qnorm,
              "' (auto, on, off)");

@@ -172,6 +172,20 @@ class decode_activations_scope {
   cpu::decode_activations saved_;
 };
 
+// Selects the CPU prefill matmuls' activations (process-wide) for the scope's lifetime.
+class prefill_activations_scope {
+ public:
+  explicit prefill_activations_scope(cpu::prefill_activations act) : saved_(cpu::get_prefill_activations()) {
+    cpu::set_prefill_activations(act);
+  }
+  ~prefill_activations_scope() { cpu::set_prefill_activations(saved_); }
+  prefill_activations_scope(const prefill_activations_scope&) = delete;
+  prefill_activations_scope& operator=(const prefill_activations_scope&) = delete;
+
+ private:
+  cpu::prefill_activations saved_;
+};
+
 // The message of the xctx::Error that `f` throws, or "(no error)".
 template <class F>
 std::string error_of(F&& f) {

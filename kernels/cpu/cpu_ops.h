@@ -57,6 +57,24 @@ decode_activations get_decode_activations();
 const char* decode_activations_name(decode_activations act);
 decode_activations parse_decode_activations(std::string_view name, const char* what);
 
+// Activations of the prefill matmuls (n_tok at or above detail::prefill_min_tokens) for the
+// legacy block quants:
+//  * f32 (default): the weights dequantized to float strips and one FMA chain per element in
+//    column order (row-invariant GEMM, matmul.cpp).
+//  * q8: each token's activations rounded to 8-bit blocks (as act_q8) and multiplied with the
+//    weight codes by VPDPBUSD on AVX-512 VNNI hosts (matmul_prefill_int*.cpp); elsewhere, and for
+//    other weight types, the f32 path. Still one chain per element in block order, so row-
+//    and rank-count invariant; the error is act_q8's rounding (<= d/2 per activation).
+// Process-wide; XCTX_PREFILL_ACT=f32|q8 in the environment (read once) selects one.
+enum class prefill_activations : uint8_t { pre_f32, pre_q8 };
+void set_prefill_activations(prefill_activations act);
+prefill_activations get_prefill_activations();
+// "f32" / "q8"; parse throws an Error naming `what` (e.g. "--prefill-act") and the choices.
+const char* prefill_activations_name(prefill_activations act);
+prefill_activations parse_prefill_activations(std::string_view name, const char* what);
+// Whether q8 prefill activations take the integer GEMM on this CPU (AVX-512 VNNI).
+bool prefill_q8_supported();
+
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
 // n_w products of the same x (q, k and v; gate and up): y[i] = x·W[i]ᵀ, bitwise what n_w
 // cpu::matmul calls give. On the integer decode paths x is quantized once and all run in one

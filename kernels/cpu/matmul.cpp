@@ -49,7 +49,9 @@ void run_rows(int64_t n_rows, size_t work_bytes, F&& body) {
   }
 }
 
-// Scalar view of a legacy block: w_j = d * q[j] + c.
+}  // namespace
+
+// Declared in matmul_impl.h (the integer prefill packing uses it too).
 void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d, float* c) {
   constexpr int half = qk_small / 2;
   switch (type) {
@@ -116,6 +118,8 @@ void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d
   }
   XCTX_ASSERT(false, "block_codes: not a legacy quant type: ", (uint32_t)type);
 }
+
+namespace {
 
 float load_float(ggml_type type, const void* row, int64_t c) {
   if (type == ggml_type::ggml_f32) return ((const float*)row)[c];
@@ -678,7 +682,12 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   if (n_tok == 0 || w.n_rows == 0) return;
   const decode_activations act = get_decode_activations();
   if (n_tok >= detail::prefill_min_tokens(w.type, act)) {
-    detail::matmul_prefill(w, x, n_tok, y);
+    if (get_prefill_activations() == prefill_activations::pre_q8 && detail::is_legacy_quant(w.type) &&
+        prefill_q8_supported()) {
+      detail::matmul_prefill_q8(w, x, n_tok, y, true);
+    } else {
+      detail::matmul_prefill(w, x, n_tok, y);
+    }
   } else {
     detail::matmul_decode(w, x, n_tok, y, act);
   }

@@ -105,6 +105,32 @@ void matmul_prefill(const weight_view& w, const float* x /*[n_tok, n_cols]*/, in
 // matmul_prefill.
 int64_t prefill_min_tokens(ggml_type type, decode_activations act = get_decode_activations());
 
+// Scalar view of one legacy block: w_j = d * q[j] + c (Q8_0: q signed, c = 0).
+void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d, float* c);
+
+// ---- the integer prefill GEMM (prefill_activations::pre_q8, matmul_prefill_int*.cpp) -------
+// Weight rows packed for VPDPBUSD in strips of 16 rows; per strip and 32-element block b:
+//   codes [8 groups g][16 rows i][4 bytes k]: u of row i, column 32 b + 4 g + k, unsigned
+//   (w = d u + c: Q4_0 u = q, c = -8 d; Q4_1 c = m; Q5_0 c = -16 d; Q5_1 c = m; Q8_0 u = q + 128,
+//   c = -128 d), then d [16] and c [16] as floats. Rows past the weight are zero (d = c = 0).
+constexpr int k_q8_strip = 16;
+constexpr size_t k_q8_block_bytes = 8 * 16 * 4 + 2 * 16 * sizeof(float);  // 640 per strip and block
+// Rows [r0, r0 + n) of a legacy quant into ceil(n / 16) strips of n_cols / 32 blocks each.
+void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst);
+// y[t * ldy + i] for t < n_tok and the n real rows i of the packed strips, against the q8
+// activations: for each (row, token) acc = 0, then per block in order
+//   acc = fma((float) Σ u·q, d_w · d_x, acc);  acc = fma(c_w, s_x, acc)
+// (integer sums exact: < 32 * 255 * 127 < 2^24). The scalar and AVX-512 versions do exactly
+// these float operations, so they give the same bits.
+void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_act& xq, int64_t n_tok,
+                           float* y, int64_t ldy);
+void gemm_q8_strips_avx512(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_act& xq, int64_t n_tok,
+                           float* y, int64_t ldy);
+// The whole q8 prefill product (quantize, pack per thread panel, multiply); `simd` false runs
+// the scalar kernel (tests). Requires a legacy quant.
+void matmul_prefill_q8(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                       float* y /*[n_tok, n_rows]*/, bool simd);
+
 // Row range of thread ith of nth, cut at multiples of 16 rows so two threads never write the
 // same 64-byte line of y.
 void thread_rows(int64_t n_rows, int ith, int nth, int64_t* r0, int64_t* r1);

@@ -28,6 +28,7 @@
 #include "kernels/cpu/matmul_impl.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "test_util.h"
 
 namespace xctx {
 namespace {
@@ -117,8 +118,7 @@ void PrintTo(const rows_case& c, std::ostream* os) {
 
 class matmul_rows_test : public testing::TestWithParam<rows_case> {};
 
-TEST_P(matmul_rows_test, row_results_do_not_depend_on_the_call) {
-  const rows_case& c = GetParam();
+void expect_rows_independent_of_the_call(const rows_case& c) {
   std::printf("seed %u\n", c.seed);
   std::mt19937 rng(c.seed);
   const std::vector<uint8_t> w_data = make_weights(c.type, c.n_rows, c.n_cols, rng);
@@ -159,6 +159,16 @@ TEST_P(matmul_rows_test, row_results_do_not_depend_on_the_call) {
           << "row " << m[0] << " placed at " << m[1] << " of " << n << ", " << threads << " thread(s)";
     }
   }
+}
+
+TEST_P(matmul_rows_test, row_results_do_not_depend_on_the_call) { expect_rows_independent_of_the_call(GetParam()); }
+
+// The same with 8-bit prefill activations (the integer GEMM where the CPU has AVX-512 VNNI; the
+// f32 path, already covered above, elsewhere and for the float types).
+TEST_P(matmul_rows_test, q8_prefill_rows_do_not_depend_on_the_call) {
+  if (!cpu::prefill_q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI: q8 prefill is the f32 path here";
+  test::prefill_activations_scope q8(cpu::prefill_activations::pre_q8);
+  expect_rows_independent_of_the_call(GetParam());
 }
 
 // Both prefill modes and the public entry point give the same rows.

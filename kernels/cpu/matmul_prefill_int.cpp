@@ -1,0 +1,169 @@
+// The integer prefill GEMM (prefill_activations::pre_q8): activations rounded to 8-bit blocks
+// once per call, weight rows packed per thread panel into VPDPBUSD strips (matmul_impl.h), then
+// the AVX-512 VNNI kernel (matmul_prefill_int_avx512.cpp) or its scalar reference here. The
+// setting itself (XCTX_PREFILL_ACT) lives here too.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_impl.h"
+
+namespace xctx::cpu {
+
+namespace detail {
+
+void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst) {
+  XCTX_ASSERT(is_legacy_quant(w.type), "pack_q8_strips: not a legacy quant: ", (uint32_t)w.type);
+  const int64_t nb = w.n_cols / qk_small;
+  const size_t row_bytes = w.row_bytes(), block_bytes = row_bytes / (size_t)nb;
+  const int64_t n_strips = (n + k_q8_strip - 1) / k_q8_strip;
+  const bool signed_codes = w.type == ggml_type::ggml_q8_0;
+  int32_t q[qk_small];
+  for (int64_t s = 0; s < n_strips; ++s) {
+    uint8_t* sd = dst + (size_t)(s * nb) * k_q8_block_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* codes = sd + (size_t)b * k_q8_block_bytes;
+      float* dw = (float*)(codes + 8 * 16 * 4);
+      float* cw = dw + k_q8_strip;
+      for (int i = 0; i < k_q8_strip; ++i) {
+        const int64_t r = s * k_q8_strip + i;
+        if (r >= n) {
+          for (int g = 0; g < 8; ++g) std::memset(codes + (g * 16 + i) * 4, 0, 4);
+          dw[i] = cw[i] = 0.0f;
+          continue;
+        }
+        float d, c;
+        block_codes(w.type, (const uint8_t*)w.data + (size_t)(r0 + r) * row_bytes + (size_t)b * block_bytes, q, &d,
+                    &c);
+        if (signed_codes) {  // u = q + 128 in [0, 255]: w = d q = d u - 128 d
+          for (int j = 0; j < qk_small; ++j) q[j] += 128;
+          c = -128.0f * d;
+        }
+        for (int j = 0; j < qk_small; ++j) codes[((j / 4) * 16 + i) * 4 + j % 4] = (uint8_t)q[j];
+        dw[i] = d;
+        cw[i] = c;
+      }
+    }
+  }
+}
+
+void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q8_act& xq, int64_t n_tok, float* y,
+                           int64_t ldy) {
+  const int64_t n_cols = nb * qk_small;
+  for (int64_t s = 0; s * k_q8_strip < n; ++s) {
+    const uint8_t* strip = packed + (size_t)(s * nb) * k_q8_block_bytes;
+    const int rows = (int)std::min<int64_t>(k_q8_strip, n - s * k_q8_strip);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const int8_t* x = xq.qs + t * n_cols;
+      for (int i = 0; i < rows; ++i) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* codes = strip + (size_t)b * k_q8_block_bytes;
+          const float* dw = (const float*)(codes + 8 * 16 * 4);
+          int32_t sum = 0;
+          for (int j = 0; j < qk_small; ++j) sum += (int32_t)codes[((j / 4) * 16 + i) * 4 + j % 4] * x[b * qk_small + j];
+          acc = std::fma((float)sum, dw[i] * xq.d[t * nb + b], acc);
+          acc = std::fma(dw[k_q8_strip + i], xq.s[t * nb + b], acc);
+        }
+        y[t * ldy + s * k_q8_strip + i] = acc;
+      }
+    }
+  }
+}
+
+namespace {
+
+// Packed strips per thread panel: 96 strips (1,536 rows) of SmolLM2's 18 blocks are 1.1 MB,
+// about the L2 share of one core on the hosts measured; the panel is re-read by every token.
+constexpr int64_t k_q8_panel_rows = 96 * k_q8_strip;
+
+}  // namespace
+
+void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, float* y, bool simd) {
+  XCTX_ASSERT(is_legacy_quant(w.type), "matmul_prefill_q8: not a legacy quant: ", (uint32_t)w.type);
+  const int64_t n_cols = w.n_cols, nb = n_cols / qk_small, n_rows = w.n_rows;
+  thread_local std::vector<int8_t> qs;   // [n_tok, n_cols]
+  thread_local std::vector<float> d, s;  // [n_tok, nb]
+  qs.resize((size_t)(n_tok * n_cols));
+  d.resize((size_t)(n_tok * nb));
+  s.resize((size_t)(n_tok * nb));
+  int8_t* qp = qs.data();
+  float* dp = d.data();
+  float* sp = s.data();
+  const bool avx2 = has_avx2();
+#pragma omp parallel for schedule(static) if (n_tok * n_cols >= (int64_t{1} << 16))
+  for (int64_t t = 0; t < n_tok; ++t) {
+    if (avx2) {
+      quantize_act_avx2(x + t * n_cols, n_cols, qp + t * n_cols, dp + t * nb, sp + t * nb);
+    } else {
+      quantize_act_scalar(x + t * n_cols, n_cols, qp + t * n_cols, dp + t * nb, sp + t * nb);
+    }
+  }
+  const q8_act xq{qp, dp, sp, nb};
+  const bool vnni = simd && has_avx512();
+  const int nth = n_rows >= 2 * k_q8_strip ? omp_get_max_threads() : 1;
+#pragma omp parallel num_threads(nth)
+  {
+    int64_t r0 = 0, r1 = 0;
+    thread_rows(n_rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+    thread_local std::vector<uint8_t> panel;
+    if (r0 < r1) panel.resize((size_t)(std::min(k_q8_panel_rows, r1 - r0) / k_q8_strip + 1) * (size_t)nb *
+                              k_q8_block_bytes);
+    for (int64_t p = r0; p < r1; p += k_q8_panel_rows) {
+      const int64_t n = std::min(k_q8_panel_rows, r1 - p);
+      pack_q8_strips(w, p, n, panel.data());
+      (vnni ? gemm_q8_strips_avx512 : gemm_q8_strips_scalar)(panel.data(), n, nb, xq, n_tok, y + p, n_rows);
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+// -1 until first read: then XCTX_PREFILL_ACT decides, unless set_prefill_activations came first.
+std::atomic<int> g_prefill_act{-1};
+
+}  // namespace
+
+const char* prefill_activations_name(prefill_activations act) {
+  switch (act) {
+    case prefill_activations::pre_f32: return "f32";
+    case prefill_activations::pre_q8: return "q8";
+  }
+  return "?";
+}
+
+prefill_activations parse_prefill_activations(std::string_view name, const char* what) {
+  for (prefill_activations act : {prefill_activations::pre_f32, prefill_activations::pre_q8}) {
+    if (name == prefill_activations_name(act)) return act;
+  }
+  fail(what, " must be f32 or q8, not '", name, "'");
+}
+
+void set_prefill_activations(prefill_activations act) { g_prefill_act.store((int)act, std::memory_order_relaxed); }
+
+prefill_activations get_prefill_activations() {
+  int v = g_prefill_act.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("XCTX_PREFILL_ACT");
+    const std::string_view e = env != nullptr ? env : "";
+    int expected = -1;
+    const int want = (int)(e.empty() ? prefill_activations::pre_f32  // the default
+                                     : parse_prefill_activations(e, "XCTX_PREFILL_ACT"));
+    v = g_prefill_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
+  }
+  return (prefill_activations)v;
+}
+
+bool prefill_q8_supported() { return has_avx512(); }
+
+}  // namespace xctx::cpu

@@ -1,0 +1,206 @@
+// The integer prefill GEMM (prefill_activations::pre_q8, matmul_prefill_int*.cpp).
+//
+// 1. The AVX-512 VNNI kernel does the scalar reference's float operations in the same order, so
+//    the two must agree bit for bit (every legacy type, raw block bytes included: Q8_0's -128
+//    becomes the unsigned code 0; row counts off the 16-row strip; every token tail 1..8).
+// 2. Against the exact product with the grid activations x̃ = d_x q (quantize_act_scalar), in
+//    double: the kernel computes, per block b, fl(Σ u q) · fl(d_w d_x) and c_w · fl(d_x Σ q),
+//    then a chain of 2 nb fused multiply-adds. Each rounding is at most 2^-24 of a term or of the
+//    running sum, and every term and partial sum is bounded by M = Σ_j (|w_j| + 2|c_b|)·|x̃_j|
+//    (w = d u + c, so |d u| <= |w| + |c|), hence
+//        |y - Σ w_j x̃_j| <= (2 nb + 4)·2^-24·M + 2^-24·Σ|w_j x̃_j|,
+//    the last term for the reference dequantizer's own rounding of w (d q + m in float).
+//    The activation rounding itself (|x - x̃| <= d_x / 2) is act_q8's and tested with it.
+// 3. Through cpu::matmul with q8 prefill activations: the same bits as matmul_prefill_q8, and a
+//    parse error naming the flag for a bad setting. Row and rank-count invariance of the q8 path
+//    is in test_matmul_rows.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_impl.h"
+#include "kernels/ops.h"
+#include "kernels/ref/ref_ops.h"
+#include "test_util.h"
+
+namespace xctx {
+namespace {
+
+constexpr double k_unit_round = 1.0 / (1 << 24);
+
+struct q8_case {
+  ggml_type type;
+  int64_t n_rows, n_cols, n_tok;
+  bool raw_blocks;  // random block bytes (every code, Q8_0's -128 too) instead of quantize_row
+  uint32_t seed;
+};
+
+std::string q8_case_name(const testing::TestParamInfo<q8_case>& info) {
+  const q8_case& c = info.param;
+  return std::string(ggml_traits(c.type).name) + "_" + std::to_string(c.n_rows) + "x" + std::to_string(c.n_cols) +
+         "_t" + std::to_string(c.n_tok) + (c.raw_blocks ? "_raw" : "");
+}
+
+// Legacy quant weights: normal floats quantized by the reference, or random bytes with finite
+// fp16 scales over the d (and m) fields at the start of each block.
+std::vector<uint8_t> legacy_weights(const q8_case& c, std::mt19937& rng) {
+  const ggml_type_traits tr = ggml_traits(c.type);
+  const size_t row_bytes = ggml_row_bytes(c.type, c.n_cols);
+  std::vector<uint8_t> data(row_bytes * (size_t)c.n_rows);
+  if (c.raw_blocks) {
+    for (auto& b : data) b = (uint8_t)(rng() & 0xff);
+    std::uniform_real_distribution<float> ud(-0.01f, 0.01f);
+    const bool has_m = c.type == ggml_type::ggml_q4_1 || c.type == ggml_type::ggml_q5_1;
+    for (size_t off = 0; off < data.size(); off += tr.block_bytes) {
+      const uint16_t d = fp32_to_fp16(ud(rng)), m = fp32_to_fp16(10.0f * ud(rng));
+      std::memcpy(data.data() + off, &d, 2);
+      if (has_m) std::memcpy(data.data() + off + 2, &m, 2);
+    }
+    return data;
+  }
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  std::vector<float> row((size_t)c.n_cols);
+  for (int64_t r = 0; r < c.n_rows; ++r) {
+    for (auto& v : row) v = nd(rng) * (r % 7 == 3 ? 8.0f : 1.0f);
+    ref::quantize_row(c.type, row.data(), data.data() + (size_t)r * row_bytes, c.n_cols);
+  }
+  return data;
+}
+
+// Activations spanning 4 decades per token, with an outlier per row (coarse blocks).
+std::vector<float> activations(int64_t n_tok, int64_t n_cols, std::mt19937& rng) {
+  std::vector<float> x((size_t)(n_tok * n_cols));
+  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const float a = std::pow(10.0f, (float)(t % 5) - 2.0f);
+    for (int64_t j = 0; j < n_cols; ++j) x[(size_t)(t * n_cols + j)] = a * ud(rng);
+    x[(size_t)(t * n_cols + (t * 13) % n_cols)] = 20.0f * a;
+  }
+  return x;
+}
+
+struct q8_acts {
+  std::vector<int8_t> qs;
+  std::vector<float> d, s;
+  cpu::detail::q8_act view(int64_t nb) const { return {qs.data(), d.data(), s.data(), nb}; }
+};
+
+q8_acts quantize(const std::vector<float>& x, int64_t n_tok, int64_t n_cols) {
+  const int64_t nb = n_cols / qk_small;
+  q8_acts a{std::vector<int8_t>((size_t)(n_tok * n_cols)), std::vector<float>((size_t)(n_tok * nb)),
+            std::vector<float>((size_t)(n_tok * nb))};
+  for (int64_t t = 0; t < n_tok; ++t) {
+    cpu::detail::quantize_act_scalar(x.data() + t * n_cols, n_cols, a.qs.data() + t * n_cols, a.d.data() + t * nb,
+                                     a.s.data() + t * nb);
+  }
+  return a;
+}
+
+class prefill_q8_test : public testing::TestWithParam<q8_case> {};
+
+TEST_P(prefill_q8_test, vnni_kernel_gives_the_scalar_bits) {
+  if (!cpu::has_avx512()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const q8_case& c = GetParam();
+  std::mt19937 rng(c.seed);
+  const std::vector<uint8_t> w_data = legacy_weights(c, rng);
+  const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
+  const int64_t nb = c.n_cols / qk_small;
+  const q8_acts a = quantize(activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
+  std::vector<uint8_t> packed((size_t)((c.n_rows + 15) / 16 * nb) * cpu::detail::k_q8_block_bytes);
+  cpu::detail::pack_q8_strips(w, 0, c.n_rows, packed.data());
+  // A sentinel column past the rows catches a store outside the strip's real rows.
+  const int64_t ldy = c.n_rows + 1;
+  std::vector<float> y_ref((size_t)(c.n_tok * ldy), -7.0f), y_simd(y_ref.size(), -7.0f);
+  cpu::detail::gemm_q8_strips_scalar(packed.data(), c.n_rows, nb, a.view(nb), c.n_tok, y_ref.data(), ldy);
+  cpu::detail::gemm_q8_strips_avx512(packed.data(), c.n_rows, nb, a.view(nb), c.n_tok, y_simd.data(), ldy);
+  for (int64_t t = 0; t < c.n_tok; ++t) {
+    ASSERT_EQ(0, std::memcmp(y_ref.data() + t * ldy, y_simd.data() + t * ldy, (size_t)ldy * sizeof(float)))
+        << "token " << t << " of " << c.n_tok;
+  }
+}
+
+TEST_P(prefill_q8_test, scalar_kernel_is_the_grid_product_within_float_error) {
+  const q8_case& c = GetParam();
+  std::mt19937 rng(c.seed + 1);
+  const std::vector<uint8_t> w_data = legacy_weights(c, rng);
+  const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
+  const int64_t nb = c.n_cols / qk_small;
+  const q8_acts a = quantize(activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
+  std::vector<float> y((size_t)(c.n_tok * c.n_rows));
+  std::vector<uint8_t> packed((size_t)((c.n_rows + 15) / 16 * nb) * cpu::detail::k_q8_block_bytes);
+  cpu::detail::pack_q8_strips(w, 0, c.n_rows, packed.data());
+  cpu::detail::gemm_q8_strips_scalar(packed.data(), c.n_rows, nb, a.view(nb), c.n_tok, y.data(), c.n_rows);
+
+  const size_t row_bytes = ggml_row_bytes(c.type, c.n_cols), block_bytes = row_bytes / (size_t)nb;
+  std::vector<float> wr((size_t)c.n_cols);
+  int32_t q[qk_small];
+  double worst = 0.0;
+  for (int64_t r = 0; r < c.n_rows; ++r) {
+    const uint8_t* row = w_data.data() + (size_t)r * row_bytes;
+    ref::dequantize_row(c.type, row, wr.data(), c.n_cols);
+    for (int64_t t = 0; t < c.n_tok; ++t) {
+      double exact = 0.0, mag = 0.0, abs_sum = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        float d_w, c_w;
+        cpu::detail::block_codes(c.type, row + (size_t)b * block_bytes, q, &d_w, &c_w);
+        const double c_abs = c.type == ggml_type::ggml_q8_0 ? 128.0 * std::fabs(d_w) : std::fabs(c_w);
+        for (int j = 0; j < qk_small; ++j) {
+          const int64_t i = b * qk_small + j;
+          const double xg = (double)a.d[(size_t)(t * nb + b)] * a.qs[(size_t)(t * c.n_cols + i)];
+          exact += (double)wr[(size_t)i] * xg;
+          mag += (std::fabs(wr[(size_t)i]) + 2.0 * c_abs) * std::fabs(xg);
+          abs_sum += std::fabs((double)wr[(size_t)i] * xg);
+        }
+      }
+      const double bound = (2.0 * nb + 4.0) * k_unit_round * mag + k_unit_round * abs_sum;
+      const double err = std::fabs((double)y[(size_t)(t * c.n_rows + r)] - exact);
+      ASSERT_LE(err, bound) << "row " << r << " token " << t << " exact " << exact;
+      if (bound > 0) worst = std::max(worst, err / bound);
+    }
+  }
+  std::printf("worst error / bound %.3g\n", worst);
+}
+
+TEST_P(prefill_q8_test, matmul_with_q8_prefill_is_the_integer_gemm) {
+  const q8_case& c = GetParam();
+  if (!cpu::prefill_q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI: q8 prefill runs the f32 path here";
+  if (c.n_tok < cpu::detail::prefill_min_tokens(c.type)) GTEST_SKIP() << "a decode-path size";
+  std::mt19937 rng(c.seed + 2);
+  const std::vector<uint8_t> w_data = legacy_weights(c, rng);
+  const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
+  const std::vector<float> x = activations(c.n_tok, c.n_cols, rng);
+  std::vector<float> y_mm((size_t)(c.n_tok * c.n_rows)), y_ref(y_mm.size());
+  {
+    test::prefill_activations_scope q8(cpu::prefill_activations::pre_q8);
+    cpu::matmul(w, x.data(), c.n_tok, y_mm.data());
+  }
+  cpu::detail::matmul_prefill_q8(w, x.data(), c.n_tok, y_ref.data(), false);
+  EXPECT_EQ(0, std::memcmp(y_mm.data(), y_ref.data(), y_mm.size() * sizeof(float)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    types, prefill_q8_test,
+    testing::Values(q8_case{ggml_type::ggml_q4_1, 576, 576, 72, false, 5101},
+                    q8_case{ggml_type::ggml_q4_1, 37, 1536, 9, true, 5102},
+                    q8_case{ggml_type::ggml_q4_0, 67, 512, 13, true, 5103},
+                    q8_case{ggml_type::ggml_q5_0, 33, 256, 6, true, 5104},
+                    q8_case{ggml_type::ggml_q5_1, 48, 96, 71, false, 5105},
+                    q8_case{ggml_type::ggml_q8_0, 200, 576, 68, false, 5106},
+                    q8_case{ggml_type::ggml_q8_0, 17, 64, 7, true, 5107},
+                    q8_case{ggml_type::ggml_q4_1, 1, 32, 1, true, 5108}),
+    q8_case_name);
+
+TEST(prefill_activations, parse_names_the_flag_and_the_choices) {
+  EXPECT_EQ(cpu::prefill_activations::pre_q8, cpu::parse_prefill_activations("q8", "--prefill-act"));
+  EXPECT_EQ(cpu::prefill_activations::pre_f32, cpu::parse_prefill_activations("f32", "--prefill-act"));
+  EXPECT_EQ("--prefill-act must be f32 or q8, not 'q16'",
+            test::error_of([] { cpu::parse_prefill_activations("q16", "--prefill-act"); }));
+}
+
+}  // namespace
+}  // namespace xctx
