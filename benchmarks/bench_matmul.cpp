@@ -122,14 +122,15 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
 // CPU has (AVX-512 VNNI for the integer paths where present); *_avx2: the same with AVX-512 off,
 // the baseline of the VNNI kernels in the same run. "cpu" is cpu::matmul with the process's
 // setting. prefill_q8: the integer prefill GEMM (8-bit activation blocks, AVX-512 VNNI), against
-// prefill_split_rows (the f32 GEMM cpu::matmul runs by default) in the same run.
+// prefill_split_rows (the f32 GEMM cpu::matmul runs by default) in the same run; on AMX hosts
+// prefill_q8 takes the tiles and prefill_q8_vnni is the same product with AMX off.
 enum variant : int {
   v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16,
-  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni, v_prefill_q8
+  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni, v_prefill_q8, v_prefill_q8_vnni
 };
 const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
                                        "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2",
-                                       "decode_q16_avxvnni", "decode_q8_avxvnni", "prefill_q8"};
+                                       "decode_q16_avxvnni", "decode_q8_avxvnni", "prefill_q8", "prefill_q8_vnni"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -179,6 +180,11 @@ void BM_matmul(benchmark::State& state) {
                                     cpu::detail::prefill_mode::prefill_whole_matrix);
         break;
       case v_prefill_q8: cpu::detail::matmul_prefill_q8(d.view, d.x.data(), n_tok, d.y.data(), true); break;
+      case v_prefill_q8_vnni:
+        cpu::set_force_no_amx(true);
+        cpu::detail::matmul_prefill_q8(d.view, d.x.data(), n_tok, d.y.data(), true);
+        cpu::set_force_no_amx(false);
+        break;
       case v_dequant_blas: dequant_blas(d, n_tok, scratch); break;
       case v_ref: ref::matmul(d.view, d.x.data(), n_tok, d.y.data()); break;
     }
@@ -218,6 +224,7 @@ void matmul_args(benchmark::internal::Benchmark* b) {
       }
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
       if (cpu::prefill_q8_supported()) b->Args({shape, 512, threads, v_prefill_q8});
+      if (cpu::has_amx()) b->Args({shape, 512, threads, v_prefill_q8_vnni});
     }
   }
 }

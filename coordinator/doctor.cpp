@@ -44,7 +44,13 @@ std::string cpu_model_name() {
 
 // Which of the run-time dispatched kernel families this CPU (and XCTX_NO_* settings) selects.
 std::string cpu_kernels() {
-  if (cpu::has_avx512()) return "AVX-512 (fused quantized-cache decode, VNNI decode matvecs) + AVX2";
+  if (cpu::has_amx()) {
+    return "AVX-512 (fused quantized-cache decode, VNNI decode matvecs, --prefill-act q8 GEMMs) + AMX (the q8 GEMM's "
+           "tiles) + AVX2";
+  }
+  if (cpu::has_avx512()) {
+    return "AVX-512 (fused quantized-cache decode, VNNI decode matvecs, --prefill-act q8 GEMMs) + AVX2";
+  }
   if (cpu::has_avx_vnni()) return "AVX2 + AVX-VNNI decode matvecs";
   if (cpu::has_avx2()) return "AVX2/FMA/F16C";
   return "scalar fallbacks (no AVX2+FMA+F16C)";

@@ -1,7 +1,7 @@
-// Which CPU kernel ISAs a test process covers. Kernel tests for AVX2, AVX-512 and AVX-VNNI run
+// Which CPU kernel ISAs a test process covers. Kernel tests for AVX2, AVX-512, AVX-VNNI and AMX run
 // only where cpu::has_*() says the CPU has them and skip (or are not instantiated) elsewhere, so
 // a suite's pass holds for the ISAs detected here only. XCTX_EXPECT_ISA (a comma list of avx2,
-// avx512, avx_vnni; launch/run-tests sets it from /proc/cpuinfo) names the ISAs the runner has:
+// avx512, avx_vnni, amx; launch/run-tests sets it from /proc/cpuinfo) names the ISAs the runner has:
 // a process that would skip one of them fails instead, so CI cannot go green on a runner whose
 // AVX-512 suite silently did not run (a detection bug, an XCTX_NO_* left in the environment).
 #pragma once
@@ -20,7 +20,8 @@ inline int check_expected_isas() {
   const struct {
     const char* name;
     bool detected;
-  } isas[] = {{"avx2", cpu::has_avx2()}, {"avx512", cpu::has_avx512()}, {"avx_vnni", cpu::has_avx_vnni()}};
+  } isas[] = {{"avx2", cpu::has_avx2()}, {"avx512", cpu::has_avx512()}, {"avx_vnni", cpu::has_avx_vnni()},
+               {"amx", cpu::has_amx()}};
   const char* env = std::getenv("XCTX_EXPECT_ISA");
   std::string missing;
   for (const auto& i : isas)
@@ -48,7 +49,7 @@ inline int check_expected_isas() {
       }
     }
     if (!known) {
-      std::fprintf(stderr, "[isa] XCTX_EXPECT_ISA: unknown ISA '%s' (known: avx2, avx512, avx_vnni)\n", want.c_str());
+      std::fprintf(stderr, "[isa] XCTX_EXPECT_ISA: unknown ISA '%s' (known: avx2, avx512, avx_vnni, amx)\n", want.c_str());
       bad = 1;
     }
   }

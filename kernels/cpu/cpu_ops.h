@@ -25,6 +25,11 @@ bool has_avx_vnni();
 // Tests and benchmarks: while on, has_avx512() reports false, so the kernels with an AVX-VNNI
 // variant take it on CPUs that have both.
 void set_force_avx_vnni(bool on);
+// AMX tiles with int8 dot products (TDPBUSD) on top of has_avx512(), granted by the kernel
+// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once here): the integer prefill GEMM takes them.
+// XCTX_NO_AMX, set_force_no_amx(true), and everything that turns has_avx512() off turn it off.
+bool has_amx();
+void set_force_no_amx(bool on);
 
 // ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok

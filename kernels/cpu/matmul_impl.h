@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
@@ -115,8 +116,11 @@ void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d
 //   c = -128 d), then d [16] and c [16] as floats. Rows past the weight are zero (d = c = 0).
 constexpr int k_q8_strip = 16;
 constexpr size_t k_q8_block_bytes = 8 * 16 * 4 + 2 * 16 * sizeof(float);  // 640 per strip and block
+// The AMX kernel reads the same strips with each row's 32 codes contiguous (its tiles' A rows):
+// codes [16 rows i][32 columns j], then d and c as above.
+enum class q8_layout : uint8_t { vnni, amx };
 // Rows [r0, r0 + n) of a legacy quant into ceil(n / 16) strips of n_cols / 32 blocks each.
-void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst);
+void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst, q8_layout layout = q8_layout::vnni);
 // y[t * ldy + i] for t < n_tok and the n real rows i of the packed strips, against the q8
 // activations: for each (row, token) acc = 0, then per block in order
 //   acc = fma((float) Σ u·q, d_w · d_x, acc);  acc = fma(c_w, s_x, acc)
@@ -126,6 +130,25 @@ void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t n_blocks, c
                            float* y, int64_t ldy);
 void gemm_q8_strips_avx512(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_act& xq, int64_t n_tok,
                            float* y, int64_t ldy);
+// The q8 activations as the AMX kernel's B tiles and row vectors, tokens padded to 16 (zero
+// codes, d = s = 0): b [n_tok_pad / 16][n_blocks][8 rows kk][16 tokens n][4 bytes]: bytes
+// 4 kk .. 4 kk + 3 of token 16 g + n's block; d and s block-major [n_blocks][n_tok_pad].
+struct q8_tiles {
+  const int8_t* b = nullptr;
+  const float* d = nullptr;
+  const float* s = nullptr;
+  int64_t n_tok_pad = 0;
+};
+struct q8_tiles_storage {
+  std::vector<int8_t> b;
+  std::vector<float> d, s;
+};
+q8_tiles make_q8_tiles(const q8_act& xq, int64_t n_tok, q8_tiles_storage& st);
+// The AMX version (matmul_prefill_int_amx.cpp), strips in q8_layout::amx: per 16 rows, 16 tokens
+// and block one TDPBUSD into a 16x16 int32 tile, then the same two FMAs per element as the
+// scalar kernel (lanes = tokens), so again the same bits.
+void gemm_q8_strips_amx(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_tiles& xt, int64_t n_tok,
+                        float* y, int64_t ldy);
 // The whole q8 prefill product (quantize, pack per thread panel, multiply); `simd` false runs
 // the scalar kernel (tests). Requires a legacy quant.
 void matmul_prefill_q8(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,

@@ -1,6 +1,7 @@
 // The integer prefill GEMM (prefill_activations::pre_q8): activations rounded to 8-bit blocks
-// once per call, weight rows packed per thread panel into VPDPBUSD strips (matmul_impl.h), then
-// the AVX-512 VNNI kernel (matmul_prefill_int_avx512.cpp) or its scalar reference here. The
+// once per call, weight rows packed per thread panel into strips (matmul_impl.h), then the AMX
+// kernel (matmul_prefill_int_amx.cpp), the AVX-512 VNNI one (matmul_prefill_int_avx512.cpp) or
+// their scalar reference here. The
 // setting itself (XCTX_PREFILL_ACT) lives here too.
 #include <omp.h>
 
@@ -20,7 +21,16 @@ namespace xctx::cpu {
 
 namespace detail {
 
-void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst) {
+namespace {
+
+// Byte offset of row i, column j in a packed block's codes.
+int code_at(q8_layout layout, int i, int j) {
+  return layout == q8_layout::amx ? i * qk_small + j : ((j / 4) * k_q8_strip + i) * 4 + j % 4;
+}
+
+}  // namespace
+
+void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst, q8_layout layout) {
   XCTX_ASSERT(is_legacy_quant(w.type), "pack_q8_strips: not a legacy quant: ", (uint32_t)w.type);
   const int64_t nb = w.n_cols / qk_small;
   const size_t row_bytes = w.row_bytes(), block_bytes = row_bytes / (size_t)nb;
@@ -36,7 +46,7 @@ void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst) {
       for (int i = 0; i < k_q8_strip; ++i) {
         const int64_t r = s * k_q8_strip + i;
         if (r >= n) {
-          for (int g = 0; g < 8; ++g) std::memset(codes + (g * 16 + i) * 4, 0, 4);
+          for (int j = 0; j < qk_small; ++j) codes[code_at(layout, i, j)] = 0;
           dw[i] = cw[i] = 0.0f;
           continue;
         }
@@ -47,7 +57,7 @@ void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst) {
           for (int j = 0; j < qk_small; ++j) q[j] += 128;
           c = -128.0f * d;
         }
-        for (int j = 0; j < qk_small; ++j) codes[((j / 4) * 16 + i) * 4 + j % 4] = (uint8_t)q[j];
+        for (int j = 0; j < qk_small; ++j) codes[code_at(layout, i, j)] = (uint8_t)q[j];
         dw[i] = d;
         cw[i] = c;
       }
@@ -79,6 +89,23 @@ void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q
   }
 }
 
+q8_tiles make_q8_tiles(const q8_act& xq, int64_t n_tok, q8_tiles_storage& st) {
+  const int64_t nb = xq.n_blocks, n_cols = nb * qk_small, ntp = (n_tok + 15) / 16 * 16;
+  st.b.assign((size_t)(ntp * n_cols), 0);
+  st.d.assign((size_t)(nb * ntp), 0.0f);
+  st.s.assign((size_t)(nb * ntp), 0.0f);
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const int64_t g = t / 16, lane = t % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      int8_t* tile = st.b.data() + (size_t)((g * nb + b) * 512);
+      for (int kk = 0; kk < 8; ++kk) std::memcpy(tile + kk * 64 + lane * 4, xq.qs + t * n_cols + b * qk_small + kk * 4, 4);
+      st.d[(size_t)(b * ntp + t)] = xq.d[t * nb + b];
+      st.s[(size_t)(b * ntp + t)] = xq.s[t * nb + b];
+    }
+  }
+  return {st.b.data(), st.d.data(), st.s.data(), ntp};
+}
+
 namespace {
 
 // Packed strips per thread panel: 96 strips (1,536 rows) of SmolLM2's 18 blocks are 1.1 MB,
@@ -108,7 +135,10 @@ void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, floa
     }
   }
   const q8_act xq{qp, dp, sp, nb};
-  const bool vnni = simd && has_avx512();
+  const bool vnni = simd && has_avx512(), amx = simd && has_amx();
+  thread_local q8_tiles_storage tiles_storage;
+  const q8_tiles xt = amx ? make_q8_tiles(xq, n_tok, tiles_storage) : q8_tiles{};
+  const q8_layout layout = amx ? q8_layout::amx : q8_layout::vnni;
   const int nth = n_rows >= 2 * k_q8_strip ? omp_get_max_threads() : 1;
 #pragma omp parallel num_threads(nth)
   {
@@ -119,8 +149,12 @@ void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, floa
                               k_q8_block_bytes);
     for (int64_t p = r0; p < r1; p += k_q8_panel_rows) {
       const int64_t n = std::min(k_q8_panel_rows, r1 - p);
-      pack_q8_strips(w, p, n, panel.data());
-      (vnni ? gemm_q8_strips_avx512 : gemm_q8_strips_scalar)(panel.data(), n, nb, xq, n_tok, y + p, n_rows);
+      pack_q8_strips(w, p, n, panel.data(), layout);
+      if (amx) {
+        gemm_q8_strips_amx(panel.data(), n, nb, xt, n_tok, y + p, n_rows);
+      } else {
+        (vnni ? gemm_q8_strips_avx512 : gemm_q8_strips_scalar)(panel.data(), n, nb, xq, n_tok, y + p, n_rows);
+      }
     }
   }
 }

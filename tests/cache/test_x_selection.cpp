@@ -76,8 +76,9 @@ TEST_P(x_selection, units_are_masked_exactly) {
       finish(parts, o_ab, l_ab);
       EXPECT_EQ(std::memcmp(o_sel.data(), o_ab.data(), o_ab.size() * 4), 0) << "A u B = A + B, exactly";
       EXPECT_NE(std::memcmp(o_sel.data(), o_none.data(), o_sel.size() * 4), 0) << "the selection changed nothing";
-      if (nq == 3)
+      if (nq == 3) {
         for (int h = 0; h < k.g.n_head; ++h) EXPECT_TRUE(std::isinf(l_sel[2 * k.g.n_head + h])) << "empty list, head " << h;
+      }
     }
 }
 

@@ -1,8 +1,9 @@
 // The integer prefill GEMM (prefill_activations::pre_q8, matmul_prefill_int*.cpp).
 //
-// 1. The AVX-512 VNNI kernel does the scalar reference's float operations in the same order, so
-//    the two must agree bit for bit (every legacy type, raw block bytes included: Q8_0's -128
-//    becomes the unsigned code 0; row counts off the 16-row strip; every token tail 1..8).
+// 1. The AVX-512 VNNI and AMX kernels do the scalar reference's float operations in the same
+//    order, so each must agree with it bit for bit (every legacy type, raw block bytes included:
+//    Q8_0's -128 becomes the unsigned code 0; row counts off the 16-row strip; token counts off
+//    the kernels' 12- and 16-token groups; odd block counts for AMX's block pairs).
 // 2. Against the exact product with the grid activations x̃ = d_x q (quantize_act_scalar), in
 //    double: the kernel computes, per block b, fl(Σ u q) · fl(d_w d_x) and c_w · fl(d_x Σ q),
 //    then a chain of 2 nb fused multiply-adds. Each rounding is at most 2^-24 of a term or of the
@@ -120,6 +121,30 @@ TEST_P(prefill_q8_test, vnni_kernel_gives_the_scalar_bits) {
   cpu::detail::gemm_q8_strips_avx512(packed.data(), c.n_rows, nb, a.view(nb), c.n_tok, y_simd.data(), ldy);
   for (int64_t t = 0; t < c.n_tok; ++t) {
     ASSERT_EQ(0, std::memcmp(y_ref.data() + t * ldy, y_simd.data() + t * ldy, (size_t)ldy * sizeof(float)))
+        << "token " << t << " of " << c.n_tok;
+  }
+}
+
+TEST_P(prefill_q8_test, amx_kernel_gives_the_scalar_bits) {
+  if (!cpu::has_amx()) GTEST_SKIP() << "no AMX-INT8 on this CPU (or the kernel does not grant the tile state)";
+  const q8_case& c = GetParam();
+  std::mt19937 rng(c.seed + 3);
+  const std::vector<uint8_t> w_data = legacy_weights(c, rng);
+  const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
+  const int64_t nb = c.n_cols / qk_small;
+  const q8_acts a = quantize(activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
+  const size_t packed_bytes = (size_t)((c.n_rows + 15) / 16 * nb) * cpu::detail::k_q8_block_bytes;
+  std::vector<uint8_t> packed_vnni(packed_bytes), packed_amx(packed_bytes);
+  cpu::detail::pack_q8_strips(w, 0, c.n_rows, packed_vnni.data(), cpu::detail::q8_layout::vnni);
+  cpu::detail::pack_q8_strips(w, 0, c.n_rows, packed_amx.data(), cpu::detail::q8_layout::amx);
+  cpu::detail::q8_tiles_storage storage;
+  const cpu::detail::q8_tiles tiles = cpu::detail::make_q8_tiles(a.view(nb), c.n_tok, storage);
+  const int64_t ldy = c.n_rows + 1;  // the sentinel column as above
+  std::vector<float> y_ref((size_t)(c.n_tok * ldy), -7.0f), y_amx(y_ref.size(), -7.0f);
+  cpu::detail::gemm_q8_strips_scalar(packed_vnni.data(), c.n_rows, nb, a.view(nb), c.n_tok, y_ref.data(), ldy);
+  cpu::detail::gemm_q8_strips_amx(packed_amx.data(), c.n_rows, nb, tiles, c.n_tok, y_amx.data(), ldy);
+  for (int64_t t = 0; t < c.n_tok; ++t) {
+    ASSERT_EQ(0, std::memcmp(y_ref.data() + t * ldy, y_amx.data() + t * ldy, (size_t)ldy * sizeof(float)))
         << "token " << t << " of " << c.n_tok;
   }
 }
