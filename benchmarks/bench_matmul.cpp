@@ -121,16 +121,19 @@ double baseline_seconds(const std::string& key, Fn&& fn) {
 // rounded to 16-bit blocks / to 8-bit blocks (llama.cpp's arithmetic), on the best kernels this
 // CPU has (AVX-512 VNNI for the integer paths where present); *_avx2: the same with AVX-512 off,
 // the baseline of the VNNI kernels in the same run. "cpu" is cpu::matmul with the process's
-// setting. prefill_q8: the integer prefill GEMM (8-bit activation blocks, AVX-512 VNNI), against
+// setting. prefill_q8 / prefill_q16: the integer prefill GEMM (8- / 16-bit activation blocks,
+// AVX-512 VNNI), against
 // prefill_split_rows (the f32 GEMM cpu::matmul runs by default) in the same run; on AMX hosts
-// prefill_q8 takes the tiles and prefill_q8_vnni is the same product with AMX off.
+// prefill_q8/q16 take the tiles and prefill_q8/q16_vnni are the same products with AMX off.
 enum variant : int {
   v_cpu, v_decode_f32, v_decode_q8, v_prefill_split, v_prefill_whole, v_dequant_blas, v_ref, v_decode_q16,
-  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni, v_prefill_q8, v_prefill_q8_vnni
+  v_decode_q16_avx2, v_decode_q8_avx2, v_decode_q16_avxvnni, v_decode_q8_avxvnni, v_prefill_q8, v_prefill_q8_vnni,
+  v_prefill_q16, v_prefill_q16_vnni
 };
 const char* const k_variant_names[] = {"cpu", "decode_f32", "decode_q8", "prefill_split_rows", "prefill_whole_matrix",
                                        "dequant_blas", "ref", "decode_q16", "decode_q16_avx2", "decode_q8_avx2",
-                                       "decode_q16_avxvnni", "decode_q8_avxvnni", "prefill_q8", "prefill_q8_vnni"};
+                                       "decode_q16_avxvnni", "decode_q8_avxvnni", "prefill_q8", "prefill_q8_vnni",
+                                       "prefill_q16", "prefill_q16_vnni"};
 
 // Args: shape index, n_tok, threads, variant.
 void BM_matmul(benchmark::State& state) {
@@ -143,6 +146,7 @@ void BM_matmul(benchmark::State& state) {
   omp_set_num_threads(threads);
   bench_data& d = data_for(shape, n_tok);
   std::vector<float> scratch;
+  using pre = cpu::prefill_activations;
   auto run = [&](variant which) {
     switch (which) {
       case v_cpu: cpu::matmul(d.view, d.x.data(), n_tok, d.y.data()); break;
@@ -179,10 +183,16 @@ void BM_matmul(benchmark::State& state) {
         cpu::detail::matmul_prefill(d.view, d.x.data(), n_tok, d.y.data(),
                                     cpu::detail::prefill_mode::prefill_whole_matrix);
         break;
-      case v_prefill_q8: cpu::detail::matmul_prefill_q8(d.view, d.x.data(), n_tok, d.y.data(), true); break;
+      case v_prefill_q8:
+      case v_prefill_q16:
+        cpu::detail::matmul_prefill_int(d.view, d.x.data(), n_tok, d.y.data(),
+                                        which == v_prefill_q8 ? pre::pre_q8 : pre::pre_q16, true);
+        break;
       case v_prefill_q8_vnni:
+      case v_prefill_q16_vnni:
         cpu::set_force_no_amx(true);
-        cpu::detail::matmul_prefill_q8(d.view, d.x.data(), n_tok, d.y.data(), true);
+        cpu::detail::matmul_prefill_int(d.view, d.x.data(), n_tok, d.y.data(),
+                                        which == v_prefill_q8_vnni ? pre::pre_q8 : pre::pre_q16, true);
         cpu::set_force_no_amx(false);
         break;
       case v_dequant_blas: dequant_blas(d, n_tok, scratch); break;
@@ -223,8 +233,12 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         for (int v : {v_decode_q16_avxvnni, v_decode_q8_avxvnni}) b->Args({shape, 1, threads, v});
       }
       for (int v : {v_cpu, v_prefill_split, v_prefill_whole}) b->Args({shape, 512, threads, v});
+      const ggml_type type = k_shapes[shape].type;
+      using pre = cpu::prefill_activations;
       if (cpu::prefill_q8_supported()) b->Args({shape, 512, threads, v_prefill_q8});
       if (cpu::has_amx()) b->Args({shape, 512, threads, v_prefill_q8_vnni});
+      if (cpu::detail::prefill_int_applies(type, pre::pre_q16)) b->Args({shape, 512, threads, v_prefill_q16});
+      if (cpu::has_amx() && type != ggml_type::ggml_q8_0) b->Args({shape, 512, threads, v_prefill_q16_vnni});
     }
   }
 }

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
-"""The integer prefill GEMM (--prefill-act q8: 8-bit activation blocks, VPDPBUSD on AVX-512 VNNI,
-AMX tiles where the CPU and kernel grant them) against the f32 GEMM that prefill runs by default,
-in one run on this host:
+"""The integer prefill GEMMs (--prefill-act q16 / q8: 16- / 8-bit activation blocks, VPDPBUSD on
+AVX-512 VNNI, AMX tiles where the CPU and kernel grant them) against the f32 GEMM that prefill runs
+by default, in one run on this host:
 
 1. bench_matmul at n_tok = 512 on SmolLM2-135M's five matrix shapes, 1 and 2 threads, every
-   variant (on AMX hosts also q8 with AMX off) with Google Benchmark's random interleaving over
+   variant (on AMX hosts also q16 and q8 with AMX off) with Google Benchmark's random interleaving over
    --reps repetitions (median);
 2. `xctx bench` prefill tok/s at 512 / 2K / 8K tokens of Emma, the variants adjacent run by run;
 3. perplexity of Persuasion (held out: no tuning used it) over --ppl-tokens tokens in 2K windows
-   under both settings (the same windows and targets, so the difference is paired).
+   under f32, q16 and q8 (the same windows and targets: the differences are paired, with their
+   standard error across windows).
 Each speed is also given as a fraction of this host's limits (benchmarks/roofline.py; the f32 GEMM
-against the fp32 FMA peak, the integer one against the int8 dot peak).
+against the fp32 FMA peak, the integer ones against the int8 dot peak).
 
     benchmarks/prefill_int.py [--reps 3] [--ppl-tokens 32K] [--out benchmarks/results/prefill_int]
 
@@ -25,6 +26,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hostinfo import ROOT, cpu_identity, xctx_commit  # noqa: E402
@@ -32,12 +34,10 @@ import roofline  # noqa: E402
 
 SHAPES = ["wq_wo Q4_1 576x576", "wk_wv Q4_1 192x576", "gate_up Q4_1 1536x576", "down Q4_1 576x1536",
           "output Q8_0 49152x576"]
-# bench_matmul's prefill_split_rows, prefill_q8 (AMX tiles where granted) and prefill_q8_vnni (the
-# same with AMX off; listed on AMX hosts only).
-VARIANTS = {3: "f32", 12: "q8", 13: "q8-vnni"}
-PROMPTS = ["512", "2K", "8K"]
-
-
+# bench_matmul's variants: prefill_split_rows (the f32 GEMM), prefill_q8 / prefill_q16 (AMX tiles
+# where granted) and, on AMX hosts, prefill_q8_vnni / prefill_q16_vnni (the same with AMX off).
+VARIANTS = {3: "f32", 12: "q8", 13: "q8-vnni", 14: "q16", 15: "q16-vnni"}
+ORDER = ["f32", "q16", "q8", "q16-vnni", "q8-vnni"]
 def run(cmd, env=None):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -46,7 +46,7 @@ def run(cmd, env=None):
 
 
 def gemm_rows(bench, reps):
-    out = run([bench, "--benchmark_filter=BM_matmul/shape:./n_tok:512/threads:./variant:(3|12|13)/",
+    out = run([bench, "--benchmark_filter=BM_matmul/shape:./n_tok:512/threads:./variant:(3|12|13|14|15)/",
                f"--benchmark_repetitions={reps}", "--benchmark_enable_random_interleaving=true",
                "--benchmark_format=json"])
     times = {}
@@ -66,14 +66,17 @@ def gemm_rows(bench, reps):
     return rows
 
 
+def variants_here(amx):
+    return ["f32", "q16", "q8"] + (["q16-vnni", "q8-vnni"] if amx else [])
+
+
 def prefill_rows(xctx, reps, amx):
     got = {}
-    variants = ["f32", "q8"] + (["q8-vnni"] if amx else [])
     for _ in range(reps):
         for n in PROMPTS:
-            for var in variants:  # adjacent: the same machine state for all
+            for var in variants_here(amx):  # adjacent: the same machine state for all
                 act = var.split("-")[0]
-                env = dict(os.environ, XCTX_NO_AMX="1") if var == "q8-vnni" else None
+                env = dict(os.environ, XCTX_NO_AMX="1") if var.endswith("-vnni") else None
                 j = json.loads(run([xctx, "bench", "--text", "austen:emma", "--prompt-tokens", n, "--gen-tokens", "0",
                                     "--prefill-act", act], env))
                 if j["prefill_activations"] != act:
@@ -83,15 +86,27 @@ def prefill_rows(xctx, reps, amx):
              "rate": statistics.median(v), "unit": "tok/s", "runs": len(v)} for (n, act), v in got.items()]
 
 
-def ppl_rows(xctx, tokens):
+def ppl_rows(xctx, tokens, tmp):
+    """Per setting the perplexity and each window's mean NLL (the same windows and targets for all)."""
     rows = []
-    for act in VARIANTS.values():
-        out = run([xctx, "ppl", "--text", "austen:persuasion", "--window", "2048", "--max-tokens", tokens,
-                   "--prefill-act", act])
-        m = re.search(r"ppl ([0-9.]+)\s+\(.*?(\d+) targets", out)
-        rows.append({"part": "ppl", "what": f"persuasion {m.group(2)} targets", "threads": 2, "act": act,
-                     "seconds": 0.0, "rate": float(m.group(1)), "unit": "ppl", "runs": 1})
+    for act in ["f32", "q16", "q8"]:
+        path = os.path.join(tmp, f"ppl_{act}.json")
+        run([xctx, "ppl", "--text", "austen:persuasion", "--window", "2048", "--max-tokens", tokens,
+             "--prefill-act", act, "--json", path])
+        with open(path) as f:
+            j = json.load(f)
+        rows.append({"part": "ppl", "what": f"persuasion {j['targets']} targets", "threads": 2, "act": act,
+                     "seconds": 0.0, "rate": j["ppl"], "unit": "ppl", "runs": 1,
+                     "window_nll": j["window_nll_mean"]})
     return rows
+
+
+def paired(base, other):
+    """Mean and standard error over windows of other - base (nats per target)."""
+    d = [o - b for b, o in zip(base, other)]
+    mean = statistics.fmean(d)
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return mean, se
 
 
 def main():
@@ -106,59 +121,65 @@ def main():
     if "AVX-512" not in doctor:
         sys.exit("prefill_int.py: this CPU has no AVX-512 VNNI; --prefill-act q8 would run the f32 path")
     amx = "AMX" in doctor
-    rows = gemm_rows(a.bench_matmul, a.reps) + prefill_rows(a.xctx, a.reps, amx) + ppl_rows(a.xctx, a.ppl_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = (gemm_rows(a.bench_matmul, a.reps) + prefill_rows(a.xctx, a.reps, amx)
+                + ppl_rows(a.xctx, a.ppl_tokens, tmp))
     limits = roofline.load_limits()
     for r in rows:
         r["of_limit"] = ""
         if limits and r["part"] == "gemm":
-            peak = limits["fma_gflops_1" if r["threads"] == 1 else "fma_gflops_all"] if r["act"] == "f32" else \
-                limits["int8_gops_1" if r["threads"] == 1 else "int8_gops_all"]
+            one = r["threads"] == 1
+            peak = limits["fma_gflops_1" if one else "fma_gflops_all"] if r["act"] == "f32" else \
+                limits["int8_gops_1" if one else "int8_gops_all"]
             r["of_limit"] = f"{r['rate'] / peak:.2f}"
     with open(a.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        fields = [k for k in rows[0].keys() if k != "window_nll"]
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     by = {(r["part"], r["what"], r["threads"], r["act"]): r for r in rows}
+    names = {"f32": "f32", "q16": "q16 (AMX)" if amx else "q16 (VNNI)", "q8": "q8 (AMX)" if amx else "q8 (VNNI)",
+             "q16-vnni": "q16 (VNNI, AMX off)", "q8-vnni": "q8 (VNNI, AMX off)"}
     with open(a.out + ".md", "w") as f:
-        f.write(f"# Integer prefill GEMM (--prefill-act q8) vs the f32 GEMM\n\n"
+        f.write(f"# Integer prefill GEMMs (--prefill-act q16 / q8) vs the f32 GEMM\n\n"
                 f"{datetime.date.today()}, xctx {xctx_commit()}, {cpu_identity()}; written by "
                 f"`benchmarks/prefill_int.py --reps {a.reps} --ppl-tokens {a.ppl_tokens}`.\n\n")
-        q8_name = "q8 (AMX)" if amx else "q8 (VNNI)"
-        f.write("## GEMMs at n_tok = 512 (bench_matmul, median of the interleaved repetitions)\n\n"
-                f"| matrix | threads | f32 GFLOP/s | of fp32 FMA peak | {q8_name} GOP/s | of int8 dot peak | vs f32 |"
-                + (" q8 (VNNI, AMX off) GOP/s | of int8 dot peak | AMX / VNNI |" if amx else "") + "\n"
-                + "|---" * (7 + (3 if amx else 0)) + "|\n")
+        f.write("## GEMMs at n_tok = 512 (bench_matmul, median of the randomly interleaved repetitions)\n\n"
+                "Rates count the product's useful work (2 n_rows n_cols n_tok); f32 against the fp32 FMA peak, the "
+                "integer variants against the int8 dot-product peak (q16 issues twice q8's integer products).\n\n"
+                "| matrix | threads | variant | GFLOP/s or GOP/s | of its peak | vs f32 |\n|---|---|---|---|---|---|\n")
         for shape in SHAPES:
             for threads in (1, 2):
-                f32, q8 = by.get(("gemm", shape, threads, "f32")), by.get(("gemm", shape, threads, "q8"))
-                vn = by.get(("gemm", shape, threads, "q8-vnni"))
-                if f32 and q8:
-                    f.write(f"| {shape} | {threads} | {f32['rate']:.0f} | {f32['of_limit'] or '-'} | {q8['rate']:.0f} | "
-                            f"{q8['of_limit'] or '-'} | {f32['seconds'] / q8['seconds']:.2f} |")
-                    if amx and vn:
-                        f.write(f" {vn['rate']:.0f} | {vn['of_limit'] or '-'} | {vn['seconds'] / q8['seconds']:.2f} |")
-                    f.write("\n")
+                f32 = by.get(("gemm", shape, threads, "f32"))
+                for var in ORDER:
+                    r = by.get(("gemm", shape, threads, var))
+                    if r and f32:
+                        f.write(f"| {shape} | {threads} | {names[var]} | {r['rate']:.0f} | {r['of_limit'] or '-'} | "
+                                f"{f32['seconds'] / r['seconds']:.2f} |\n")
         if not limits:
             f.write("\nNo committed limits for this host (run benchmarks/roofline.py first): no fractions.\n")
         f.write("\n## Whole prefill (`xctx bench --text austen:emma --gen-tokens 0`, 1 rank, 2 threads, fp16 cache; "
-                f"median, the variants adjacent)\n\n| prompt | f32 tok/s | {q8_name} tok/s | vs f32 |"
-                + (" q8 (VNNI, XCTX_NO_AMX=1) tok/s | vs f32 |" if amx else "") + "\n" + "|---" * (4 + (2 if amx else 0))
-                + "|\n")
+                "median, the variants adjacent run by run)\n\n| prompt | variant | tok/s | vs f32 |\n|---|---|---|---|\n")
         for n in PROMPTS:
-            f32, q8 = by[("prefill", f"{n} tokens", 2, "f32")], by[("prefill", f"{n} tokens", 2, "q8")]
-            f.write(f"| {n} | {f32['rate']:.0f} | {q8['rate']:.0f} | {q8['rate'] / f32['rate']:.2f} |")
-            if amx:
-                vn = by[("prefill", f"{n} tokens", 2, "q8-vnni")]
-                f.write(f" {vn['rate']:.0f} | {vn['rate'] / f32['rate']:.2f} |")
-            f.write("\n")
-        p = [r for r in rows if r["part"] == "ppl"]
+            f32 = by[("prefill", f"{n} tokens", 2, "f32")]
+            for var in variants_here(amx):
+                r = by[("prefill", f"{n} tokens", 2, var)]
+                f.write(f"| {n} | {names[var]} | {r['rate']:.0f} | {r['rate'] / f32['rate']:.2f} |\n")
+        p = {r["act"]: r for r in rows if r["part"] == "ppl"}
         f.write(f"\n## Perplexity (`xctx ppl --text austen:persuasion --window 2048 --max-tokens {a.ppl_tokens}`)\n\n"
-                "| prefill activations | ppl |\n|---|---|\n")
-        for r in p:
-            f.write(f"| {r['act']} ({r['what']}) | {r['rate']:.4f} |\n")
-        f.write(f"\nq8 / f32 perplexity: {p[1]['rate'] / p[0]['rate']:.4f}. The VNNI and AMX kernels give the scalar "
-                "reference's bits (tests/kernels/test_matmul_prefill_int.cpp), so q8's perplexity is the same with "
-                "either.\n")
+                "The same windows and targets under each setting, so the comparison is paired: the change of each "
+                "window's mean NLL against f32, averaged over the windows, with its standard error across them.\n\n"
+                "| prefill activations | ppl | vs f32 | mean ΔNLL per target (nats) | its standard error |\n"
+                "|---|---|---|---|---|\n")
+        for act in ["f32", "q16", "q8"]:
+            r = p[act]
+            if act == "f32":
+                f.write(f"| f32 ({r['what']}) | {r['rate']:.4f} | 1 | - | - |\n")
+                continue
+            mean, se = paired(p["f32"]["window_nll"], r["window_nll"])
+            f.write(f"| {act} | {r['rate']:.4f} | {r['rate'] / p['f32']['rate']:.5f} | {mean:+.5f} | {se:.5f} |\n")
+        f.write("\nThe VNNI and AMX kernels give the scalar reference's bits "
+                "(tests/kernels/test_matmul_prefill_int.cpp), so each setting's perplexity is the same with either.\n")
     print(open(a.out + ".md").read())
 
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "coordinator/sampler.h"
@@ -123,6 +124,7 @@ struct ppl_result {
   int64_t n_windows = 0;
   size_t cache_bytes = 0;  // largest bytes_used of this rank's cache over the windows
   double ppl = 0.0;
+  std::vector<double> window_nll;  // per window: its mean NLL over its targets (paired comparisons)
 };
 ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, const cache_spec& spec,
                       const sequence_options& seq, const std::vector<int32_t>& ids, int64_t ctx, int64_t stride,

@@ -64,6 +64,7 @@ ppl_result perplexity(llama_engine& engine, communicator& comm, backend& be, con
             ? runner.score_stepwise(window, first, kScoreChunk)
             : runner.score(window, first);
     r.nll_sum += sum, r.n_scored += count;
+    r.window_nll.push_back(count > 0 ? sum / (double)count : 0.0);
     ++r.n_windows;
     r.cache_bytes = std::max(r.cache_bytes, runner.cache().bytes_used());
     if (progress) progress((int64_t)w + 1, (int64_t)starts.size());
@@ -117,6 +118,7 @@ int run_ppl(const ppl_options& opt, communicator& comm) {
                         {"targets", r.n_scored},
                         {"windows", r.n_windows},
                         {"nll_mean", r.nll_sum / (double)r.n_scored},
+                        {"window_nll_mean", r.window_nll},
                         {"ppl", r.ppl},
                         {"cache_bytes_rank0_max_window", r.cache_bytes},
                         {"cache_bytes_per_token", cache_bytes_per_token(s.cache, engine.cache_geometry_for(opt.ctx))},

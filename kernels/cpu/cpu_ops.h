@@ -67,17 +67,21 @@ decode_activations parse_decode_activations(std::string_view name, const char* w
 //  * f32 (default): the weights dequantized to float strips and one FMA chain per element in
 //    column order (row-invariant GEMM, matmul.cpp).
 //  * q8: each token's activations rounded to 8-bit blocks (as act_q8) and multiplied with the
-//    weight codes by VPDPBUSD on AVX-512 VNNI hosts (matmul_prefill_int*.cpp); elsewhere, and for
-//    other weight types, the f32 path. Still one chain per element in block order, so row-
-//    and rank-count invariant; the error is act_q8's rounding (<= d/2 per activation).
-// Process-wide; XCTX_PREFILL_ACT=f32|q8 in the environment (read once) selects one.
-enum class prefill_activations : uint8_t { pre_f32, pre_q8 };
+//    weight codes by VPDPBUSD on AVX-512 VNNI hosts, AMX TDPBUSD where granted
+//    (matmul_prefill_int*.cpp); elsewhere, and for other weight types, the f32 path. Still one
+//    chain per element in block order, so row- and rank-count invariant; the error is act_q8's
+//    rounding (<= d/2 per activation).
+//  * q16: the same with 16-bit blocks (act_q16's rounding, 1/258 of q8's), split into two byte
+//    planes: twice the integer products of q8. Q8_0 weights take it only with AMX.
+// Process-wide; XCTX_PREFILL_ACT=f32|q16|q8 in the environment (read once) selects one.
+enum class prefill_activations : uint8_t { pre_f32, pre_q8, pre_q16 };
 void set_prefill_activations(prefill_activations act);
 prefill_activations get_prefill_activations();
-// "f32" / "q8"; parse throws an Error naming `what` (e.g. "--prefill-act") and the choices.
+// "f32" / "q16" / "q8"; parse throws an Error naming `what` (e.g. "--prefill-act") and the choices.
 const char* prefill_activations_name(prefill_activations act);
 prefill_activations parse_prefill_activations(std::string_view name, const char* what);
-// Whether q8 prefill activations take the integer GEMM on this CPU (AVX-512 VNNI).
+// Whether integer prefill activations take the integer GEMM on this CPU (AVX-512 VNNI; see
+// detail::prefill_int_applies for the per-type rule).
 bool prefill_q8_supported();
 
 void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);

@@ -682,9 +682,8 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   if (n_tok == 0 || w.n_rows == 0) return;
   const decode_activations act = get_decode_activations();
   if (n_tok >= detail::prefill_min_tokens(w.type, act)) {
-    if (get_prefill_activations() == prefill_activations::pre_q8 && detail::is_legacy_quant(w.type) &&
-        prefill_q8_supported()) {
-      detail::matmul_prefill_q8(w, x, n_tok, y, true);
+    if (const prefill_activations pre = get_prefill_activations(); detail::prefill_int_applies(w.type, pre)) {
+      detail::matmul_prefill_int(w, x, n_tok, y, pre, true);
     } else {
       detail::matmul_prefill(w, x, n_tok, y);
     }

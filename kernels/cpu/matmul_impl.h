@@ -128,6 +128,10 @@ void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst, q
 // these float operations, so they give the same bits.
 void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_act& xq, int64_t n_tok,
                            float* y, int64_t ldy);
+// The same with 16-bit activation codes (prefill_activations::pre_q16): Σ u·q is still exact in
+// int32 (< 32 * 255 * 32767 < 2^31) but may exceed 2^24, so its conversion to float can round.
+void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t n_blocks, const q16_act& xq, int64_t n_tok,
+                           float* y, int64_t ldy);
 void gemm_q8_strips_avx512(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_act& xq, int64_t n_tok,
                            float* y, int64_t ldy);
 // The q8 activations as the AMX kernel's B tiles and row vectors, tokens padded to 16 (zero
@@ -149,10 +153,33 @@ q8_tiles make_q8_tiles(const q8_act& xq, int64_t n_tok, q8_tiles_storage& st);
 // scalar kernel (lanes = tokens), so again the same bits.
 void gemm_q8_strips_amx(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_tiles& xt, int64_t n_tok,
                         float* y, int64_t ldy);
-// The whole q8 prefill product (quantize, pack per thread panel, multiply); `simd` false runs
-// the scalar kernel (tests). Requires a legacy quant.
-void matmul_prefill_q8(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
-                       float* y /*[n_tok, n_rows]*/, bool simd);
+// The 16-bit codes as two byte planes, x = 256 hi + lo (hi signed, lo unsigned), so the 8-bit
+// dot-product instructions take them: Σ u x = 256 Σ u hi + Σ u lo, both sums exact in int32.
+struct q16_planes {
+  const int8_t* hi = nullptr;  // [n_tok, n_cols]
+  const uint8_t* lo = nullptr; // [n_tok, n_cols]
+  const float* d = nullptr;
+  const float* s = nullptr;
+  int64_t n_blocks = 0;
+};
+q16_planes split_q16_planes(const q16_act& xq, int64_t n_tok, std::vector<int8_t>& storage);
+// VNNI, q16 (matmul_prefill_int_avx512.cpp): VPDPBUSD(u, hi) and VPDPBUSD(lo, u) (the codes as
+// the signed operand: valid for codes <= 127, so not Q8_0), 8 tokens per weight load.
+void gemm_q16_strips_avx512(const uint8_t* packed, int64_t n, int64_t n_blocks, const q16_planes& xp, int64_t n_tok,
+                            float* y, int64_t ldy);
+// B tiles of any byte plane (make_q8_tiles is the q8 codes' case).
+q8_tiles make_byte_tiles(const void* plane /*[n_tok, n_cols] bytes*/, const float* d, const float* s, int64_t n_blocks,
+                         int64_t n_tok, q8_tiles_storage& st);
+// AMX, q16: TDPBUSD(u, hi) and TDPBUUD(u, lo) per block, any legacy type (Q8_0 included).
+void gemm_q16_strips_amx(const uint8_t* packed, int64_t n, int64_t n_blocks, const q8_tiles& hi, const q8_tiles& lo,
+                         int64_t n_tok, float* y, int64_t ldy);
+// Whether cpu::matmul's prefill takes the integer GEMM for this type under `act` on this CPU
+// (AVX-512 VNNI; q16 Q8_0 also needs AMX).
+bool prefill_int_applies(ggml_type type, prefill_activations act);
+// The whole integer prefill product (quantize, pack per thread panel, multiply) with q8 or q16
+// activations; `simd` false runs the scalar kernel (tests). Requires a legacy quant.
+void matmul_prefill_int(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
+                        float* y /*[n_tok, n_rows]*/, prefill_activations act, bool simd);
 
 // Row range of thread ith of nth, cut at multiples of 16 rows so two threads never write the
 // same 64-byte line of y.

@@ -65,21 +65,24 @@ void pack_q8_strips(const weight_view& w, int64_t r0, int64_t n, uint8_t* dst, q
   }
 }
 
-void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q8_act& xq, int64_t n_tok, float* y,
-                           int64_t ldy) {
+namespace {
+
+template <typename Code>
+void gemm_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const int_act<Code>& xq, int64_t n_tok, float* y,
+                        int64_t ldy) {
   const int64_t n_cols = nb * qk_small;
   for (int64_t s = 0; s * k_q8_strip < n; ++s) {
     const uint8_t* strip = packed + (size_t)(s * nb) * k_q8_block_bytes;
     const int rows = (int)std::min<int64_t>(k_q8_strip, n - s * k_q8_strip);
     for (int64_t t = 0; t < n_tok; ++t) {
-      const int8_t* x = xq.qs + t * n_cols;
+      const Code* x = xq.qs + t * n_cols;
       for (int i = 0; i < rows; ++i) {
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* codes = strip + (size_t)b * k_q8_block_bytes;
           const float* dw = (const float*)(codes + 8 * 16 * 4);
-          int32_t sum = 0;
-          for (int j = 0; j < qk_small; ++j) sum += (int32_t)codes[((j / 4) * 16 + i) * 4 + j % 4] * x[b * qk_small + j];
+          int32_t sum = 0;  // exact: |Σ| <= 32 * 255 * 32767 < 2^31
+          for (int j = 0; j < qk_small; ++j) sum += (int32_t)codes[code_at(q8_layout::vnni, i, j)] * x[b * qk_small + j];
           acc = std::fma((float)sum, dw[i] * xq.d[t * nb + b], acc);
           acc = std::fma(dw[k_q8_strip + i], xq.s[t * nb + b], acc);
         }
@@ -89,8 +92,38 @@ void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q
   }
 }
 
+}  // namespace
+
+void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q8_act& xq, int64_t n_tok, float* y,
+                           int64_t ldy) {
+  gemm_strips_scalar(packed, n, nb, xq, n_tok, y, ldy);
+}
+
+void gemm_q8_strips_scalar(const uint8_t* packed, int64_t n, int64_t nb, const q16_act& xq, int64_t n_tok, float* y,
+                           int64_t ldy) {
+  gemm_strips_scalar(packed, n, nb, xq, n_tok, y, ldy);
+}
+
+q16_planes split_q16_planes(const q16_act& xq, int64_t n_tok, std::vector<int8_t>& storage) {
+  const size_t n = (size_t)(n_tok * xq.n_blocks * qk_small);
+  storage.resize(2 * n);
+  int8_t* hi = storage.data();
+  auto* lo = (uint8_t*)(storage.data() + n);
+  for (size_t i = 0; i < n; ++i) {
+    hi[i] = (int8_t)(xq.qs[i] >> 8);  // arithmetic: x = 256 hi + lo, lo in [0, 255]
+    lo[i] = (uint8_t)(xq.qs[i] & 0xFF);
+  }
+  return {hi, lo, xq.d, xq.s, xq.n_blocks};
+}
+
 q8_tiles make_q8_tiles(const q8_act& xq, int64_t n_tok, q8_tiles_storage& st) {
-  const int64_t nb = xq.n_blocks, n_cols = nb * qk_small, ntp = (n_tok + 15) / 16 * 16;
+  return make_byte_tiles(xq.qs, xq.d, xq.s, xq.n_blocks, n_tok, st);
+}
+
+q8_tiles make_byte_tiles(const void* plane, const float* d, const float* s, int64_t nb, int64_t n_tok,
+                         q8_tiles_storage& st) {
+  const int64_t n_cols = nb * qk_small, ntp = (n_tok + 15) / 16 * 16;
+  const auto* bytes = (const int8_t*)plane;
   st.b.assign((size_t)(ntp * n_cols), 0);
   st.d.assign((size_t)(nb * ntp), 0.0f);
   st.s.assign((size_t)(nb * ntp), 0.0f);
@@ -98,9 +131,9 @@ q8_tiles make_q8_tiles(const q8_act& xq, int64_t n_tok, q8_tiles_storage& st) {
     const int64_t g = t / 16, lane = t % 16;
     for (int64_t b = 0; b < nb; ++b) {
       int8_t* tile = st.b.data() + (size_t)((g * nb + b) * 512);
-      for (int kk = 0; kk < 8; ++kk) std::memcpy(tile + kk * 64 + lane * 4, xq.qs + t * n_cols + b * qk_small + kk * 4, 4);
-      st.d[(size_t)(b * ntp + t)] = xq.d[t * nb + b];
-      st.s[(size_t)(b * ntp + t)] = xq.s[t * nb + b];
+      for (int kk = 0; kk < 8; ++kk) std::memcpy(tile + kk * 64 + lane * 4, bytes + t * n_cols + b * qk_small + kk * 4, 4);
+      st.d[(size_t)(b * ntp + t)] = d[t * nb + b];
+      st.s[(size_t)(b * ntp + t)] = s[t * nb + b];
     }
   }
   return {st.b.data(), st.d.data(), st.s.data(), ntp};
@@ -114,15 +147,27 @@ constexpr int64_t k_q8_panel_rows = 96 * k_q8_strip;
 
 }  // namespace
 
-void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, float* y, bool simd) {
-  XCTX_ASSERT(is_legacy_quant(w.type), "matmul_prefill_q8: not a legacy quant: ", (uint32_t)w.type);
+namespace {
+
+// The activations of one call: quantized, and for the 16-bit codes also split into byte planes;
+// for AMX also laid out as B tiles.
+template <typename Code>
+struct call_acts {
+  int_act<Code> xq;
+  q16_planes planes;      // Code = int16_t only
+  q8_tiles tiles, tiles_lo;  // AMX only (tiles_lo: q16's low plane)
+};
+
+template <typename Code>
+void matmul_prefill_codes(const weight_view& w, const float* x, int64_t n_tok, float* y, bool simd) {
+  constexpr bool q16 = sizeof(Code) == 2;
   const int64_t n_cols = w.n_cols, nb = n_cols / qk_small, n_rows = w.n_rows;
-  thread_local std::vector<int8_t> qs;   // [n_tok, n_cols]
+  thread_local std::vector<Code> qs;     // [n_tok, n_cols]
   thread_local std::vector<float> d, s;  // [n_tok, nb]
   qs.resize((size_t)(n_tok * n_cols));
   d.resize((size_t)(n_tok * nb));
   s.resize((size_t)(n_tok * nb));
-  int8_t* qp = qs.data();
+  Code* qp = qs.data();
   float* dp = d.data();
   float* sp = s.data();
   const bool avx2 = has_avx2();
@@ -134,10 +179,21 @@ void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, floa
       quantize_act_scalar(x + t * n_cols, n_cols, qp + t * n_cols, dp + t * nb, sp + t * nb);
     }
   }
-  const q8_act xq{qp, dp, sp, nb};
+  call_acts<Code> a{{qp, dp, sp, nb}, {}, {}, {}};
   const bool vnni = simd && has_avx512(), amx = simd && has_amx();
-  thread_local q8_tiles_storage tiles_storage;
-  const q8_tiles xt = amx ? make_q8_tiles(xq, n_tok, tiles_storage) : q8_tiles{};
+  XCTX_ASSERT(!(q16 && vnni && !amx && w.type == ggml_type::ggml_q8_0),
+              "matmul_prefill_int: q16 Q8_0 needs AMX (VPDPBUSD cannot take its unsigned codes twice)");
+  thread_local std::vector<int8_t> plane_storage;
+  thread_local q8_tiles_storage tiles_storage, tiles_lo_storage;
+  if constexpr (q16) {
+    if (vnni) a.planes = split_q16_planes(a.xq, n_tok, plane_storage);
+    if (amx) {
+      a.tiles = make_byte_tiles(a.planes.hi, dp, sp, nb, n_tok, tiles_storage);
+      a.tiles_lo = make_byte_tiles(a.planes.lo, dp, sp, nb, n_tok, tiles_lo_storage);
+    }
+  } else if (amx) {
+    a.tiles = make_byte_tiles(qp, dp, sp, nb, n_tok, tiles_storage);
+  }
   const q8_layout layout = amx ? q8_layout::amx : q8_layout::vnni;
   const int nth = n_rows >= 2 * k_q8_strip ? omp_get_max_threads() : 1;
 #pragma omp parallel num_threads(nth)
@@ -150,12 +206,42 @@ void matmul_prefill_q8(const weight_view& w, const float* x, int64_t n_tok, floa
     for (int64_t p = r0; p < r1; p += k_q8_panel_rows) {
       const int64_t n = std::min(k_q8_panel_rows, r1 - p);
       pack_q8_strips(w, p, n, panel.data(), layout);
-      if (amx) {
-        gemm_q8_strips_amx(panel.data(), n, nb, xt, n_tok, y + p, n_rows);
+      float* yp = y + p;
+      if constexpr (q16) {
+        if (amx) {
+          gemm_q16_strips_amx(panel.data(), n, nb, a.tiles, a.tiles_lo, n_tok, yp, n_rows);
+        } else if (vnni) {
+          gemm_q16_strips_avx512(panel.data(), n, nb, a.planes, n_tok, yp, n_rows);
+        } else {
+          gemm_q8_strips_scalar(panel.data(), n, nb, a.xq, n_tok, yp, n_rows);
+        }
       } else {
-        (vnni ? gemm_q8_strips_avx512 : gemm_q8_strips_scalar)(panel.data(), n, nb, xq, n_tok, y + p, n_rows);
+        if (amx) {
+          gemm_q8_strips_amx(panel.data(), n, nb, a.tiles, n_tok, yp, n_rows);
+        } else if (vnni) {
+          gemm_q8_strips_avx512(panel.data(), n, nb, a.xq, n_tok, yp, n_rows);
+        } else {
+          gemm_q8_strips_scalar(panel.data(), n, nb, a.xq, n_tok, yp, n_rows);
+        }
       }
     }
+  }
+}
+
+}  // namespace
+
+bool prefill_int_applies(ggml_type type, prefill_activations act) {
+  if (act == prefill_activations::pre_f32 || !is_legacy_quant(type) || !has_avx512()) return false;
+  return act == prefill_activations::pre_q8 || type != ggml_type::ggml_q8_0 || has_amx();
+}
+
+void matmul_prefill_int(const weight_view& w, const float* x, int64_t n_tok, float* y, prefill_activations act,
+                        bool simd) {
+  XCTX_ASSERT(is_legacy_quant(w.type), "matmul_prefill_int: not a legacy quant: ", (uint32_t)w.type);
+  if (act == prefill_activations::pre_q16) {
+    matmul_prefill_codes<int16_t>(w, x, n_tok, y, simd);
+  } else {
+    matmul_prefill_codes<int8_t>(w, x, n_tok, y, simd);
   }
 }
 
@@ -172,15 +258,17 @@ const char* prefill_activations_name(prefill_activations act) {
   switch (act) {
     case prefill_activations::pre_f32: return "f32";
     case prefill_activations::pre_q8: return "q8";
+    case prefill_activations::pre_q16: return "q16";
   }
   return "?";
 }
 
 prefill_activations parse_prefill_activations(std::string_view name, const char* what) {
-  for (prefill_activations act : {prefill_activations::pre_f32, prefill_activations::pre_q8}) {
+  for (prefill_activations act :
+       {prefill_activations::pre_f32, prefill_activations::pre_q16, prefill_activations::pre_q8}) {
     if (name == prefill_activations_name(act)) return act;
   }
-  fail(what, " must be f32 or q8, not '", name, "'");
+  fail(what, " must be f32, q16 or q8, not '", name, "'");
 }
 
 void set_prefill_activations(prefill_activations act) { g_prefill_act.store((int)act, std::memory_order_relaxed); }

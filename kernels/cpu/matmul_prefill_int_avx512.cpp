@@ -65,7 +65,71 @@ __attribute__((always_inline)) inline void strip_tokens(const uint8_t* strip, in
 
 constexpr int k_tokens = 12;
 
+// q16: per 4 columns VPDPBUSD(u, hi) and VPDPBUSD(lo, u) (codes <= 127 read as signed bytes),
+// Σ u x = 256 Σ u hi + Σ u lo; three registers per token, so 8 tokens per weight load.
+template <int T>
+__attribute__((always_inline)) inline void strip_tokens_q16(const uint8_t* strip, int64_t nb, const q16_planes& xp,
+                                                            int64_t t0, float* y, int64_t ldy, __mmask16 live) {
+  const int64_t n_cols = nb * qk_small;
+  const int8_t* hi = xp.hi + t0 * n_cols;
+  const uint8_t* lo = xp.lo + t0 * n_cols;
+  const float* xd = xp.d + t0 * nb;
+  const float* xs = xp.s + t0 * nb;
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = strip + (size_t)b * k_q8_block_bytes;
+    __m512i sum_hi[T], sum_lo[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) sum_hi[t] = sum_lo[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i u = _mm512_loadu_si512(blk + 64 * g);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        const int64_t off = t * n_cols + b * qk_small + 4 * g;
+        sum_hi[t] = _mm512_dpbusd_epi32(sum_hi[t], u, _mm512_set1_epi32(load_i32(hi + off)));
+        sum_lo[t] = _mm512_dpbusd_epi32(sum_lo[t], _mm512_set1_epi32(load_i32(lo + off)), u);
+      }
+    }
+    const __m512 dw = _mm512_loadu_ps(blk + 8 * 16 * 4);
+    const __m512 cw = _mm512_loadu_ps(blk + 8 * 16 * 4 + 64);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(sum_hi[t], 8), sum_lo[t]);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * nb + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[t]);
+      acc[t] = _mm512_fmadd_ps(cw, _mm512_set1_ps(xs[t * nb + b]), acc[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy, live, acc[t]);
+}
+
 }  // namespace
+
+void gemm_q16_strips_avx512(const uint8_t* packed, int64_t n, int64_t nb, const q16_planes& xp, int64_t n_tok,
+                            float* y, int64_t ldy) {
+  for (int64_t s = 0; s * k_q8_strip < n; ++s) {
+    const uint8_t* strip = packed + (size_t)(s * nb) * k_q8_block_bytes;
+    const int64_t rows = n - s * k_q8_strip;
+    const __mmask16 live = rows >= k_q8_strip ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
+    float* ys = y + s * k_q8_strip;
+    int64_t t = 0;
+    for (; t + 8 <= n_tok; t += 8) strip_tokens_q16<8>(strip, nb, xp, t, ys, ldy, live);
+    switch (n_tok - t) {
+      case 7: strip_tokens_q16<7>(strip, nb, xp, t, ys, ldy, live); break;
+      case 6: strip_tokens_q16<6>(strip, nb, xp, t, ys, ldy, live); break;
+      case 5: strip_tokens_q16<5>(strip, nb, xp, t, ys, ldy, live); break;
+      case 4: strip_tokens_q16<4>(strip, nb, xp, t, ys, ldy, live); break;
+      case 3: strip_tokens_q16<3>(strip, nb, xp, t, ys, ldy, live); break;
+      case 2: strip_tokens_q16<2>(strip, nb, xp, t, ys, ldy, live); break;
+      case 1: strip_tokens_q16<1>(strip, nb, xp, t, ys, ldy, live); break;
+      default: break;
+    }
+  }
+}
 
 void gemm_q8_strips_avx512(const uint8_t* packed, int64_t n, int64_t nb, const q8_act& xq, int64_t n_tok, float* y,
                            int64_t ldy) {

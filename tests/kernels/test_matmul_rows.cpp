@@ -163,12 +163,15 @@ void expect_rows_independent_of_the_call(const rows_case& c) {
 
 TEST_P(matmul_rows_test, row_results_do_not_depend_on_the_call) { expect_rows_independent_of_the_call(GetParam()); }
 
-// The same with 8-bit prefill activations (the integer GEMM where the CPU has AVX-512 VNNI; the
-// f32 path, already covered above, elsewhere and for the float types).
-TEST_P(matmul_rows_test, q8_prefill_rows_do_not_depend_on_the_call) {
-  if (!cpu::prefill_q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI: q8 prefill is the f32 path here";
-  test::prefill_activations_scope q8(cpu::prefill_activations::pre_q8);
-  expect_rows_independent_of_the_call(GetParam());
+// The same with 8- and 16-bit prefill activations (the integer GEMMs where the CPU has AVX-512
+// VNNI, AMX where granted; the f32 path, already covered above, elsewhere and for the float types).
+TEST_P(matmul_rows_test, integer_prefill_rows_do_not_depend_on_the_call) {
+  if (!cpu::prefill_q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI: integer prefill is the f32 path here";
+  for (cpu::prefill_activations act : {cpu::prefill_activations::pre_q8, cpu::prefill_activations::pre_q16}) {
+    SCOPED_TRACE(cpu::prefill_activations_name(act));
+    test::prefill_activations_scope scope(act);
+    expect_rows_independent_of_the_call(GetParam());
+  }
 }
 
 // Both prefill modes and the public entry point give the same rows.
