@@ -38,6 +38,9 @@ SHAPES = ["wq_wo Q4_1 576x576", "wk_wv Q4_1 192x576", "gate_up Q4_1 1536x576", "
 # where granted) and, on AMX hosts, prefill_q8_vnni / prefill_q16_vnni (the same with AMX off).
 VARIANTS = {3: "f32", 12: "q8", 13: "q8-vnni", 14: "q16", 15: "q16-vnni"}
 ORDER = ["f32", "q16", "q8", "q16-vnni", "q8-vnni"]
+PROMPTS = ["512", "2K", "8K"]
+
+
 def run(cmd, env=None):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
