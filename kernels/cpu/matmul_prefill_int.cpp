@@ -1,7 +1,7 @@
-// The integer prefill GEMM (prefill_activations::pre_q8): activations rounded to 8-bit blocks
-// once per call, weight rows packed per thread panel into strips (matmul_impl.h), then the AMX
-// kernel (matmul_prefill_int_amx.cpp), the AVX-512 VNNI one (matmul_prefill_int_avx512.cpp) or
-// their scalar reference here. The
+// The integer prefill GEMMs (prefill_activations::pre_q8 / pre_q16): activations rounded to 8- or
+// 16-bit blocks once per call (16-bit ones also split into byte planes), weight rows packed per
+// thread panel into strips (matmul_impl.h), then the AMX kernels (matmul_prefill_int_amx.cpp),
+// the AVX-512 VNNI ones (matmul_prefill_int_avx512.cpp) or their scalar reference here. The
 // setting itself (XCTX_PREFILL_ACT) lives here too.
 #include <omp.h>
 
@@ -154,7 +154,7 @@ namespace {
 template <typename Code>
 struct call_acts {
   int_act<Code> xq;
-  q16_planes planes;      // Code = int16_t only
+  q16_planes planes;         // Code = int16_t only
   q8_tiles tiles, tiles_lo;  // AMX only (tiles_lo: q16's low plane)
 };
 
