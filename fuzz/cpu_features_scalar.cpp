@@ -11,5 +11,7 @@ bool has_avx512() { return false; }
 void set_force_avx2(bool) {}
 bool has_avx_vnni() { return false; }
 void set_force_avx_vnni(bool) {}
+bool has_amx() { return false; }
+void set_force_no_amx(bool) {}
 
 }  // namespace xctx::cpu
