@@ -2,8 +2,8 @@
 // entered after cpu::has_avx512()). Sixteen weight rows share a register, one int32 lane each:
 // per 4 columns one VPDPBUSD adds u[row, 4 columns] · x[token, 4 columns] (the token's 4
 // activation bytes broadcast), so a 32-element block is 8 VPDPBUSD per token, after which the
-// block's integer sums become floats and two FMAs apply d_w d_x and c_w s_x. T tokens (up to 8)
-// share each weight load; every output is the same chain of float operations as
+// block's integer sums become floats and two FMAs apply d_w d_x and c_w s_x. T tokens (up to 12;
+// q16 8) share each weight load; every output is the same chain of float operations as
 // gemm_q8_strips_scalar, in block order, whatever T, strip or thread computes it.
 // No error reporting or library containers here (see matmul_avx512.cpp).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/matmul_impl.h"
 
@@ -107,54 +108,52 @@ __attribute__((always_inline)) inline void strip_tokens_q16(const uint8_t* strip
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy, live, acc[t]);
 }
 
+// body(strip, its first output column, mask of its real rows) for each 16-row strip of n rows.
+template <typename Body>
+void each_strip(const uint8_t* packed, int64_t n, int64_t nb, float* y, Body&& body) {
+  for (int64_t s = 0; s * k_q8_strip < n; ++s) {
+    const int64_t rows = n - s * k_q8_strip;
+    const __mmask16 live = rows >= k_q8_strip ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
+    body(packed + (size_t)(s * nb) * k_q8_block_bytes, y + s * k_q8_strip, live);
+  }
+}
+
+// kernel(integral_constant<int, T>, t0) over tokens in groups of Max, then one group of the rest.
+template <int N, typename Kernel>
+void token_tail(int64_t rest, int64_t t0, Kernel& kernel) {
+  if constexpr (N > 0) {
+    if (rest == N) {
+      kernel(std::integral_constant<int, N>{}, t0);
+    } else {
+      token_tail<N - 1>(rest, t0, kernel);
+    }
+  }
+}
+template <int Max, typename Kernel>
+void token_groups(int64_t n_tok, Kernel&& kernel) {
+  int64_t t = 0;
+  for (; t + Max <= n_tok; t += Max) kernel(std::integral_constant<int, Max>{}, t);
+  token_tail<Max - 1>(n_tok - t, t, kernel);
+}
+
 }  // namespace
 
 void gemm_q16_strips_avx512(const uint8_t* packed, int64_t n, int64_t nb, const q16_planes& xp, int64_t n_tok,
                             float* y, int64_t ldy) {
-  for (int64_t s = 0; s * k_q8_strip < n; ++s) {
-    const uint8_t* strip = packed + (size_t)(s * nb) * k_q8_block_bytes;
-    const int64_t rows = n - s * k_q8_strip;
-    const __mmask16 live = rows >= k_q8_strip ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
-    float* ys = y + s * k_q8_strip;
-    int64_t t = 0;
-    for (; t + 8 <= n_tok; t += 8) strip_tokens_q16<8>(strip, nb, xp, t, ys, ldy, live);
-    switch (n_tok - t) {
-      case 7: strip_tokens_q16<7>(strip, nb, xp, t, ys, ldy, live); break;
-      case 6: strip_tokens_q16<6>(strip, nb, xp, t, ys, ldy, live); break;
-      case 5: strip_tokens_q16<5>(strip, nb, xp, t, ys, ldy, live); break;
-      case 4: strip_tokens_q16<4>(strip, nb, xp, t, ys, ldy, live); break;
-      case 3: strip_tokens_q16<3>(strip, nb, xp, t, ys, ldy, live); break;
-      case 2: strip_tokens_q16<2>(strip, nb, xp, t, ys, ldy, live); break;
-      case 1: strip_tokens_q16<1>(strip, nb, xp, t, ys, ldy, live); break;
-      default: break;
-    }
-  }
+  each_strip(packed, n, nb, y, [&](const uint8_t* strip, float* ys, __mmask16 live) {
+    token_groups<8>(n_tok, [&](auto tokens, int64_t t) {
+      strip_tokens_q16<decltype(tokens)::value>(strip, nb, xp, t, ys, ldy, live);
+    });
+  });
 }
 
 void gemm_q8_strips_avx512(const uint8_t* packed, int64_t n, int64_t nb, const q8_act& xq, int64_t n_tok, float* y,
                            int64_t ldy) {
-  for (int64_t s = 0; s * k_q8_strip < n; ++s) {
-    const uint8_t* strip = packed + (size_t)(s * nb) * k_q8_block_bytes;
-    const int64_t rows = n - s * k_q8_strip;
-    const __mmask16 live = rows >= k_q8_strip ? (__mmask16)0xFFFF : (__mmask16)((1u << rows) - 1);
-    float* ys = y + s * k_q8_strip;
-    int64_t t = 0;
-    for (; t + k_tokens <= n_tok; t += k_tokens) strip_tokens<k_tokens>(strip, nb, xq, t, ys, ldy, live);
-    switch (n_tok - t) {
-      case 11: strip_tokens<11>(strip, nb, xq, t, ys, ldy, live); break;
-      case 10: strip_tokens<10>(strip, nb, xq, t, ys, ldy, live); break;
-      case 9: strip_tokens<9>(strip, nb, xq, t, ys, ldy, live); break;
-      case 8: strip_tokens<8>(strip, nb, xq, t, ys, ldy, live); break;
-      case 7: strip_tokens<7>(strip, nb, xq, t, ys, ldy, live); break;
-      case 6: strip_tokens<6>(strip, nb, xq, t, ys, ldy, live); break;
-      case 5: strip_tokens<5>(strip, nb, xq, t, ys, ldy, live); break;
-      case 4: strip_tokens<4>(strip, nb, xq, t, ys, ldy, live); break;
-      case 3: strip_tokens<3>(strip, nb, xq, t, ys, ldy, live); break;
-      case 2: strip_tokens<2>(strip, nb, xq, t, ys, ldy, live); break;
-      case 1: strip_tokens<1>(strip, nb, xq, t, ys, ldy, live); break;
-      default: break;
-    }
-  }
+  each_strip(packed, n, nb, y, [&](const uint8_t* strip, float* ys, __mmask16 live) {
+    token_groups<k_tokens>(n_tok, [&](auto tokens, int64_t t) {
+      strip_tokens<decltype(tokens)::value>(strip, nb, xq, t, ys, ldy, live);
+    });
+  });
 }
 
 }  // namespace xctx::cpu::detail
