@@ -81,7 +81,20 @@ void check_job_request(const rpc::Job& job, const service_limits& lim) {
     case rpc::JobKind::GENERATE: {
       if (!job.__isset.generate) throw bad("a GENERATE job needs its \"generate\" field");
       const rpc::GenerateJob& g = job.generate;
-      if (g.prompt.empty()) throw bad("generate.prompt is empty");
+      if (g.chat && !g.messages.empty()) {
+        if (g.messages.size() > 4096) throw bad("generate.messages holds more than 4096 messages");
+        for (size_t i = 0; i < g.messages.size(); ++i)
+          if (g.messages[i].role != "system" && g.messages[i].role != "user" && g.messages[i].role != "assistant")
+            throw bad("generate.messages[" + std::to_string(i) + "].role: '" + g.messages[i].role +
+                      "' is not one of system, user, assistant");
+      } else if (!g.messages.empty()) {
+        throw bad("generate.messages needs generate.chat");
+      } else if (g.prompt.empty()) {
+        throw bad("generate.prompt is empty");
+      }
+      if (g.stop.size() > 16) throw bad("generate.stop holds more than 16 sequences");
+      for (const std::string& st : g.stop)
+        if (st.empty() || st.size() > 256) throw bad("generate.stop: each sequence must hold 1 to 256 bytes");
       check_output(g.max_tokens, "generate.max_tokens", false);
       if (!(g.temperature >= 0.0) || !std::isfinite(g.temperature))
         throw bad("generate.temperature must be a finite number >= 0");
@@ -154,6 +167,7 @@ int64_t job_table::submit(const rpc::Job& job) {
   e.status.kind = job.kind;
   e.status.phase = rpc::JobPhase::QUEUED;
   e.status.eta_s = -1;
+  e.submitted = std::chrono::steady_clock::now();
   queue_.push_back(id);
   ++counters_.submitted;
   cv_.notify_one();
@@ -274,6 +288,33 @@ void job_table::finish(int64_t id, rpc::JobResult result) {
   ended(id);
 }
 
+void job_table::append_text(int64_t id, const std::string& piece) {
+  if (piece.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  find(id).streamed += piece;
+  stream_cv_.notify_all();
+}
+
+job_table::stream_read job_table::read_stream(int64_t id, size_t offset, std::chrono::milliseconds wait) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto ready = [&] {
+    const entry& e = find(id);
+    return e.streamed.size() > offset || has_ended(e.status.phase);
+  };
+  stream_cv_.wait_for(lock, wait, ready);
+  const entry& e = find(id);
+  stream_read r;
+  if (e.streamed.size() > offset) r.text = e.streamed.substr(offset);
+  r.ended = has_ended(e.status.phase);
+  if (r.ended) r.result = e.result;
+  return r;
+}
+
+double job_table::seconds_since_submitted(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seconds_since(find(id).submitted);
+}
+
 void job_table::ended(int64_t id) {
   switch (jobs_.at(id).status.phase) {
     case rpc::JobPhase::DONE: ++counters_.completed; break;
@@ -283,6 +324,7 @@ void job_table::ended(int64_t id) {
   }
   jobs_.at(id).job = rpc::Job();  // the request's text is not needed any more
   ended_.push_back(id);
+  stream_cv_.notify_all();
   while ((int)ended_.size() > keep_ended_) {
     jobs_.erase(ended_.front());
     ended_.pop_front();

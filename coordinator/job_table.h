@@ -64,6 +64,18 @@ class job_table {
   // Ends the running job: result.phase is DONE, FAILED or CANCELLED.
   void finish(int64_t id, rpc::JobResult result);
 
+  // Streaming (the HTTP front's server-sent events): the running job appends its output text as
+  // it becomes final; a reader takes what lies past `offset`, waiting up to `wait` for more.
+  void append_text(int64_t id, const std::string& piece);
+  struct stream_read {
+    std::string text;        // streamed bytes past the offset
+    bool ended = false;      // the job has ended: `result` is its result
+    rpc::JobResult result;
+  };
+  stream_read read_stream(int64_t id, size_t offset, std::chrono::milliseconds wait) const;
+  // Seconds since the job was submitted (its time to first token counts the queue).
+  double seconds_since_submitted(int64_t id) const;
+
   // Submissions are refused from now on; jobs still queued end CANCELLED.
   void close();
   void count_rejected();
@@ -75,7 +87,8 @@ class job_table {
     rpc::JobStatus status;
     rpc::JobResult result;
     bool cancel = false;
-    std::chrono::steady_clock::time_point started;
+    std::chrono::steady_clock::time_point submitted, started;
+    std::string streamed;  // append_text's pieces (bounded by the job's output tokens)
   };
   entry& find(int64_t id);
   const entry& find(int64_t id) const;
@@ -84,6 +97,7 @@ class job_table {
   const int max_queue_, keep_ended_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  mutable std::condition_variable stream_cv_;  // text appended or a job ended
   std::map<int64_t, entry> jobs_;
   std::deque<int64_t> queue_;      // waiting, in order
   std::deque<int64_t> ended_;      // ended, oldest first (forgotten beyond keep_ended_)

@@ -422,13 +422,23 @@ int main(int argc, char** argv) {
   xctx::serve_options srv;
   cache_flags srv_cf;
   std::string srv_cache, srv_ctx, srv_rope, srv_max_context, srv_max_bytes = "8M";
-  auto* sv = app.add_subcommand("serve", "run the coordinator as a Thrift service (rank 0 listens; docs/service.md)");
+  auto* sv = app.add_subcommand("serve", "run the coordinator as a Thrift service and, with --http-port, an OpenAI-compatible HTTP one (rank 0 listens; docs/service.md)");
   sv->add_option("--model", srv.model, "GGUF file or HF checkpoint directory (default: the fetched SmolLM2)");
   sv->add_option("--tokenizer", srv.tokenizer, "GGUF to take the vocabulary from (default: the model file)");
   sv->add_option("--bind", srv.bind, "address to listen on")->default_val("127.0.0.1");
   sv->add_option("--port", srv.port, "TCP port (0: any free port; see --port-file)")->default_val(9090);
   sv->add_option("--port-file", srv.port_file, "write the bound port here once listening");
-  sv->add_option("--token-file", srv.token_file, "shared secret every request must carry (>= 8 characters)");
+  sv->add_option("--http-port", srv.http_port,
+                 "also serve HTTP here: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
+                 "(0: any free port, see --http-port-file; default: off)")
+      ->check(CLI::Range(0, 65535));
+  sv->add_option("--http-port-file", srv.http_port_file, "write the bound HTTP port here once listening");
+  sv->add_option("--http-threads", srv.http_threads, "HTTP connections served at once (a stream holds one)")
+      ->default_val(64)->check(CLI::Range(1, 4096));
+  sv->add_option("--http-io-timeout", srv.http_io_timeout_s,
+                 "seconds an HTTP client may send or read nothing before it is dropped (slow clients)")
+      ->default_val(30)->check(CLI::Range(0.1, 3600.0));
+  sv->add_option("--token-file", srv.token_file, "shared secret every request must carry (>= 8 characters; HTTP: Authorization: Bearer)");
   sv->add_option("--max-request-bytes", srv_max_bytes, "largest request accepted (e.g. 8M)")->default_val("8M");
   sv->add_option("--max-context", srv_max_context, "prompt + output tokens of one sequence (default: --ctx)");
   sv->add_option("--max-output-tokens", srv.limits.max_output_tokens, "largest max_tokens a job may ask")

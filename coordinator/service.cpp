@@ -20,8 +20,11 @@
 #include "Xctx.h"
 #include "common/error.h"
 #include "common/sys.h"
+#include "coordinator/generate_text.h"
+#include "coordinator/http_front.h"
 #include "coordinator/passkey.h"
 #include "coordinator/sequence_driver.h"
+#include "coordinator/service_metrics.h"
 #include "coordinator/session.h"
 #include "coordinator/summarize.h"
 #include "worker/llama_engine.h"
@@ -57,6 +60,7 @@ struct service_state {
   service_limits limits;
   std::string secret;  // empty: none required
   rpc::ServiceInfo info;
+  service_metrics metrics;
 };
 
 // One per connection, so every log line names the peer.
@@ -106,10 +110,12 @@ class handler final : public rpc::XctxIf {
       return f();
     } catch (const rpc::RequestError& e) {
       st_.table.count_rejected();
+      st_.metrics.refused(refusal_reason(e.code));
       LOG(WARNING) << peer_ << " " << method << " rejected: " << rpc::to_string(e.code) << ": " << e.message;
       throw;
     } catch (const std::exception& e) {
       st_.table.count_rejected();
+      st_.metrics.refused("bad_request");
       LOG(WARNING) << peer_ << " " << method << " rejected: " << e.what();
       throw request_error(rpc::ErrorCode::BAD_REQUEST, e.what());
     }
@@ -208,31 +214,38 @@ class job_runner {
   }
 
   void generate(int64_t id, const rpc::GenerateJob& g, const stop_fn& stop, rpc::JobResult& r) {
-    std::vector<int32_t> ids;
-    if (g.chat) {
-      std::vector<chat_message> msgs;
-      if (!g.system.empty()) msgs.push_back({"system", g.system});
-      msgs.push_back({"user", g.prompt});
-      ids = s_.tok->encode(apply_chat_template(detect_chat_style(s_.chat_template), msgs, true),
-                           s_.tok->vocab().add_bos, true);
-    } else {
-      ids = s_.tok->encode(g.prompt, s_.tok->vocab().add_bos, false);
-    }
+    const std::vector<int32_t> ids = generate_prompt_ids(*s_.tok, s_.chat_template, g);
     const int64_t n = (int64_t)ids.size(), total = n + g.max_tokens;
     XCTX_CHECK(total <= st_.limits.max_context, "the prompt has ", n, " tokens; with max_tokens ", g.max_tokens,
                " that exceeds the service's context of ", st_.limits.max_context, " tokens");
     st_.table.set_tokens(id, 0, total);
+    // The output as final text pieces (whole UTF-8 characters, no part of a stop string), for
+    // the HTTP front's streams; a stop string ends the sequence like a cancel, but as DONE.
+    text_stream text(*s_.tok, g.stop);
+    bool hit_stop = false;
     sequence_hooks h;
-    h.should_stop = stop;
+    h.should_stop = [&] { return hit_stop || stop(); };
     h.on_phase = phase_setter(id);
     h.prefill_progress = [&](int64_t d, int64_t) { st_.table.set_tokens(id, d, total); };
     int64_t made = 0;
-    h.on_token = [&](int32_t) { st_.table.set_tokens(id, n + ++made, total); };
+    auto last = std::chrono::steady_clock::now();
+    h.on_token = [&](int32_t t) {
+      const auto now = std::chrono::steady_clock::now();
+      if (made == 0) st_.metrics.first_token(st_.table.seconds_since_submitted(id));
+      else st_.metrics.token_interval(std::chrono::duration<double>(now - last).count());
+      last = now;
+      st_.table.set_tokens(id, n + ++made, total);
+      hit_stop = text.push(t);
+      st_.table.append_text(id, text.take_ready());
+    };
     const sequence_outcome out = driver_.run({ids, {}, g.max_tokens, sampling_of(g)}, h);
-    r.text = s_.tok->decode(out.ids);
+    text.finish();
+    st_.table.append_text(id, text.take_ready());
+    r.text = text.text();
     r.prompt_tokens = out.prompt_tokens, r.generated_tokens = (int64_t)out.ids.size();
     r.prefill_s = out.prefill_s, r.decode_s = out.decode_s;
-    if (out.stopped) r.phase = rpc::JobPhase::CANCELLED;
+    r.finish_reason = hit_stop || (int64_t)out.ids.size() < g.max_tokens ? "stop" : "length";
+    if (out.stopped && !hit_stop) r.phase = rpc::JobPhase::CANCELLED;
   }
 
   void passkey(int64_t id, const rpc::PasskeyJob& p, const stop_fn& stop, rpc::JobResult& r) {
@@ -354,6 +367,21 @@ int run_serve(const serve_options& opt, communicator& comm) {
   if (lead) setup_logging(opt);
   // Rank 0's own inputs are checked before the model loads, so a typo fails at once.
   const std::string secret = lead && !opt.token_file.empty() ? read_secret(opt.token_file) : std::string();
+  // The job table and the HTTP front exist before the model loads: /health answers 503 until
+  // the ranks are up and the cache is allocated, so a supervisor can tell loading from dead.
+  std::unique_ptr<service_state> state;
+  std::unique_ptr<http_front> http;
+  if (lead) {
+    state.reset(new service_state{job_table(opt.max_queue, opt.keep_ended), opt.limits, secret, {}, {}});
+    if (opt.http_port >= 0) {
+      http_front_options ho;
+      ho.bind = opt.bind, ho.port = opt.http_port, ho.port_file = opt.http_port_file, ho.secret = secret;
+      ho.threads = opt.http_threads, ho.max_request_bytes = opt.limits.max_request_bytes;
+      ho.io_timeout_s = opt.http_io_timeout_s;
+      http = std::make_unique<http_front>(ho, state->table, state->metrics);
+      http->start();
+    }
+  }
 
   const std::string model_path = opt.model.empty() ? default_model_path() : opt.model;
   model_session s = open_session(model_path, opt.tokenizer, opt.run, comm.rank() == 0);
@@ -377,12 +405,17 @@ int run_serve(const serve_options& opt, communicator& comm) {
   sequence_parallel_runner runner(engine, comm, *s.be, plan.cache, seq);
   runner.reserve();  // the one cache every job reuses, allocated now so a shortfall shows at start
   sequence_driver driver(runner, comm, *s.tok, hp.n_vocab);
+  // Every rank's cache bytes, for /metrics (shards differ by a block at most, but say so).
+  const uint64_t own_cache = runner.cache().bytes_allocated();
+  std::vector<uint64_t> cache_per_rank((size_t)comm.size());
+  comm.all_gather(&own_cache, cache_per_rank.data(), sizeof own_cache);
   if (!lead) {
     driver.follow();
     return 0;
   }
 
-  service_state st{job_table(opt.max_queue, opt.keep_ended), limits, secret, {}};
+  service_state& st = *state;
+  st.limits = limits;
   rpc::ServiceInfo& info = st.info;
   info.model = hp.name;
   info.cache = format_traits(opt.run.cache).name;
@@ -431,6 +464,8 @@ int run_serve(const serve_options& opt, communicator& comm) {
   LOG(INFO) << "model " << info.model << " | cache " << info.cache << " | " << info.ranks << " ranks | context "
             << limits.max_context << " tokens, " << format_bytes((double)info.cache_bytes_per_rank)
             << " of cache per rank";
+  for (int r = 0; r < comm.size(); ++r) st.metrics.set_cache_bytes(r, (int64_t)cache_per_rank[(size_t)r]);
+  if (http) http->set_ready({s.tok.get(), s.chat_template, info, describe_attention(seq), limits});
   job_runner jobs(s, driver, st, opt, comm.size());
   while (!g_stop_signal) {
     auto next = st.table.next(std::chrono::milliseconds(500));
@@ -444,10 +479,12 @@ int run_serve(const serve_options& opt, communicator& comm) {
     LOG(INFO) << "job " << id << " " << rpc::to_string(r.phase) << (r.error.empty() ? "" : ": " + r.error) << " | "
               << r.prompt_tokens << " prompt + " << r.generated_tokens << " generated tokens, prefill "
               << r.prefill_s << " s, decode " << r.decode_s << " s";
+    st.metrics.job_ended(r);
     st.table.finish(id, std::move(r));
   }
   LOG(INFO) << "stopping";
-  st.table.close();
+  st.table.close();       // queued jobs end CANCELLED; their HTTP clients get a 503
+  if (http) http->stop();
   server->stop();
   server_thread.join();
   driver.finish();  // the other ranks return; rank 0 reports why it stopped

@@ -20,6 +20,10 @@ struct serve_options {
   int port = 9090;                 // 0: any free port (see port_file)
   std::string port_file;           // written with the bound port once the service listens
   std::string token_file;          // shared secret every call must carry; empty: no secret
+  int http_port = -1;              // the OpenAI-compatible HTTP front (-1: off; 0: any free port)
+  std::string http_port_file;      // written with its bound port once it listens
+  int http_threads = 64;           // HTTP connections served at once
+  double http_io_timeout_s = 30;   // an HTTP client that sends or reads nothing this long is dropped
   service_limits limits;           // max_context 0: the run's context (--ctx, else trained)
   int max_queue = 16;
   int keep_ended = 1000;           // ended jobs whose status/result stay answerable

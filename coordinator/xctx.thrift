@@ -37,6 +37,10 @@ exception RequestError {
   2: string message,
 }
 
+struct ChatMessage {
+  1: string role,
+  2: string content,
+}
 struct GenerateJob {
   1: string prompt,
   2: bool chat = false,          // wrap the prompt in the model's chat template
@@ -53,6 +57,10 @@ struct GenerateJob {
   12: double frequency_penalty = 0.0,
   13: double presence_penalty = 0.0,
   14: i32 no_repeat_ngram = 0,
+  // Generation ends before any of these strings; the text holds none of it (OpenAI's `stop`).
+  15: list<string> stop = [],
+  // chat with a whole conversation (roles system | user | assistant), instead of system + prompt.
+  16: list<ChatMessage> messages = [],
 }
 
 struct PasskeyJob {
@@ -115,6 +123,7 @@ struct JobResult {
   7: i64 generated_tokens,
   8: double prefill_s,
   9: double decode_s,
+  10: string finish_reason,  // generate: "stop" (end of generation or a stop string) | "length"
 }
 
 struct ServiceInfo {

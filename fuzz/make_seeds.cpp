@@ -190,6 +190,25 @@ void summarize_seeds() {
   put("summarize_jsonl", "duplicate_id.jsonl", "{\"id\": \"a\", \"text\": \"1\"}\n{\"id\": \"a\", \"text\": \"2\"}\n");
 }
 
+// The first byte picks the endpoint: 0 completions, 1 chat (fuzz_openai_request.cpp).
+void openai_seeds() {
+  const auto both = [](const std::string& name, int ep, const std::string& body) {
+    put("openai_request", name, std::string(1, (char)ep) + body);
+  };
+  both("completion.json", 0, R"({"model": "m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})");
+  both("completion_all.json", 0,
+       R"({"prompt": ["x"], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, )"
+       R"("frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1, "repeat_last_n": 32, )"
+       R"("no_repeat_ngram": 3, "seed": 7, "stop": ["\n\n", "END"], "stream": true, )"
+       R"("stream_options": {"include_usage": true}, "n": 1, "logprobs": null, "echo": false})");
+  both("completion_refused.json", 0, R"({"prompt": [1, 2], "n": 2, "logit_bias": {"1": 1}})");
+  both("chat.json", 1,
+       R"({"messages": [{"role": "developer", "content": "Be brief."}, )"
+       R"({"role": "user", "content": [{"type": "text", "text": "Hi \u00e9\ud83d\ude00"}]}, )"
+       R"({"role": "assistant", "content": "Hello."}], "max_completion_tokens": 9, "stream": true})");
+  both("chat_refused.json", 1, R"({"messages": [{"role": "tool", "content": null}], "tools": [{}]})");
+}
+
 void thrift_seeds() {
   const auto save = [](const std::string& name, const rpc::Job& job) {
     const std::string b = serialize_job(job);
@@ -269,6 +288,7 @@ int main(int argc, char** argv) {
     calibration_seeds(tmp);
     summarize_seeds();
     thrift_seeds();
+    openai_seeds();
     snapshot_seeds(tmp);
   } catch (const Error& e) {
     std::fprintf(stderr, "make_seeds: %s\n", e.what());
