@@ -404,7 +404,41 @@ class HttpTests(unittest.TestCase):
         self.assertGreater(values['xctx_cache_bytes{rank="1"}'], 0)
         self.assertEqual(values["xctx_queue_depth"], 0)
 
-    def test_12_sigterm_stops_every_rank_cleanly(self):
+    def test_12_a_scored_task_gives_the_cli_score(self):
+        """Evaluation-harness style: exact match of the next word of Genesis 1's verses (Debian's
+        bible-kjv), prompts through /v1/completions against the same prompts through the CLI."""
+        out = subprocess.run(["bible", "-f", "Genesis 1:1-12"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0 or not out.stdout.strip():
+            if os.environ.get("CI"):
+                raise AssertionError("no KJV text (Debian bible-kjv): " + out.stderr)
+            self.skipTest("no KJV text (Debian bible-kjv)")
+        items = []
+        for line in out.stdout.splitlines():
+            ref, _, verse = line.partition(" ")
+            words = verse.split()
+            cut = max(3, len(words) * 2 // 3)
+            if len(words) > cut:
+                items.append((" ".join(words[:cut]), words[cut].strip(".,;:")))
+        self.assertGreaterEqual(len(items), 10)
+
+        def first_word(text):
+            w = text.split()
+            return w[0].strip(".,;:") if w else ""
+        http_answers, cli_answers = [], []
+        for prompt, _ in items:
+            st, _, body = service().request("POST", "/v1/completions",
+                                            {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            self.assertEqual(st, 200, body)
+            http_answers.append(body["choices"][0]["text"])
+            cli_answers.append(cli_generate(prompt, 4))
+        http_score = sum(first_word(a) == t for a, (_, t) in zip(http_answers, items))
+        cli_score = sum(first_word(a) == t for a, (_, t) in zip(cli_answers, items))
+        print(f"\nGenesis 1 next-word exact match: HTTP {http_score}/{len(items)}, CLI {cli_score}/{len(items)}",
+              file=sys.stderr)
+        self.assertEqual(http_answers, cli_answers)
+        self.assertEqual(http_score, cli_score)
+
+    def test_99_sigterm_stops_every_rank_cleanly(self):
         s = service()
         self.assertEqual(s.stop(), 0, s.logs())
 
