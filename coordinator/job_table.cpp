@@ -1,14 +1,16 @@
 #include "coordinator/job_table.h"
 
-#include <thrift/protocol/TBinaryProtocol.h>
-#include <thrift/transport/TBufferTransports.h>
+#include <glog/logging.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 
 #include "common/error.h"
+#include "coordinator/job_journal.h"
 #include "coordinator/summarize.h"
+#include "coordinator/thrift_wire.h"
 
 namespace xctx {
 namespace {
@@ -30,28 +32,12 @@ rpc::RequestError request_error(rpc::ErrorCode::type code, const std::string& me
   return e;
 }
 
-std::string serialize_job(const rpc::Job& job) {
-  auto buf = std::make_shared<apache::thrift::transport::TMemoryBuffer>();
-  apache::thrift::protocol::TBinaryProtocol proto(buf);
-  job.write(&proto);
-  return buf->getBufferAsString();
-}
+std::string serialize_job(const rpc::Job& job) { return to_thrift_bytes(job); }
 
 rpc::Job parse_job(const std::string& bytes) {
-  auto buf = std::make_shared<apache::thrift::transport::TMemoryBuffer>(
-      reinterpret_cast<uint8_t*>(const_cast<char*>(bytes.data())), (uint32_t)bytes.size());
-  apache::thrift::protocol::TBinaryProtocol proto(buf);
-  // No string or list is longer than the bytes: without limits Thrift allocates whatever length
-  // a string claims (up to 2 GB) before finding the bytes missing.
-  const auto limit = (int32_t)std::min<size_t>(bytes.size(), INT32_MAX);
-  proto.setStringSizeLimit(limit);
-  proto.setContainerSizeLimit(limit);
   rpc::Job job;
-  try {
-    job.read(&proto);
-  } catch (const apache::thrift::TException& e) {
-    fail("not a serialized xctx job (", bytes.size(), " bytes): ", e.what());
-  }
+  std::string why;
+  if (!from_thrift_bytes(bytes, job, &why)) fail("not a serialized xctx job (", bytes.size(), " bytes): ", why);
   return job;
 }
 
@@ -149,9 +135,56 @@ void check_job_request(const rpc::Job& job, const service_limits& lim) {
   throw bad("unknown job kind " + std::to_string((int)job.kind));
 }
 
-job_table::job_table(int max_queue, int keep_ended) : max_queue_(max_queue), keep_ended_(keep_ended) {
+job_table::job_table(int max_queue, int keep_ended, job_journal* journal, interrupted_policy policy)
+    : max_queue_(max_queue), keep_ended_(keep_ended), journal_(journal) {
   XCTX_CHECK(max_queue >= 1, "--max-queue must be >= 1, got ", max_queue);
   XCTX_CHECK(keep_ended >= 1, "ended jobs kept must be >= 1, got ", keep_ended);
+  if (!journal_) return;
+  const job_journal::replay& r = journal_->replayed();
+  next_id_ = r.next_id;
+  for (const rpc::JobResult& res : r.ended) {  // answerable again, as before the restart
+    entry& e = jobs_[res.id];
+    e.status.id = res.id;
+    e.status.phase = res.phase;
+    e.status.error = res.error;
+    e.status.tokens_done = e.status.tokens_total = res.prompt_tokens + res.generated_tokens;
+    e.result = res;
+    ended_.push_back(res.id);
+  }
+  // Interrupted jobs go first (they were first in line), then the queue in its order; the queue
+  // limit does not apply to what the service already accepted.
+  std::vector<const job_journal::pending*> order;
+  for (const auto& j : r.jobs)
+    if (j.starts > 0) order.push_back(&j);
+  for (const auto& j : r.jobs)
+    if (j.starts == 0) order.push_back(&j);
+  for (const job_journal::pending* j : order) {
+    entry& e = jobs_[j->id];
+    e.job = j->job;
+    e.status.id = j->id;
+    e.status.kind = j->job.kind;
+    e.status.eta_s = -1;
+    e.submitted = std::chrono::steady_clock::now();
+    const bool retry = j->starts > 0 && policy == interrupted_policy::retry_once && j->starts < 2;
+    if (j->starts > 0 && !retry) {
+      rpc::JobResult res;
+      res.id = j->id;
+      res.phase = rpc::JobPhase::FAILED;
+      res.error = "interrupted: the service stopped while this job ran (a rank died or the service was killed)" +
+                  std::string(j->starts >= 2 ? " twice; not retried again" : "; not retried (--on-interrupt fail)");
+      e.status.phase = res.phase;
+      e.status.error = res.error;
+      e.result = res;
+      journal_->ended(res);
+      ended(j->id);
+      continue;
+    }
+    e.status.phase = rpc::JobPhase::QUEUED;
+    queue_.push_back(j->id);
+    LOG(INFO) << "job " << j->id << " " << (retry ? "retried (interrupted by the last stop)" : "queued again")
+              << " from the journal";
+  }
+  counters_.submitted = (int64_t)queue_.size();
 }
 
 int64_t job_table::submit(const rpc::Job& job) {
@@ -160,7 +193,17 @@ int64_t job_table::submit(const rpc::Job& job) {
   if ((int)queue_.size() >= max_queue_)
     throw request_error(rpc::ErrorCode::QUEUE_FULL, std::to_string(queue_.size()) +
                                                         " jobs are waiting, the limit (--max-queue); try again later");
-  const int64_t id = next_id_++;
+  if (!journal_error_.empty())
+    throw request_error(rpc::ErrorCode::INTERNAL, "the service cannot record jobs: " + journal_error_);
+  const int64_t id = next_id_;
+  if (journal_) {  // durable before acknowledged: a failed write accepts nothing
+    try {
+      journal_->accepted(id, job);
+    } catch (const Error& e) {
+      throw request_error(rpc::ErrorCode::INTERNAL, std::string("the job was not accepted: ") + e.what());
+    }
+  }
+  ++next_id_;
   entry& e = jobs_[id];
   e.job = job;
   e.status.id = id;
@@ -184,6 +227,7 @@ std::optional<std::pair<int64_t, rpc::Job>> job_table::next(std::chrono::millise
   e.status.phase = rpc::JobPhase::PREFILL;
   e.started = std::chrono::steady_clock::now();
   running_ = id;
+  record([&] { journal_->started(id); });
   return std::make_pair(id, e.job);
 }
 
@@ -237,6 +281,7 @@ bool job_table::cancel(int64_t id) {
     e.result.id = id;
     e.result.phase = rpc::JobPhase::CANCELLED;
     e.result.error = "cancelled before it started";
+    record([&] { journal_->ended(e.result); });
     ended(id);
     return true;
   }
@@ -268,11 +313,12 @@ void job_table::set_items(int64_t id, int done, int total) {
   e.status.items_total = total;
 }
 
-void job_table::finish(int64_t id, rpc::JobResult result) {
+void job_table::finish(int64_t id, rpc::JobResult result, bool durable) {
   std::lock_guard<std::mutex> lock(mu_);
   entry& e = find(id);
   XCTX_ASSERT(has_ended(result.phase));
   result.id = id;
+  if (durable) record([&] { journal_->ended(result); });
   e.status.phase = result.phase;
   e.status.error = result.error;
   if (result.phase == rpc::JobPhase::DONE)  // the estimate's upper bound gives way to what ran
@@ -313,6 +359,19 @@ job_table::stream_read job_table::read_stream(int64_t id, size_t offset, std::ch
 double job_table::seconds_since_submitted(int64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return seconds_since(find(id).submitted);
+}
+
+void job_table::record(const std::function<void()>& write) {
+  if (!journal_) return;
+  try {
+    write();
+  } catch (const Error& e) {
+    // The job's state stays right in memory (its client still gets its answer); what cannot be
+    // made durable any more is new work, so submissions are refused from now on, by name.
+    LOG(ERROR) << e.what();
+    std::fprintf(stderr, "xctx: error: %s; the service takes no new jobs\n", e.what());
+    journal_error_ = e.what();
+  }
 }
 
 void job_table::ended(int64_t id) {

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -37,13 +38,22 @@ void check_job_request(const rpc::Job& job, const service_limits& limits);
 // A generate job's sampler settings (unchecked: check_job_request checks them).
 sampler_params sampling_of(const rpc::GenerateJob& g);
 
+class job_journal;
+
+// What a restarted service does with a job that was running when the last one stopped.
+enum class interrupted_policy { retry_once, fail };
+
 class job_table {
  public:
   // max_queue: jobs waiting at most; keep_ended: ended jobs whose status and result stay
   // answerable (older ones are forgotten, so a long-running service holds bounded memory).
-  job_table(int max_queue, int keep_ended);
+  // journal (optional, not owned): every accepted job, start and end is written to it before
+  // the table acknowledges it; the table starts from what it replayed (coordinator/job_journal.h).
+  job_table(int max_queue, int keep_ended, job_journal* journal = nullptr,
+            interrupted_policy policy = interrupted_policy::retry_once);
 
-  // Queues a job. Throws RequestError QUEUE_FULL or SHUTTING_DOWN.
+  // Queues a job. Throws RequestError QUEUE_FULL, SHUTTING_DOWN, or INTERNAL when the journal
+  // cannot be written (the job is then not accepted).
   int64_t submit(const rpc::Job& job);
   // The next queued job, marked running, or nothing after `wait` (or at once once closed).
   std::optional<std::pair<int64_t, rpc::Job>> next(std::chrono::milliseconds wait);
@@ -61,8 +71,9 @@ class job_table {
   void set_phase(int64_t id, rpc::JobPhase::type phase);
   void set_tokens(int64_t id, int64_t done, int64_t total);
   void set_items(int64_t id, int done, int total);
-  // Ends the running job: result.phase is DONE, FAILED or CANCELLED.
-  void finish(int64_t id, rpc::JobResult result);
+  // Ends the running job: result.phase is DONE, FAILED or CANCELLED. durable false: the end is
+  // not journaled (a job stopped by the service's own shutdown runs again after a restart).
+  void finish(int64_t id, rpc::JobResult result, bool durable = true);
 
   // Streaming (the HTTP front's server-sent events): the running job appends its output text as
   // it becomes final; a reader takes what lies past `offset`, waiting up to `wait` for more.
@@ -93,8 +104,11 @@ class job_table {
   entry& find(int64_t id);
   const entry& find(int64_t id) const;
   void ended(int64_t id);  // bookkeeping of a job that just ended (lock held)
+  void record(const std::function<void()>& write);  // a journal write after acceptance (lock held)
 
   const int max_queue_, keep_ended_;
+  job_journal* journal_;
+  std::string journal_error_;  // set once a start or end could not be written: no new jobs
   mutable std::mutex mu_;
   std::condition_variable cv_;
   mutable std::condition_variable stream_cv_;  // text appended or a job ended

@@ -444,6 +444,13 @@ int main(int argc, char** argv) {
   sv->add_option("--max-output-tokens", srv.limits.max_output_tokens, "largest max_tokens a job may ask")
       ->default_val(1024);
   sv->add_option("--max-queue", srv.max_queue, "jobs waiting at most")->default_val(16);
+  sv->add_option("--journal", srv.journal_dir,
+                 "directory of the job journal: accepted jobs are fsync'd there before they are acknowledged and "
+                 "survive a restart (launch/xctx-serve restarts a service whose rank died)");
+  std::string srv_on_interrupt = "retry";
+  sv->add_option("--on-interrupt", srv_on_interrupt,
+                 "--journal: a job that was running when the service stopped: retry (once) | fail")
+      ->default_val("retry")->check(CLI::IsMember({"retry", "fail"}));
   sv->add_option("--log-dir", srv.log_dir, "write glog files there (default: log to stderr)");
   sv->add_option("--verbose,-v", srv.verbose, "glog verbosity (1: every status/info call too)")->default_val(0)->check(CLI::Range(0, 9));
   add_run_options(sv, srv.run, srv_cache, srv_ctx, srv_rope, srv_cf);
@@ -535,6 +542,7 @@ int main(int argc, char** argv) {
       apply_run_options(srv.run, srv_cache, srv_ctx, srv_rope, srv_cf);
       apply_sequence_options(srv.seq, srv_seq);
       srv.limits.max_request_bytes = xctx::parse_count(srv_max_bytes, "--max-request-bytes");
+      srv.on_interrupt = srv_on_interrupt == "fail" ? xctx::interrupted_policy::fail : xctx::interrupted_policy::retry_once;
       srv.limits.max_context = srv_max_context.empty() ? 0 : xctx::parse_count(srv_max_context, "--max-context");
       XCTX_CHECK(srv_max_context.empty() || srv.limits.max_context >= 2, "--max-context must be at least 2 tokens, got ",
                  srv_max_context);

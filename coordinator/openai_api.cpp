@@ -97,6 +97,7 @@ api_error api_error_of(const rpc::RequestError& e) {
     case rpc::ErrorCode::QUEUE_FULL: return api_error(429, "rate_limit_error", e.message, "", "queue_full");
     case rpc::ErrorCode::NOT_FINISHED: return api_error(409, "invalid_request_error", e.message);
     case rpc::ErrorCode::SHUTTING_DOWN: return api_error(503, "service_unavailable", e.message, "", "shutting_down");
+    case rpc::ErrorCode::INTERNAL: return api_error(503, "service_unavailable", e.message, "", "journal_unavailable");
   }
   return api_error(500, "server_error", e.message);
 }

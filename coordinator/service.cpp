@@ -22,6 +22,7 @@
 #include "common/sys.h"
 #include "coordinator/generate_text.h"
 #include "coordinator/http_front.h"
+#include "coordinator/job_journal.h"
 #include "coordinator/passkey.h"
 #include "coordinator/sequence_driver.h"
 #include "coordinator/service_metrics.h"
@@ -369,10 +370,22 @@ int run_serve(const serve_options& opt, communicator& comm) {
   const std::string secret = lead && !opt.token_file.empty() ? read_secret(opt.token_file) : std::string();
   // The job table and the HTTP front exist before the model loads: /health answers 503 until
   // the ranks are up and the cache is allocated, so a supervisor can tell loading from dead.
+  std::unique_ptr<job_journal> journal;
   std::unique_ptr<service_state> state;
   std::unique_ptr<http_front> http;
   if (lead) {
-    state.reset(new service_state{job_table(opt.max_queue, opt.keep_ended), opt.limits, secret, {}, {}});
+    if (!opt.journal_dir.empty()) {
+      journal = std::make_unique<job_journal>(opt.journal_dir, opt.keep_ended);
+      const job_journal::replay& r = journal->replayed();
+      int interrupted = 0;
+      for (const auto& j : r.jobs) interrupted += j.starts > 0;
+      std::fprintf(stderr, "[xctx] job journal %s: %zu pending job(s) (%d interrupted: %s), %zu ended, next id %lld\n",
+                   journal->path().c_str(), r.jobs.size(), interrupted,
+                   opt.on_interrupt == interrupted_policy::retry_once ? "retried once" : "failed", r.ended.size(),
+                   (long long)r.next_id);
+    }
+    state.reset(new service_state{job_table(opt.max_queue, opt.keep_ended, journal.get(), opt.on_interrupt),
+                                  opt.limits, secret, {}, {}});
     if (opt.http_port >= 0) {
       http_front_options ho;
       ho.bind = opt.bind, ho.port = opt.http_port, ho.port_file = opt.http_port_file, ho.secret = secret;
@@ -480,7 +493,9 @@ int run_serve(const serve_options& opt, communicator& comm) {
               << r.prompt_tokens << " prompt + " << r.generated_tokens << " generated tokens, prefill "
               << r.prefill_s << " s, decode " << r.decode_s << " s";
     st.metrics.job_ended(r);
-    st.table.finish(id, std::move(r));
+    // A job our own shutdown stopped is not ended in the journal: a restart runs it again.
+    const bool durable = !(r.phase == rpc::JobPhase::CANCELLED && g_stop_signal);
+    st.table.finish(id, std::move(r), durable);
   }
   LOG(INFO) << "stopping";
   st.table.close();       // queued jobs end CANCELLED; their HTTP clients get a 503

@@ -27,6 +27,8 @@ struct serve_options {
   service_limits limits;           // max_context 0: the run's context (--ctx, else trained)
   int max_queue = 16;
   int keep_ended = 1000;           // ended jobs whose status/result stay answerable
+  std::string journal_dir;         // --journal: accepted jobs survive a restart (coordinator/job_journal.h)
+  interrupted_policy on_interrupt = interrupted_policy::retry_once;
   std::string log_dir;             // glog files there instead of stderr
   int verbose = 0;                 // glog -v
   run_params run;

@@ -30,6 +30,7 @@ enum ErrorCode {
   QUEUE_FULL = 5,     // --max-queue jobs are waiting already
   NOT_FINISHED = 6,   // result() of a job that is still queued or running
   SHUTTING_DOWN = 7,  // the service is stopping and takes no new jobs
+  INTERNAL = 8,       // the service could not record the job (its --journal cannot be written)
 }
 
 exception RequestError {
