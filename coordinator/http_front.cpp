@@ -91,9 +91,19 @@ void http_front::start() {
   s.set_keep_alive_timeout(5);
   s.set_payload_max_length((size_t)opt_.max_request_bytes);
   routes();
+  // httplib's listen backlog is 5 (compiled into the Debian library): a burst of clients then
+  // overflows the accept queue and some see their connections reset. The listening socket is
+  // captured here and listen() called again with a real backlog once it is bound.
+  int listen_fd = -1;
+  s.set_socket_options([&listen_fd](socket_t fd) {
+    int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);  // httplib's default, kept
+    listen_fd = fd;
+  });
   port_ = opt_.port == 0 ? s.bind_to_any_port(opt_.bind) : (s.bind_to_port(opt_.bind, opt_.port) ? opt_.port : -1);
   XCTX_CHECK(port_ > 0, "cannot listen for HTTP on ", opt_.bind, ":", opt_.port,
              " (in use, or not an address of this host; --http-port / --bind)");
+  if (listen_fd >= 0 && ::listen(listen_fd, 1024) != 0) LOG(WARNING) << "HTTP: cannot raise the listen backlog";
   if (!opt_.port_file.empty()) {  // written whole, then renamed: a reader never sees half a number
     const std::string tmp = opt_.port_file + ".tmp";
     std::ofstream(tmp) << port_ << "\n";

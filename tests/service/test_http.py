@@ -383,6 +383,23 @@ class HttpTests(unittest.TestCase):
         self.assertLess(time.monotonic() - t0, IO_TIMEOUT_S * 4)
         slow.close()
 
+    def test_10b_a_client_that_never_reads_its_stream_holds_nothing_up(self):
+        s = service()
+        lazy = socket.socket()
+        lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the kernel's minimum: a full window soon
+        lazy.connect(("127.0.0.1", s.port))
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": MAX_OUTPUT, "temperature": 0, "stream": True})
+        lazy.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {s.token}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        before = self.last_job_id()
+        job = ts.wait_until(lambda: self.last_job_id() if self.last_job_id() > before else None, 30, "the job")
+        st, _, got = s.request("POST", "/v1/completions", {"prompt": PARIS, "max_tokens": 4, "temperature": 0})
+        self.assertEqual(st, 200, got)  # served after (or beside) the unread stream
+        # Its bytes fit the socket buffers and the job ends DONE, or the writes block and the
+        # --http-io-timeout drops the client, which cancels it: either way it ends.
+        ts.wait_until(lambda: job_phase(job) in ("DONE", "CANCELLED"), IO_TIMEOUT_S * 10 + 60, "the unread job to end")
+        lazy.close()
+
     def test_11_metrics(self):
         s = service()
         st, headers, text = s.request("GET", "/metrics", auth=False)
