@@ -70,7 +70,9 @@ CLI::Validator number_in(double lo, double hi) {
 
 // The sampler's options (coordinator/sampler.h says what each does and in which order), the same
 // on every job that decodes. with_seed: false where --seed is the job's own (submit).
-void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed = true) {
+// defaults: the job's (summaries have a repetition guard, coordinator/summarize.h).
+void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed = true,
+                          const xctx::sampler_params& defaults = {}) {
   cmd->add_option("--temperature", s.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
   cmd->add_option("--top-p", s.top_p, "nucleus sampling mass")->default_val(1.0f)->check(unit_mass());
   cmd->add_option("--sample-top-k", s.top_k, "sample among the k most likely tokens (0 = all; --top-k is retrieval's)")
@@ -81,7 +83,7 @@ void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed
       ->check(number_in(0, 1));
   cmd->add_option("--repeat-penalty", s.repetition_penalty,
                   "divide the positive logits (multiply the negative) of the last --repeat-last-n tokens by this (1 = off)")
-      ->default_val(1.0f)
+      ->default_val(defaults.repetition_penalty)
       ->check(positive());
   cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens of prompt and output the repeat penalty sees")
       ->default_val(64)
@@ -94,7 +96,7 @@ void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed
       ->default_val(0.0f)
       ->check(number_in(-2, 2));
   cmd->add_option("--no-repeat-ngram", s.no_repeat_ngram, "never generate an n-gram of the output twice (0 = off)")
-      ->default_val(0)
+      ->default_val(defaults.no_repeat_ngram)
       ->check(integer_in(0, 1 << 10));
   if (with_seed) cmd->add_option("--seed", s.seed, "sampling seed")->default_val(0)->check(seed_value());
 }
@@ -414,7 +416,7 @@ int main(int argc, char** argv) {
       ->default_val(200);
   sc->add_option("--chunk-tokens", sum_chunk, "map-reduce: text tokens per chunk (default: as many as fit --ctx)");
   sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160)->check(CLI::Range(1, 1 << 20));
-  add_sampling_options(sc, sum.settings.sampling);
+  add_sampling_options(sc, sum.settings.sampling, true, xctx::summary_sampling_defaults());
   add_run_options(sc, sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
   sequence_flags sum_seq;
   add_sequence_options(sc, sum_seq);

@@ -21,6 +21,13 @@
 #include "worker/sequence_plan.h"
 
 namespace xctx {
+
+sampler_params summary_sampling_defaults() {
+  sampler_params p;
+  p.repetition_penalty = 1.2f;
+  p.no_repeat_ngram = 3;
+  return p;
+}
 namespace {
 
 // Summaries a document may ask for beyond the batch default: the tail rank reserves this much.
