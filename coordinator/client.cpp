@@ -64,6 +64,7 @@ rpc::Job make_job(const client_options& opt) {
     g.top_k = sp.top_k, g.min_p = sp.min_p, g.repetition_penalty = sp.repetition_penalty;
     g.repeat_last_n = sp.repeat_last_n, g.frequency_penalty = sp.frequency_penalty;
     g.presence_penalty = sp.presence_penalty, g.no_repeat_ngram = sp.no_repeat_ngram;
+    g.stop = opt.stop;
     job.__set_generate(g);
   } else if (opt.kind == "passkey") {
     job.kind = rpc::JobKind::PASSKEY;

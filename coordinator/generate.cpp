@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 
 #include "cache/cache.h"
@@ -9,6 +10,7 @@
 #include "common/sys.h"
 #include "coordinator/distributed.h"
 #include "coordinator/jobs.h"
+#include "coordinator/generate_text.h"
 #include "coordinator/sequence_driver.h"
 #include "coordinator/session.h"
 #include "worker/cache_snapshot.h"
@@ -93,15 +95,29 @@ int run_generate(const generate_options& opt, communicator& comm) {
       progress(done, total);
       if (done == total) progress.finish();
     };
-    hooks.on_token = [&s](int32_t id) {
-      const std::string piece = s.tok->token_piece(id);
+    // With --stop the output goes through text_stream (held back while it may begin a stop
+    // string, cut before one); without, each token's bytes go out as they come.
+    std::optional<text_stream> text;
+    if (!opt.stop.empty()) text.emplace(*s.tok, opt.stop);
+    bool hit_stop = false;
+    const auto emit = [](const std::string& piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     };
+    hooks.on_token = [&](int32_t id) {
+      if (!text) return emit(s.tok->token_piece(id));
+      hit_stop = text->push(id);
+      emit(text->take_ready());
+    };
+    hooks.should_stop = [&hit_stop] { return hit_stop; };
     sequence_request req{prompt_ids, {}, opt.max_tokens, opt.sampling};
     req.save_cache_dir = opt.save_cache;
     if (!opt.load_cache.empty()) req.load_cache_dir = opt.load_cache, req.context.swap(req.suffix);
     out = driver.run(req, hooks);
+    if (text) {
+      text->finish();
+      emit(text->take_ready());
+    }
     progress.finish();
     std::fputc('\n', stdout);
     driver.finish();

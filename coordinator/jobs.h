@@ -22,6 +22,7 @@ struct generate_options {
   std::string system;     // chat system prompt (empty: the template's default)
   int max_tokens = 128;
   sampler_params sampling;
+  std::vector<std::string> stop;  // end before the first of these strings (OpenAI's `stop`)
   run_params run;
   sequence_options seq;  // prefill mode and shard layout under mpirun
   bool show_stats = true;

@@ -282,6 +282,8 @@ int main(int argc, char** argv) {
   g->add_option("--system", gen.system, "system message for --chat");
   g->add_option("--max-tokens,-n", gen.max_tokens, "tokens to generate")->default_val(128);
   add_sampling_options(g, gen.sampling);
+  g->add_option("--stop", gen.stop, "end before the first of these strings; the output holds none of it (repeatable)")
+      ->check([](const std::string& v) { return v.empty() ? std::string("--stop needs a non-empty string") : std::string(); });
   g->add_flag("!--no-stats", gen.show_stats, "do not print speed and memory at the end");
   g->add_option("--save-cache", gen.save_cache,
                 "save every rank's cache shard to this directory once the prompt is in (-n 0: only save)");
@@ -475,6 +477,7 @@ int main(int argc, char** argv) {
       ->default_val(128)
       ->check(integer_in(0, 1 << 30));
   add_sampling_options(sub, cl.sampling, false);  // generate
+  sub->add_option("--stop", cl.stop, "generate: end before the first of these strings (repeatable)");
   sub->add_option("--seed", cl.seed, "sampling / passkey seed")->default_val(0)->check(seed_value());
   sub->add_option("--context", cl.context, "passkey: prompt tokens")->default_val(4096)->check(integer_in(64, int64_t(1) << 40));
   sub->add_option("--trials", cl.trials, "passkey: trials per depth")->default_val(1)->check(integer_in(1, 1 << 20));

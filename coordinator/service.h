@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "coordinator/job_table.h"
@@ -50,6 +51,7 @@ struct client_options {
   bool chat = false;
   int max_tokens = 128;
   sampler_params sampling;       // generate (its seed is --seed below)
+  std::vector<std::string> stop; // generate: stop strings
   int64_t seed = 0;
   int64_t context = 4096;        // passkey
   int trials = 1;
