@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "coordinator/generate_text.h"
 #include "coordinator/openai_api.h"
+#include "coordinator/secret.h"
 
 namespace xctx {
 namespace {
@@ -138,10 +139,7 @@ bool http_front::authorized(const httplib::Request& req, httplib::Response& res)
   if (opt_.secret.empty()) return true;
   const std::string h = req.get_header_value("Authorization");
   const std::string given = h.rfind("Bearer ", 0) == 0 ? h.substr(7) : std::string();
-  // Equal-time comparison: how long a wrong token takes to refuse says nothing about the secret.
-  unsigned char diff = given.size() == opt_.secret.size() ? 0 : 1;
-  for (size_t i = 0; i < given.size(); ++i) diff |= (unsigned char)(given[i] ^ opt_.secret[i % opt_.secret.size()]);
-  if (diff == 0) return true;
+  if (same_secret(given, opt_.secret)) return true;
   refuse(res, api_error(401, "authentication_error", "wrong or missing token: send Authorization: Bearer <the service's --token-file secret>", "", "invalid_api_key"), req);
   return false;
 }
