@@ -419,6 +419,8 @@ int main(int argc, char** argv) {
   sc->add_option("--chunk-tokens", sum_chunk, "map-reduce: text tokens per chunk (default: as many as fit --ctx)");
   sc->add_option("--map-tokens", sum.settings.map_tokens, "map-reduce: tokens of each chunk summary")->default_val(160)->check(CLI::Range(1, 1 << 20));
   add_sampling_options(sc, sum.settings.sampling, true, xctx::summary_sampling_defaults());
+  sc->add_option("--stop", sum.settings.stop, "end each summary before the first of these strings (repeatable)")
+      ->check([](const std::string& v) { return v.empty() ? std::string("--stop needs a non-empty string") : std::string(); });
   add_run_options(sc, sum.run, sum_cache, sum_ctx, sum_rope, sum_cf);
   sequence_flags sum_seq;
   add_sequence_options(sc, sum_seq);

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <optional>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/distributed.h"
+#include "coordinator/generate_text.h"
 #include "coordinator/session.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_plan.h"
@@ -284,13 +286,18 @@ std::string summarizer::run_one(const std::string& instruction, const std::strin
              " tokens + ", max_tokens, " to generate exceeds the context of ", s_.n_ctx, " tokens");
   const int64_t base = done;
   total = std::max(total, base + (int64_t)req.context.size() + max_tokens);
+  // Stop strings end a summary like the service's generate jobs (coordinator/generate_text.h).
+  std::optional<text_stream> out_text;
+  if (!s_.stop.empty()) out_text.emplace(tok_, s_.stop);
+  bool hit_stop = false;
   sequence_hooks h;
-  h.should_stop = hooks.should_stop;
+  h.should_stop = [&] { return hit_stop || (hooks.should_stop && hooks.should_stop()); };
   h.on_phase = hooks.on_phase;
-  if (hooks.progress) {
-    h.prefill_progress = [&](int64_t d, int64_t) { hooks.progress(base + d, total); };
-    h.on_token = [&](int32_t) { hooks.progress(++done, total); };
-  }
+  h.on_token = [&](int32_t id) {
+    if (out_text) hit_stop = out_text->push(id);
+    if (hooks.progress) hooks.progress(++done, total);
+  };
+  if (hooks.progress) h.prefill_progress = [&](int64_t d, int64_t) { hooks.progress(base + d, total); };
   done = base + (int64_t)req.context.size();
   const sequence_outcome out = driver_.run(req, h);
   done = base + out.prompt_tokens + (int64_t)out.ids.size();
@@ -299,8 +306,8 @@ std::string summarizer::run_one(const std::string& instruction, const std::strin
   r.prefill_s += out.prefill_s;
   r.decode_s += out.decode_s;
   ++r.sequences;
-  r.stopped = r.stopped || out.stopped;
-  std::string summary = tok_.decode(out.ids);
+  r.stopped = r.stopped || (out.stopped && !hit_stop);
+  std::string summary = out_text ? out_text->text() : tok_.decode(out.ids);
   const size_t first = summary.find_first_not_of(" \n\t");
   return first == std::string::npos ? std::string() : summary.substr(first);
 }

@@ -77,6 +77,7 @@ struct summarize_settings {
   int64_t chunk_tokens = 0;   // map step: text tokens per chunk; 0: as many as fit
   int map_tokens = 160;       // tokens of each chunk summary
   sampler_params sampling = summary_sampling_defaults();
+  std::vector<std::string> stop;  // a summary ends before the first of these strings
 };
 
 struct summary_result {

@@ -126,7 +126,7 @@ struct local_stack {
   std::unique_ptr<sequence_driver> driver;
   std::unique_ptr<summarizer> sum;
 
-  local_stack(const std::string& path, int64_t n_ctx, int max_tokens) {
+  local_stack(const std::string& path, int64_t n_ctx, int max_tokens, std::vector<std::string> stop = {}) {
     run_params rp;
     s = open_session(path, "", rp, false);
     engine = std::make_unique<llama_engine>(s.weights, *s.be, rp);
@@ -137,6 +137,7 @@ struct local_stack {
     driver = std::make_unique<sequence_driver>(*runner, *comm, *s.tok, s.weights.hp.n_vocab);
     summarize_settings ss;
     ss.n_ctx = n_ctx, ss.max_tokens = max_tokens, ss.map_tokens = max_tokens;
+    ss.stop = std::move(stop);
     sum = std::make_unique<summarizer>(*s.tok, s.chat_template, *driver, ss);
   }
 };
@@ -211,6 +212,27 @@ TEST(summarizer, short_documents_take_one_sequence_long_ones_map_reduce) {
   stop.should_stop = [&] { return ++polls > 3; };
   EXPECT_TRUE(st.sum->summarize(long_text(12), "", 0, stop).stopped);
   EXPECT_THROW(st.sum->summarize(" \n ", "", 0), Error);
+}
+
+}  // namespace
+}  // namespace xctx
+
+namespace xctx {
+namespace {
+
+// A stop string ends a summary before it, as a generate job's does; the run is not "stopped".
+TEST(summarizer, a_stop_string_ends_the_summary_before_it) {
+  XCTX_REQUIRE_MODEL(path);
+  local_stack free_run(path, 2048, 40);
+  const std::string doc = long_text(2);
+  const summary_result full = free_run.sum->summarize(doc, "", 40, {});
+  const size_t dot = full.summary.find('.');
+  ASSERT_NE(dot, std::string::npos) << full.summary;
+  local_stack cut(path, 2048, 40, {"."});
+  const summary_result r = cut.sum->summarize(doc, "", 40, {});
+  EXPECT_FALSE(r.stopped);
+  EXPECT_EQ(r.summary, full.summary.substr(0, dot));
+  EXPECT_LT(r.generated_tokens, full.generated_tokens);
 }
 
 }  // namespace
