@@ -185,6 +185,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "http_load"))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    commit = xctx_commit()  # at the start: the tree the binary was built from, not the one at the end
 
     tmp = tempfile.mkdtemp(prefix="xctx-http-load-")
     token = secrets.token_hex(16)
@@ -267,7 +268,7 @@ def main():
     cmd = "/usr/bin/python3 benchmarks/http_load.py " + " ".join(sys.argv[1:])
     with open(args.out + ".md", "w") as f:
         f.write("# HTTP front under load: concurrent streaming clients\n\n")
-        f.write(f"Written by `{cmd}` on {datetime.date.today()}, xctx {xctx_commit()}, {cpu_identity()}. "
+        f.write(f"Written by `{cmd}` on {datetime.date.today()}, xctx {commit}, {cpu_identity()}. "
                 f"`xctx serve` on {args.ranks} ranks x 1 thread (fp16 cache, context 2048), the bundled SmolLM2; "
                 f"each client streams `/v1/completions` with max_tokens {args.max_tokens}, temperature 0.7, "
                 f"a seeded prompt from a fixed set of {len(PROMPTS)}, for {args.seconds:.0f} s per level; a 429 "
