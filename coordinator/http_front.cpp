@@ -169,10 +169,10 @@ void http_front::routes() {
     send_json(res, 200, {{"object", "list"}, {"data", json::array({model})}});
   });
   s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    completion(req, res, (int)api_endpoint::completions);
+    completion(req, res, api_endpoint::completions);
   });
   s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    completion(req, res, (int)api_endpoint::chat_completions);
+    completion(req, res, api_endpoint::chat_completions);
   });
   // xctx's extension: the status of any job (Thrift's too) and cancelling it.
   const auto job_route = [this, ready_view](bool cancel) {
@@ -229,8 +229,7 @@ void http_front::routes() {
   });
 }
 
-void http_front::completion(const httplib::Request& req, httplib::Response& res, int endpoint_int) {
-  const api_endpoint ep = (api_endpoint)endpoint_int;
+void http_front::completion(const httplib::Request& req, httplib::Response& res, api_endpoint ep) {
   std::shared_ptr<const http_model_view> v;
   {
     std::lock_guard<std::mutex> lock(view_mu_);
@@ -274,28 +273,40 @@ void http_front::completion(const httplib::Request& req, httplib::Response& res,
   c.cache = v->info.cache;
   c.attention = v->attention;
   res.set_header("X-Xctx-Job-Id", std::to_string(id));
+  if (r.stream) return answer_stream(res, c, ep, r.include_usage, peer_of(req));
+  answer_whole(req, res, c, ep);
+}
 
-  if (!r.stream) {
-    const int fd = connection_fd(req);
-    for (;;) {
-      const job_table::stream_read got = table_.read_stream(id, SIZE_MAX, 250ms);
-      if (got.ended) {
-        const rpc::JobResult& jr = got.result;
-        if (jr.phase == rpc::JobPhase::DONE) return send_json(res, 200, completion_body(ep, c, jr));
-        const bool shutting = stopping_ || jr.error.find("shutting down") != std::string::npos;
-        return send_json(res, shutting ? 503 : 500,
-                         error_body(api_error(shutting ? 503 : 500, shutting ? "service_unavailable" : "server_error",
-                                              "job " + std::to_string(id) + " " + rpc::to_string(jr.phase) + ": " + jr.error)));
-      }
-      if (peer_hung_up(fd) || stopping_) {
-        table_.cancel(id);
-        LOG(INFO) << peer_of(req) << " went away: job " << id << " cancelled";
-        // The answer goes nowhere; the job ends at its next step boundary.
-        return send_json(res, 503, error_body(api_error(503, "client_closed", "the client closed the connection")));
-      }
+// Waits for the job's end, then answers with its result; a client that hangs up cancels it.
+void http_front::answer_whole(const httplib::Request& req, httplib::Response& res, const answer_context& c,
+                              api_endpoint ep) {
+  const int64_t id = c.job_id;
+  const int fd = connection_fd(req);
+  for (;;) {
+    const job_table::stream_read got = table_.read_stream(id, SIZE_MAX, 250ms);
+    if (got.ended) {
+      const rpc::JobResult& jr = got.result;
+      if (jr.phase == rpc::JobPhase::DONE) return send_json(res, 200, completion_body(ep, c, jr));
+      const bool shutting = stopping_ || jr.error.find("shutting down") != std::string::npos;
+      return send_json(res, shutting ? 503 : 500,
+                       error_body(api_error(shutting ? 503 : 500, shutting ? "service_unavailable" : "server_error",
+                                            "job " + std::to_string(id) + " " + rpc::to_string(jr.phase) + ": " +
+                                                jr.error)));
+    }
+    if (peer_hung_up(fd) || stopping_) {
+      table_.cancel(id);
+      LOG(INFO) << peer_of(req) << " went away: job " << id << " cancelled";
+      // The answer goes nowhere; the job ends at its next step boundary.
+      return send_json(res, 503, error_body(api_error(503, "client_closed", "the client closed the connection")));
     }
   }
+}
 
+// Server-sent events: the job's text as it becomes final, progress comments while nothing comes,
+// then the finish chunk, the usage chunk if asked, [DONE]. A failed write cancels the job.
+void http_front::answer_stream(httplib::Response& res, const answer_context& c, api_endpoint ep, bool usage,
+                               const std::string& peer) {
+  const int64_t id = c.job_id;
   struct stream_state {
     size_t offset = 0;
     bool first = true;
@@ -304,8 +315,6 @@ void http_front::completion(const httplib::Request& req, httplib::Response& res,
   auto state = std::make_shared<stream_state>();
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
-  const bool usage = r.include_usage;
-  const std::string peer = peer_of(req);
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, id, ep, c, usage, state, peer](size_t, httplib::DataSink& sink) {

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "coordinator/job_table.h"
+#include "coordinator/openai_api.h"
 #include "coordinator/service_metrics.h"
 #include "model/tokenizer.h"
 
@@ -57,8 +58,12 @@ class http_front {
  private:
   void routes();
   bool authorized(const httplib::Request& req, httplib::Response& res);
-  void completion(const httplib::Request& req, httplib::Response& res, int endpoint);
-  void refuse(httplib::Response& res, const struct api_error& e, const httplib::Request& req);
+  // Checks and queues a completion request, then answers it whole or as a stream.
+  void completion(const httplib::Request& req, httplib::Response& res, api_endpoint ep);
+  void answer_whole(const httplib::Request& req, httplib::Response& res, const answer_context& c, api_endpoint ep);
+  void answer_stream(httplib::Response& res, const answer_context& c, api_endpoint ep, bool usage,
+                     const std::string& peer);
+  void refuse(httplib::Response& res, const api_error& e, const httplib::Request& req);
 
   http_front_options opt_;
   job_table& table_;

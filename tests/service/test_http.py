@@ -385,13 +385,13 @@ class HttpTests(unittest.TestCase):
 
     def test_10b_a_client_that_never_reads_its_stream_holds_nothing_up(self):
         s = service()
+        before = self.last_job_id()
         lazy = socket.socket()
         lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the kernel's minimum: a full window soon
         lazy.connect(("127.0.0.1", s.port))
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": MAX_OUTPUT, "temperature": 0, "stream": True})
         lazy.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {s.token}\r\n"
                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
-        before = self.last_job_id()
         job = ts.wait_until(lambda: self.last_job_id() if self.last_job_id() > before else None, 30, "the job")
         st, _, got = s.request("POST", "/v1/completions", {"prompt": PARIS, "max_tokens": 4, "temperature": 0})
         self.assertEqual(st, 200, got)  # served after (or beside) the unread stream
