@@ -443,7 +443,7 @@ int main(int argc, char** argv) {
       ->default_val(64)->check(CLI::Range(1, 4096));
   sv->add_option("--http-io-timeout", srv.http_io_timeout_s,
                  "seconds an HTTP client may send or read nothing before it is dropped (slow clients)")
-      ->default_val(30)->check(CLI::Range(0.1, 3600.0));
+      ->default_val(30)->check(number_in(0.1, 3600));
   sv->add_option("--token-file", srv.token_file, "shared secret every request must carry (>= 8 characters; HTTP: Authorization: Bearer)");
   sv->add_option("--max-request-bytes", srv_max_bytes, "largest request accepted (e.g. 8M)")->default_val("8M");
   sv->add_option("--max-context", srv_max_context, "prompt + output tokens of one sequence (default: --ctx)");
