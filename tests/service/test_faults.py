@@ -83,14 +83,7 @@ class FaultTests(unittest.TestCase):
             return f"--- {out_path}\n{ts.tail(out_path, 60)}"
 
         def read_port(path):
-            if sup.poll() is not None:
-                raise AssertionError(f"the supervisor exited with {sup.returncode}:\n{logs()}")
-            try:
-                with open(path) as f:
-                    text = f.read().strip()
-            except FileNotFoundError:
-                return None
-            return int(text) if text.isdigit() and int(text) > 0 else None
+            return ts.port_in_file(sup, path, logs)
 
         try:
             port = ts.wait_until(lambda: read_port(port_file), 120, "the Thrift port")

@@ -78,14 +78,7 @@ class HttpService:
             raise
 
     def read_port(self, path):
-        if self.proc.poll() is not None:
-            raise AssertionError(f"xctx serve exited with {self.proc.returncode}:\n{self.logs()}")
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except FileNotFoundError:
-            return None
-        return int(text) if text.isdigit() and int(text) > 0 else None
+        return ts.port_in_file(self.proc, path, self.logs)
 
     def request(self, method, path, body=None, auth=True, token=None, headers=None, timeout=120):
         """(status, headers, parsed JSON or text) of one request."""

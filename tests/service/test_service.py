@@ -111,6 +111,18 @@ def tail(path, n=40):
         return ""
 
 
+def port_in_file(proc, path, logs):
+    """The port a service wrote to `path` (None until it has); fails with logs() once proc exited."""
+    if proc.poll() is not None:
+        raise AssertionError(f"{proc.args[0]} exited with {proc.returncode}:\n{logs()}")
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def wait_until(predicate, timeout_s, what, poll_s=0.1):
     """Polls predicate() until it returns a true value, which is returned; fails after timeout_s."""
     deadline = time.monotonic() + timeout_s
@@ -142,17 +154,8 @@ class Service:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
                                          env=dict(os.environ, **MPI_ENV), start_new_session=True)
 
-        def port():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"xctx serve exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                with open(port_file) as f:
-                    text = f.read().strip()
-            except FileNotFoundError:
-                return None
-            return int(text) if text.isdigit() and int(text) > 0 else None
         try:
-            self.port = wait_until(port, 120, f"the port file {port_file}", poll_s=0.2)
+            self.port = wait_until(lambda: port_in_file(self.proc, port_file, self.logs), 120, f"the port file {port_file}", poll_s=0.2)
         except BaseException:
             kill_session(self.proc)
             raise
