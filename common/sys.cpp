@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -112,6 +113,16 @@ void init_logging(const char* argv0) {
     FLAGS_logtostderr = true;
     google::InitGoogleLogging(argv0);
   });
+}
+
+void write_all_bytes(int fd, const char* data, size_t n, const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::write(fd, data + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    XCTX_CHECK(w > 0, "cannot write ", path, ": ", std::strerror(errno));
+    done += (size_t)w;
+  }
 }
 
 std::string read_file_bytes(const std::string& path, const std::string& what) {

@@ -47,5 +47,7 @@ void init_logging(const char* argv0);  // glog to stderr, idempotent
 long long parse_count(const std::string& text, const std::string& what);
 // A whole file's bytes; throws "cannot read [what ]path" (what: e.g. "prompt file").
 std::string read_file_bytes(const std::string& path, const std::string& what = "");
+// Writes every byte to fd (retrying short writes and EINTR); throws "cannot write PATH: reason".
+void write_all_bytes(int fd, const char* data, size_t n, const std::string& path);
 
 }  // namespace xctx

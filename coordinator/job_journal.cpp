@@ -38,13 +38,7 @@ T get_le(const char* p) {
 uint32_t crc_of(const char* p, size_t n) { return (uint32_t)crc32(0L, reinterpret_cast<const Bytef*>(p), (uInt)n); }
 
 void write_all(int fd, const std::string& bytes, const std::string& path) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    XCTX_CHECK(w > 0, "cannot write the job journal ", path, ": ", std::strerror(errno));
-    done += (size_t)w;
-  }
+  write_all_bytes(fd, bytes.data(), bytes.size(), "the job journal " + path);
   XCTX_CHECK(::fdatasync(fd) == 0 || errno == EINVAL, "cannot sync the job journal ", path, ": ", std::strerror(errno));
 }
 

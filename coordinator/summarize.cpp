@@ -174,13 +174,7 @@ durable_jsonl_writer::~durable_jsonl_writer() {
 
 void durable_jsonl_writer::append(const std::string& line) {
   const std::string data = line + "\n";
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t w = ::write(fd_, data.data() + off, data.size() - off);
-    if (w < 0 && errno == EINTR) continue;
-    XCTX_CHECK(w > 0, "write to ", path_, " failed: ", std::strerror(errno));
-    off += (size_t)w;
-  }
+  write_all_bytes(fd_, data.data(), data.size(), path_);
   XCTX_CHECK(::fsync(fd_) == 0, "fsync of ", path_, " failed: ", std::strerror(errno));
 }
 
