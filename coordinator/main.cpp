@@ -203,9 +203,9 @@ void add_run_options(CLI::App* cmd, xctx::run_params& rp, std::string& cache, st
                   "activations of the decode matmuls: q16 (16-bit blocks, default) | f32 (exact float) | q8 "
                   "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16");
   cmd->add_option("--prefill-act", cf.prefill_act,
-                  "activations of the prefill matmuls: f32 (default) | q16 (16-bit blocks) | q8 (8-bit blocks): "
-                  "integer GEMMs on AVX-512 VNNI CPUs (AMX tiles where granted), the f32 path elsewhere; default: "
-                  "XCTX_PREFILL_ACT, else f32");
+                  "activations of the prefill matmuls: q16 (16-bit blocks) | q8 (8-bit blocks) | f32 (exact "
+                  "float): the integer ones run as integer GEMMs on AVX-512 VNNI CPUs (AMX tiles where granted), "
+                  "as f32 elsewhere; default: XCTX_PREFILL_ACT, else q16 on AVX-512 VNNI CPUs and f32 elsewhere");
   cmd->add_option("--rope-scaling", rope,
                   "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
                   "(grouped positions, with --group and --window)")

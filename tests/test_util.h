@@ -54,9 +54,23 @@ inline double decode_rounding(cpu::decode_activations act) {
   }
   return float_sum_rounding();
 }
+// The batched (prefill) matmuls' activations: f32 (float sums only), or the integer GEMM's 16- or
+// 8-bit blocks -- the decode grids' steps -- where the CPU runs it (AVX-512 VNNI).
+inline double prefill_rounding(cpu::prefill_activations pre) {
+  if (!cpu::prefill_q8_supported()) return float_sum_rounding();
+  switch (pre) {
+    case cpu::prefill_activations::pre_q16: return decode_rounding(cpu::decode_activations::act_q16);
+    case cpu::prefill_activations::pre_q8: return decode_rounding(cpu::decode_activations::act_q8);
+    case cpu::prefill_activations::pre_f32: break;
+  }
+  return float_sum_rounding();
+}
 inline double engine_logit_bound(bool quantized_weights, double max_abs_logit,
-                                 cpu::decode_activations act = cpu::get_decode_activations()) {
-  const double u = quantized_weights ? std::max(decode_rounding(act), float_sum_rounding()) : float_sum_rounding();
+                                 cpu::decode_activations act = cpu::get_decode_activations(),
+                                 cpu::prefill_activations pre = cpu::get_prefill_activations()) {
+  const double u = quantized_weights
+                       ? std::max({decode_rounding(act), prefill_rounding(pre), float_sum_rounding()})
+                       : float_sum_rounding();
   return kEngineAmplification * u * std::max(1.0, max_abs_logit);
 }
 

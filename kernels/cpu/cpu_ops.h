@@ -64,7 +64,7 @@ decode_activations parse_decode_activations(std::string_view name, const char* w
 
 // Activations of the prefill matmuls (n_tok at or above detail::prefill_min_tokens) for the
 // legacy block quants:
-//  * f32 (default): the weights dequantized to float strips and one FMA chain per element in
+//  * f32 (the default where the CPU lacks AVX-512 VNNI): the weights dequantized to float strips and one FMA chain per element in
 //    column order (row-invariant GEMM, matmul.cpp).
 //  * q8: each token's activations rounded to 8-bit blocks (as act_q8) and multiplied with the
 //    weight codes by VPDPBUSD on AVX-512 VNNI hosts, AMX TDPBUSD where granted
@@ -72,11 +72,13 @@ decode_activations parse_decode_activations(std::string_view name, const char* w
 //    chain per element in block order, so row- and rank-count invariant; the error is act_q8's
 //    rounding (<= d/2 per activation).
 //  * q16: the same with 16-bit blocks (act_q16's rounding, 1/258 of q8's), split into two byte
-//    planes: twice the integer products of q8. Q8_0 weights take it only with AMX.
+//    planes: twice the integer products of q8. Q8_0 weights take it only with AMX. The default
+//    on AVX-512 VNNI hosts (default_prefill_activations).
 // Process-wide; XCTX_PREFILL_ACT=f32|q16|q8 in the environment (read once) selects one.
 enum class prefill_activations : uint8_t { pre_f32, pre_q8, pre_q16 };
 void set_prefill_activations(prefill_activations act);
 prefill_activations get_prefill_activations();
+prefill_activations default_prefill_activations();  // q16 where prefill_q8_supported(), else f32
 // "f32" / "q16" / "q8"; parse throws an Error naming `what` (e.g. "--prefill-act") and the choices.
 const char* prefill_activations_name(prefill_activations act);
 prefill_activations parse_prefill_activations(std::string_view name, const char* what);

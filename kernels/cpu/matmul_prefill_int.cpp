@@ -271,6 +271,13 @@ prefill_activations parse_prefill_activations(std::string_view name, const char*
   fail(what, " must be f32, q16 or q8, not '", name, "'");
 }
 
+// q16 where the integer GEMM runs (AVX-512 VNNI): perplexity unchanged within the paired noise and
+// 1.1-1.5x the whole prefill (benchmarks/results/prefill_int*.md); f32 elsewhere, where the
+// setting would change nothing but the name.
+prefill_activations default_prefill_activations() {
+  return prefill_q8_supported() ? prefill_activations::pre_q16 : prefill_activations::pre_f32;
+}
+
 void set_prefill_activations(prefill_activations act) { g_prefill_act.store((int)act, std::memory_order_relaxed); }
 
 prefill_activations get_prefill_activations() {
@@ -279,8 +286,7 @@ prefill_activations get_prefill_activations() {
     const char* env = std::getenv("XCTX_PREFILL_ACT");
     const std::string_view e = env != nullptr ? env : "";
     int expected = -1;
-    const int want = (int)(e.empty() ? prefill_activations::pre_f32  // the default
-                                     : parse_prefill_activations(e, "XCTX_PREFILL_ACT"));
+    const int want = (int)(e.empty() ? default_prefill_activations() : parse_prefill_activations(e, "XCTX_PREFILL_ACT"));
     v = g_prefill_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
   }
   return (prefill_activations)v;

@@ -41,6 +41,7 @@
 #include "kernels/cpu/matmul_impl.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "test_util.h"
 
 namespace xctx {
 namespace {
@@ -319,6 +320,18 @@ class matmul_test : public testing::TestWithParam<mm_case> {
            std::numeric_limits<float>::denorm_min();
   }
 
+  // The integer prefill GEMM with activations `pre` (q8 or q16; test_matmul_prefill_int.cpp
+  // derives its float error): the same activation grid as the decode path's, and a chain of
+  // (3 nb + 4) roundings of 2^-24 over terms bounded by the M that int_float_err_ sums (the
+  // decode path's (nb + 10)·2^-23 of M, rescaled).
+  double prefill_int_bound(int64_t i, cpu::prefill_activations pre) const {
+    const int p = pre == cpu::prefill_activations::pre_q16 ? 1 : 0;
+    const double nb = (double)(GetParam().s.n_cols / qk_small);
+    const double rescale = ((3.0 * nb + 4.0) * k_unit_round) / ((nb + 10.0) * k_f32_eps);
+    return quant_term_[p][(size_t)i] + int_float_err_[p][(size_t)i] * std::max(1.0, rescale) +
+           k_unit_round * abs_dot_[(size_t)i] + std::numeric_limits<float>::denorm_min();
+  }
+
   // Integer paths only: against the exact product with the grid activations, where nothing but
   // float rounding separates them.
   void expect_near_grid(const std::vector<float>& y, cpu::decode_activations act, const char* what) const {
@@ -435,12 +448,22 @@ TEST_P(matmul_test, all_paths_match_ref) {
                  mode == prefill_mode::prefill_split_rows ? "prefill split rows" : "prefill whole matrix");
   }
 
-  std::vector<float> y = nan_output();
-  cpu::matmul(w_, x_.data(), c.n_tok, y.data());
+  // cpu::matmul under each prefill setting: the decode path below the crossover, above it the
+  // integer prefill GEMM where it applies to this type on this CPU, else the f32 one.
   const decode_activations act = cpu::get_decode_activations();
   const bool prefill = c.n_tok >= cpu::detail::prefill_min_tokens(c.type, act);
-  expect_close(y, y_ref_, [&](int64_t i) { return prefill ? float_bound(i) : decode_bound(i, act); },
-               "cpu::matmul");
+  for (const cpu::prefill_activations pre :
+       {cpu::prefill_activations::pre_f32, cpu::prefill_activations::pre_q16, cpu::prefill_activations::pre_q8}) {
+    const test::prefill_activations_scope scope(pre);
+    const bool prefill_int = prefill && cpu::detail::prefill_int_applies(c.type, pre);
+    std::vector<float> y = nan_output();
+    cpu::matmul(w_, x_.data(), c.n_tok, y.data());
+    expect_close(y, y_ref_,
+                 [&](int64_t i) {
+                   return !prefill ? decode_bound(i, act) : prefill_int ? prefill_int_bound(i, pre) : float_bound(i);
+                 },
+                 (std::string("cpu::matmul, prefill ") + cpu::prefill_activations_name(pre)).c_str());
+  }
 }
 
 std::vector<mm_case> matmul_cases() {

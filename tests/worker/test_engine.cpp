@@ -69,8 +69,9 @@ TEST_P(engine_test, chunked_and_single_token_match_one_batch) {
 // The few-token path (below the kernel's crossover, which depends on the weight type) rounds
 // activations to blocks (act_q16, the default: step max|x_b| / 32767, a relative error u = 2^-16
 // of the block max per element; act_q8: u = 1/254) or keeps floats (act_f32: float sums in
-// another order, u = 8 * 2^-24, about log2 of a few hundred terms' roundings); above it, f32
-// sgemm in every mode. test::engine_logit_bound is kEngineAmplification * u * max(1, max |ref
+// another order, u = 8 * 2^-24, about log2 of a few hundred terms' roundings); above it, the
+// prefill GEMM: f32 sgemm, or where the CPU has AVX-512 VNNI the integer GEMM with the process's
+// prefill activations (q16 there by default: the same u as act_q16). test::engine_logit_bound is kEngineAmplification * u * max(1, max |ref
 // logit|), kEngineAmplification covering one rounding's growth through three layers' matmuls,
 // norms and softmax: measured here at ~3.9 for both block-rounded modes and ~1.6 for f32
 // (2026-12-02; the observed/bound ratio is printed), so 16 leaves a margin of 4x.
@@ -91,9 +92,13 @@ TEST_P(engine_test, cpu_backend_matches_ref_backend) {
         max_abs = test::worse(max_abs, (double)std::fabs(r[i] - o[i]));
         max_ref = std::max(max_ref, (double)std::fabs(r[i]));
       }
-      const double bound = test::engine_logit_bound(quantized, max_ref, act);
-      std::printf("[engine] %s %s n_batch %d: max |cpu - ref| %.3g, bound %.3g (observed/bound %.3f)\n", c.name,
-                  cpu::decode_activations_name(act), n_batch, max_abs, bound, max_abs / bound);
+      // One token per call never reaches the prefill GEMM, whatever its activations.
+      const cpu::prefill_activations pre = n_batch == 1 ? cpu::prefill_activations::pre_f32 : cpu::get_prefill_activations();
+      const double bound = test::engine_logit_bound(quantized, max_ref, act, pre);
+      std::printf("[engine] %s decode %s prefill %s n_batch %d: max |cpu - ref| %.3g, bound %.3g (observed/bound %.3f)\n",
+                  c.name, cpu::decode_activations_name(act),
+                  cpu::prefill_activations_name(pre), n_batch, max_abs, bound,
+                  max_abs / bound);
       EXPECT_LE(max_abs, bound) << cpu::decode_activations_name(act) << " n_batch " << n_batch << " max |ref| "
                                 << max_ref;
     }
