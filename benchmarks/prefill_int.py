@@ -7,15 +7,16 @@ by default, in one run on this host:
    variant (on AMX hosts also q16 and q8 with AMX off) with Google Benchmark's random interleaving over
    --reps repetitions (median);
 2. `xctx bench` prefill tok/s at 512 / 2K / 8K tokens of Emma, the variants adjacent run by run;
-3. perplexity of Persuasion (held out: no tuning used it) over --ppl-tokens tokens in 2K windows
-   under f32, q16 and q8 (the same windows and targets: the differences are paired, with their
-   standard error across windows).
+3. perplexity of held-out novels (--ppl-texts; no tuning used them: Persuasion, Northanger Abbey)
+   over --ppl-tokens tokens each in 2K windows under f32, q16 and q8 (the same windows and
+   targets: the differences are paired, with their standard error across windows).
 Each speed is also given as a fraction of this host's limits (benchmarks/roofline.py; the f32 GEMM
 against the fp32 FMA peak, the integer ones against the int8 dot peak).
 
-    benchmarks/prefill_int.py [--reps 3] [--ppl-tokens 32K] [--out benchmarks/results/prefill_int]
+    benchmarks/prefill_int.py [--reps 3] [--ppl-tokens 32K] [--ppl-texts austen:persuasion,austen:northangerabbey]
+                              [--out benchmarks/results/prefill_int_<family>-<model>-<stepping>]
 
-Writes <out>.csv and <out>.md.
+Writes <out>.csv and <out>.md (per host by default).
 """
 import argparse
 import csv
@@ -89,18 +90,19 @@ def prefill_rows(xctx, reps, amx):
              "rate": statistics.median(v), "unit": "tok/s", "runs": len(v)} for (n, act), v in got.items()]
 
 
-def ppl_rows(xctx, tokens, tmp):
-    """Per setting the perplexity and each window's mean NLL (the same windows and targets for all)."""
+def ppl_rows(xctx, tokens, texts, tmp):
+    """Per text and setting the perplexity and each window's mean NLL (the same windows and targets
+    for all settings of a text)."""
     rows = []
-    for act in ["f32", "q16", "q8"]:
-        path = os.path.join(tmp, f"ppl_{act}.json")
-        run([xctx, "ppl", "--text", "austen:persuasion", "--window", "2048", "--max-tokens", tokens,
-             "--prefill-act", act, "--json", path])
-        with open(path) as f:
-            j = json.load(f)
-        rows.append({"part": "ppl", "what": f"persuasion {j['targets']} targets", "threads": 2, "act": act,
-                     "seconds": 0.0, "rate": j["ppl"], "unit": "ppl", "runs": 1,
-                     "window_nll": j["window_nll_mean"]})
+    for text in texts:
+        for act in ["f32", "q16", "q8"]:
+            path = os.path.join(tmp, f"ppl_{act}.json")
+            run([xctx, "ppl", "--text", text, "--window", "2048", "--max-tokens", tokens, "--prefill-act", act,
+                 "--json", path])
+            with open(path) as f:
+                j = json.load(f)
+            rows.append({"part": "ppl", "what": text, "threads": 2, "act": act, "seconds": 0.0, "rate": j["ppl"],
+                         "unit": "ppl", "runs": 1, "targets": j["targets"], "window_nll": j["window_nll_mean"]})
     return rows
 
 
@@ -118,15 +120,17 @@ def main():
     ap.add_argument("--bench-matmul", default=os.path.join(ROOT, "build", "benchmarks", "bench_matmul"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ppl-tokens", default="32K")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prefill_int"))
+    ap.add_argument("--ppl-texts", default="austen:persuasion,austen:northangerabbey")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", f"prefill_int_{roofline.host_key()}"))
     a = ap.parse_args()
+    texts = [t for t in a.ppl_texts.split(",") if t]
     doctor = run([a.xctx, "doctor"])
     if "AVX-512" not in doctor:
         sys.exit("prefill_int.py: this CPU has no AVX-512 VNNI; --prefill-act q8 would run the f32 path")
     amx = "AMX" in doctor
     with tempfile.TemporaryDirectory() as tmp:
         rows = (gemm_rows(a.bench_matmul, a.reps) + prefill_rows(a.xctx, a.reps, amx)
-                + ppl_rows(a.xctx, a.ppl_tokens, tmp))
+                + ppl_rows(a.xctx, a.ppl_tokens, texts, tmp))
     limits = roofline.load_limits()
     for r in rows:
         r["of_limit"] = ""
@@ -136,7 +140,7 @@ def main():
                 limits["int8_gops_1" if one else "int8_gops_all"]
             r["of_limit"] = f"{r['rate'] / peak:.2f}"
     with open(a.out + ".csv", "w", newline="") as f:
-        fields = [k for k in rows[0].keys() if k != "window_nll"]
+        fields = ["part", "what", "threads", "act", "seconds", "rate", "unit", "runs", "targets", "of_limit"]
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
@@ -146,7 +150,7 @@ def main():
     with open(a.out + ".md", "w") as f:
         f.write(f"# Integer prefill GEMMs (--prefill-act q16 / q8) vs the f32 GEMM\n\n"
                 f"{datetime.date.today()}, xctx {xctx_commit()}, {cpu_identity()}; written by "
-                f"`benchmarks/prefill_int.py --reps {a.reps} --ppl-tokens {a.ppl_tokens}`.\n\n")
+                f"`benchmarks/prefill_int.py --reps {a.reps} --ppl-tokens {a.ppl_tokens} --ppl-texts {a.ppl_texts}`.\n\n")
         f.write("## GEMMs at n_tok = 512 (bench_matmul, median of the randomly interleaved repetitions)\n\n"
                 "Rates count the product's useful work (2 n_rows n_cols n_tok); f32 against the fp32 FMA peak, the "
                 "integer variants against the int8 dot-product peak (q16 issues twice q8's integer products).\n\n"
@@ -168,19 +172,21 @@ def main():
             for var in variants_here(amx):
                 r = by[("prefill", f"{n} tokens", 2, var)]
                 f.write(f"| {n} | {names[var]} | {r['rate']:.0f} | {r['rate'] / f32['rate']:.2f} |\n")
-        p = {r["act"]: r for r in rows if r["part"] == "ppl"}
-        f.write(f"\n## Perplexity (`xctx ppl --text austen:persuasion --window 2048 --max-tokens {a.ppl_tokens}`)\n\n"
+        f.write(f"\n## Perplexity (`xctx ppl --text T --window 2048 --max-tokens {a.ppl_tokens}`)\n\n"
                 "The same windows and targets under each setting, so the comparison is paired: the change of each "
                 "window's mean NLL against f32, averaged over the windows, with its standard error across them.\n\n"
-                "| prefill activations | ppl | vs f32 | mean ΔNLL per target (nats) | its standard error |\n"
-                "|---|---|---|---|---|\n")
-        for act in ["f32", "q16", "q8"]:
-            r = p[act]
-            if act == "f32":
-                f.write(f"| f32 ({r['what']}) | {r['rate']:.4f} | 1 | - | - |\n")
-                continue
-            mean, se = paired(p["f32"]["window_nll"], r["window_nll"])
-            f.write(f"| {act} | {r['rate']:.4f} | {r['rate'] / p['f32']['rate']:.5f} | {mean:+.5f} | {se:.5f} |\n")
+                "| text | prefill activations | ppl | vs f32 | mean ΔNLL per target (nats) | its standard error |\n"
+                "|---|---|---|---|---|---|\n")
+        for text in texts:
+            p = {r["act"]: r for r in rows if r["part"] == "ppl" and r["what"] == text}
+            for act in ["f32", "q16", "q8"]:
+                r = p[act]
+                if act == "f32":
+                    f.write(f"| {text} ({r['targets']} targets) | f32 | {r['rate']:.4f} | 1 | - | - |\n")
+                    continue
+                mean, se = paired(p["f32"]["window_nll"], r["window_nll"])
+                f.write(f"| {text} | {act} | {r['rate']:.4f} | {r['rate'] / p['f32']['rate']:.5f} | {mean:+.5f} | "
+                        f"{se:.5f} |\n")
         f.write("\nThe VNNI and AMX kernels give the scalar reference's bits "
                 "(tests/kernels/test_matmul_prefill_int.cpp), so each setting's perplexity is the same with either.\n")
     print(open(a.out + ".md").read())
