@@ -12,7 +12,7 @@
 //
 // Timed per format, round-robin:
 //   attend  the decode step (attend_path::attend_decode): the fused one-query kernel
-//           (kernels/cpu/kvq_fused_avx2.cpp) for the quantized formats
+//           (kernels/cpu/kvq/kvq_fused_avx2.cpp) for the quantized formats
 //   tiled   the same query through the tiled kernel the prefill path uses (each unit decoded to
 //           f32, outliers patched, keys rotated, then the f32 attention core): the kernel decode
 //           steps ran before the fused one
@@ -45,7 +45,7 @@
 #include "common/sys.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/elementwise_attention_impl.h"
-#include "kernels/cpu/kvq_impl.h"
+#include "kernels/cpu/kvq/kvq_impl.h"
 #include "kernels/kv_quant.h"
 
 namespace xctx {

@@ -20,7 +20,7 @@
 
 #include "common/sys.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/matmul_impl.h"
+#include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ref/ref_ops.h"
 
 namespace xctx {

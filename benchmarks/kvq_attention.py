@@ -145,7 +145,7 @@ def write_markdown(path, rows, meta, info):
       "*memcpy* = 512 MiB copied per thread-split memcpy, reported as bytes copied / time (GB/s read); "
       "*read* = a read-only stream of the same buffer. *% memcpy*, *% read* = GB/s / ceiling.\n")
     w("**The two kernels.** *decode step* = `attend_path::attend_decode`, what a generated token pays: "
-      "for the quantized formats the fused one-query kernel (kernels/cpu/kvq_fused_avx2.cpp, or its 16-lane "
+      "for the quantized formats the fused one-query kernel (kernels/cpu/kvq/kvq_fused_avx2.cpp, or its 16-lane "
       "variant kvq_fused_avx512.cpp on CPUs with AVX-512 VBMI, as named above: codes unpacked, "
       "looked up and scaled in registers, RoPE as one query rotation per 256-position unit plus a static "
       "per-offset key rotation, value scales folded into the probabilities, outliers as dense-and-sparse "

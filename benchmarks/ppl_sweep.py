@@ -114,7 +114,7 @@ def main():
              " austen:sensesensibility; evaluation never overlaps it).", "",
              "KV size = bytes per token actually stored (codes, scales, zero points, outliers + indices)"
              " / fp16 bytes per token. Every query attends to the compressed cache of its whole window"
-             " (see coordinator/ppl.cpp for which tokens stay fp16).", "",
+             " (see coordinator/jobs/ppl.cpp for which tokens stay fp16).", "",
              "| format | KV size vs fp16 | compression | " + " | ".join(
                  f"PPL {l} | ΔPPL {l}" for _, l in CORPORA) + " |",
              "|---|---:|---:|" + "---:|---:|" * len(CORPORA)]

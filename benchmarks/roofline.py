@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """This host's limits, the denominators of every speed figure: streaming read bandwidth, the
 fp32 FMA peak and the int8 dot-product peak, on one thread and on all, measured by
-`xctx doctor --probe` (kernels/cpu/roofline.h) several times; the best of the runs is the
+`xctx doctor --probe` (kernels/cpu/simd/roofline.h) several times; the best of the runs is the
 limit, the spread says how steady the machine was. Written per host (the CPU's family, model and
 stepping in the file name), so results from Zen 4, Zen 5 and Ice Lake sit side by side.
 

@@ -13,7 +13,7 @@
 // memory (the device's on cuda), as the quantized caches' do: the residual window is filled by
 // convert_rows, a full window encoded from its fp16 rows by the backend, the factors uploaded once
 // per layer; the host keeps only counts and positions. (clkv's streams are K and V in KIVI's
-// layout: its decode step on the CPU runs the quantized-KV fused kernel, kernels/cpu/xq.cpp
+// layout: its decode step on the CPU runs the quantized-KV fused kernel, kernels/cpu/kvq/xq.cpp
 // attend_decode_as_kvq.)
 #include <algorithm>
 #include <climits>

@@ -1,4 +1,4 @@
-# The per-file ISA flags of the run-time dispatched CPU kernels in kernels/cpu/: each file named
+# The per-file ISA flags of the run-time dispatched CPU kernels in kernels/cpu/ and its rooms: each file named
 # *_<isa>.cpp is compiled for that ISA and entered only after the matching cpu::has_*() check, so
 # the binary stays portable. Source-file properties are per directory: every directory whose
 # targets compile these files (the top level, fuzz/) calls xctx_apply_isa_flags().
@@ -13,7 +13,7 @@ function(xctx_apply_isa_flags kernels_dir)
                "avxvnni|${avx2};-mavxvnni")
     string(REPLACE "|" ";" parts "${pair}")
     list(POP_FRONT parts suffix)
-    file(GLOB sources CONFIGURE_DEPENDS ${kernels_dir}/*_${suffix}.cpp)
+    file(GLOB sources CONFIGURE_DEPENDS ${kernels_dir}/*_${suffix}.cpp ${kernels_dir}/*/*_${suffix}.cpp)
     set_property(SOURCE ${sources} APPEND PROPERTY COMPILE_OPTIONS ${parts})
   endforeach()
 endfunction()

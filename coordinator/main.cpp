@@ -10,10 +10,10 @@
 
 #include "common/error.h"
 #include "common/sys.h"
-#include "coordinator/jobs.h"
-#include "coordinator/passkey.h"
-#include "coordinator/service.h"
-#include "coordinator/summarize.h"
+#include "coordinator/jobs/jobs.h"
+#include "coordinator/jobs/passkey.h"
+#include "coordinator/service/service.h"
+#include "coordinator/jobs/summarize.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace {
@@ -68,9 +68,9 @@ CLI::Validator number_in(double lo, double hi) {
       rule);
 }
 
-// The sampler's options (coordinator/sampler.h says what each does and in which order), the same
+// The sampler's options (coordinator/jobs/sampler.h says what each does and in which order), the same
 // on every job that decodes. with_seed: false where --seed is the job's own (submit).
-// defaults: the job's (summaries have a repetition guard, coordinator/summarize.h).
+// defaults: the job's (summaries have a repetition guard, coordinator/jobs/summarize.h).
 void add_sampling_options(CLI::App* cmd, xctx::sampler_params& s, bool with_seed = true,
                           const xctx::sampler_params& defaults = {}) {
   cmd->add_option("--temperature", s.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));

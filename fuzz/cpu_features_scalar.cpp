@@ -1,4 +1,4 @@
-// The fuzz build's stand-in for kernels/cpu/cpu_features.cpp: every kernel takes its scalar path.
+// The fuzz build's stand-in for kernels/cpu/simd/cpu_features.cpp: every kernel takes its scalar path.
 // The parsers under test do not need SIMD, scalar runs are the same on every machine, and
 // clang 14 rejects __builtin_cpu_supports("f16c") in the original.
 #include "kernels/cpu/cpu_ops.h"

@@ -1,4 +1,4 @@
-// The HTTP front's request decoding (coordinator/openai_api.cpp): the first byte picks the
+// The HTTP front's request decoding (coordinator/service/openai_api.cpp): the first byte picks the
 // endpoint (completions or chat), the rest is the body as parse_openai_request reads it. An
 // accepted request is checked against the contract the front relies on (fields in OpenAI's
 // ranges, at most 4 non-empty stop strings, messages with known roles), then answered: the
@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "coordinator/openai_api.h"
+#include "coordinator/service/openai_api.h"
 
 using namespace xctx;
 

@@ -1,11 +1,11 @@
 // The JSONL batch input of `xctx summarize` and of the service's batch jobs
-// (coordinator/summarize.cpp, parse_summary_jsonl), with and without "path" lines allowed, and
+// (coordinator/jobs/summarize.cpp, parse_summary_jsonl), with and without "path" lines allowed, and
 // the output lines written back for each document (summary_error_line escapes what it echoes).
 #include <cstdint>
 #include <string>
 
 #include "common/error.h"
-#include "coordinator/summarize.h"
+#include "coordinator/jobs/summarize.h"
 
 using namespace xctx;
 

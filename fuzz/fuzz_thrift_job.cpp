@@ -1,4 +1,4 @@
-// The service's request path (coordinator/job_table.cpp, coordinator/xctx.thrift): bytes decoded
+// The service's request path (coordinator/service/job_table.cpp, coordinator/service/xctx.thrift): bytes decoded
 // as a Job with the binary protocol (parse_job, what the size limit counts), then the checks a
 // job passes before it is queued (check_job_request, which also parses a batch job's JSONL).
 // The same bytes are also read as the arguments of a submit() call, the way the server's
@@ -17,7 +17,7 @@
 
 #include "Xctx.h"
 #include "common/error.h"
-#include "coordinator/job_table.h"
+#include "coordinator/service/job_table.h"
 
 using namespace xctx;
 namespace th = apache::thrift;
@@ -35,7 +35,7 @@ void check(const rpc::Job& job) {
 
 template <class T, class MakeProtocol>
 bool read_as(const uint8_t* data, size_t size, T& out, MakeProtocol make) {
-  // As the server reads (coordinator/service.cpp): frames, strings and lists bounded by the
+  // As the server reads (coordinator/service/service.cpp): frames, strings and lists bounded by the
   // frame limit (1 MiB here).
   auto config = std::make_shared<th::TConfiguration>(1 << 20, 1 << 20);
   auto buf = std::make_shared<th::transport::TMemoryBuffer>(const_cast<uint8_t*>(data), (uint32_t)size,

@@ -11,7 +11,7 @@
 #include "cache/cache.h"
 #include "cache/calibration.h"
 #include "common/error.h"
-#include "coordinator/job_table.h"
+#include "coordinator/service/job_table.h"
 #include "kernels/ops.h"
 #include "model/gguf_writer.h"
 #include "model/hparams.h"

@@ -154,7 +154,7 @@ struct attn_args {
   float* lse = nullptr;  // [n_q, n_head], natural log
   // When set, o/lse are not written: the partial is added to acc (rows n_q * n_head, width
   // head_dim) as exact per-unit deposits whose sum does not depend on how the keys are split
-  // (kernels/cpu/attention_units.h). Host memory; the CPU backend implements it per unit, the
+  // (kernels/cpu/attention/attention_units.h). Host memory; the CPU backend implements it per unit, the
   // ref backend as one deposit per row, the CUDA backend not at all (it throws).
   softmax_acc* acc = nullptr;
   // The rope the keys were rotated with. Only SelfExtend reads it (grouped side: keys turned by

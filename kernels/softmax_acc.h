@@ -14,7 +14,7 @@
 //
 // The result is bitwise a function of the multiset of deposits. Callers that want identical
 // results for any partition of the keys therefore deposit one partial per *unit* of positions
-// fixed in absolute terms (kernels/cpu/attention_units.h), computed by the same code wherever
+// fixed in absolute terms (kernels/cpu/attention/attention_units.h), computed by the same code wherever
 // the unit lives.
 #pragma once
 

@@ -31,7 +31,7 @@ void set_force_avx_vnni(bool on);
 bool has_amx();
 void set_force_no_amx(bool on);
 
-// ---- matmul (kernels/cpu/matmul*.cpp) ----------------------------------------------------
+// ---- matmul (kernels/cpu/matmul/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok
 // (prefill): weight row panels dequantized to f32 and multiplied by a row-invariant GEMM (a
 // token row's bits do not depend on n_tok, its offset, the other rows or the thread count).
@@ -110,7 +110,7 @@ void rope(float* x, const int32_t* pos, int64_t n_tok, int n_head, const rope_co
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void add(float* y, const float* x, int64_t n);
 
-// ---- attention (kernels/cpu/attention*.cpp) ----------------------------------------------
+// ---- attention (kernels/cpu/attention/attention*.cpp) ----------------------------------------------
 // Decode (few queries): one pass over the cache per kv head with an online softmax, all query
 // heads of a GQA group together. Prefill (many queries): tiles through BLAS with the same
 // online-softmax merge, never materializing the full score matrix.
@@ -118,7 +118,7 @@ void attention_partial(const attn_args& a);
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                     float* o, float* lse);
 
-// ---- quantized KV cache (kernels/cpu/kvq*.cpp) ------------------------------------------
+// ---- quantized KV cache (kernels/cpu/kvq/kvq*.cpp) ------------------------------------------
 // Encoder: OpenMP over rows/channels, codes bit-identical to ref::kvq_encode. Attention: the
 // layer streamed in tiles of slots (decode to f32 in L1/L2, outliers patched, RoPE applied,
 // then the decode/prefill attention core), never the whole shard in f32.

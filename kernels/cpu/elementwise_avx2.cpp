@@ -4,7 +4,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/elementwise_attention_impl.h"
-#include "kernels/cpu/fast_exp_avx2.h"
+#include "kernels/cpu/simd/fast_exp_avx2.h"
 
 namespace xctx::cpu::impl::avx2 {
 

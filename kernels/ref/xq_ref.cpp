@@ -1,4 +1,4 @@
-// Reference (scalar) kernels of the X caches: the oracles of kernels/cpu/xq.cpp.
+// Reference (scalar) kernels of the X caches: the oracles of kernels/cpu/kvq/xq.cpp.
 #include <algorithm>
 #include <cmath>
 #include <limits>

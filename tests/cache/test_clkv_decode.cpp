@@ -1,5 +1,5 @@
 // clkv decode steps on the CPU: the K and V streams read through the quantized-KV layer view
-// by the fused one-query kernel (kernels/cpu/xq.cpp attend_decode_as_kvq), at every key/value
+// by the fused one-query kernel (kernels/cpu/kvq/xq.cpp attend_decode_as_kvq), at every key/value
 // code width pair clkv's layers have, against the reference attention over the decoded cache,
 // and bitwise the same for any unit-aligned split of the cache and any thread count.
 #include <gtest/gtest.h>

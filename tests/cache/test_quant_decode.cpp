@@ -1,5 +1,5 @@
 // The decode step over a quantized cache (attend_path::attend_decode with one query): on AVX2
-// machines the fused kernel (kernels/cpu/kvq_fused_avx2.cpp; kvq_fused_avx512.cpp where the CPU
+// machines the fused kernel (kernels/cpu/kvq/kvq_fused_avx2.cpp; kvq_fused_avx512.cpp where the CPU
 // has AVX-512, both run here when it does) -- codes decoded in registers, RoPE split into a
 // per-unit query rotation and per-key offsets, outliers as dense-and-sparse corrections.
 // Checked against the reference attention over the decoded cache for the shapes it unrolls

@@ -1,4 +1,4 @@
-// The stored default calibration (coordinator/calibration_store.h): keyed by the model's
+// The stored default calibration (coordinator/jobs/calibration_store.h): keyed by the model's
 // fingerprint, made once however many processes ask at the same time, written atomically, and
 // refused when the file under a fingerprint's name holds another model's calibration.
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cache/quant_test_util.h"
-#include "coordinator/calibration_store.h"
+#include "coordinator/jobs/calibration_store.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -10,7 +10,7 @@
 
 #include "cache/format.h"
 #include "common/error.h"
-#include "coordinator/cluster_plan.h"
+#include "coordinator/tools/cluster_plan.h"
 #include "model/gguf.h"
 #include "model/weights.h"
 #include "test_util.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "common/error.h"
-#include "coordinator/corpus.h"
+#include "model/corpus.h"
 #include "test_util.h"
 
 namespace xctx {

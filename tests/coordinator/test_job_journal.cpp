@@ -9,8 +9,8 @@
 #include <fstream>
 
 #include "common/error.h"
-#include "coordinator/job_journal.h"
-#include "coordinator/job_table.h"
+#include "coordinator/service/job_journal.h"
+#include "coordinator/service/job_table.h"
 
 namespace xctx {
 namespace {

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "common/error.h"
-#include "coordinator/job_table.h"
+#include "coordinator/service/job_table.h"
 
 namespace xctx {
 namespace {

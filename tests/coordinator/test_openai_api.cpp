@@ -6,10 +6,10 @@
 
 #include <thread>
 
-#include "coordinator/generate_text.h"
-#include "coordinator/http_front.h"
-#include "coordinator/openai_api.h"
-#include "coordinator/session.h"
+#include "coordinator/service/generate_text.h"
+#include "coordinator/service/http_front.h"
+#include "coordinator/service/openai_api.h"
+#include "coordinator/jobs/session.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -4,8 +4,8 @@
 #include <string>
 
 #include "common/error.h"
-#include "coordinator/corpus.h"
-#include "coordinator/passkey.h"
+#include "model/corpus.h"
+#include "coordinator/jobs/passkey.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 #include "test_util.h"

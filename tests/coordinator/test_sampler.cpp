@@ -5,7 +5,7 @@
 #include <set>
 
 #include "common/error.h"
-#include "coordinator/sampler.h"
+#include "coordinator/jobs/sampler.h"
 
 namespace xctx {
 namespace {

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
-#include "coordinator/session.h"
-#include "coordinator/summarize.h"
+#include "coordinator/jobs/session.h"
+#include "coordinator/jobs/summarize.h"
 #include "test_util.h"
 #include "worker/llama_engine.h"
 

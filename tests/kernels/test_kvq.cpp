@@ -14,7 +14,7 @@
 
 #include "common/half.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/kvq_impl.h"
+#include "kernels/cpu/kvq/kvq_impl.h"
 #include "kernels/kv_quant.h"
 #include "kernels/kvq_cuda_test_util.h"
 #include "kernels/ref/ref_ops.h"

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/matmul_impl.h"
+#include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
 #include "test_util.h"

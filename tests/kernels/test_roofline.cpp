@@ -1,4 +1,4 @@
-// The roofline probe (kernels/cpu/roofline.h): each ISA's inner loop computes exactly what its
+// The roofline probe (kernels/cpu/simd/roofline.h): each ISA's inner loop computes exactly what its
 // scalar reference does, so the operation counts the peaks divide by were executed; the measured
 // figures are positive and name the instructions that measured them.
 #include <gtest/gtest.h>
@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/roofline.h"
-#include "kernels/cpu/roofline_kernels.h"
+#include "kernels/cpu/simd/roofline.h"
+#include "kernels/cpu/simd/roofline_kernels.h"
 
 namespace xctx {
 namespace {

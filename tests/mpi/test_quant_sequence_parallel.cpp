@@ -28,7 +28,7 @@
 #include "cache/x_factors.h"
 #include "comm/communicator.h"
 #include "common/error.h"
-#include "coordinator/sampler.h"
+#include "coordinator/jobs/sampler.h"
 #include "model/gguf_writer.h"
 #include "mpi_test.h"
 #include "reference_store.h"

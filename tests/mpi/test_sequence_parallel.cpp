@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <map>
 
-#include "coordinator/sampler.h"
+#include "coordinator/jobs/sampler.h"
 #include "device_space_backend.h"
 #include "cache/calibration.h"
 #include "mpi_test.h"

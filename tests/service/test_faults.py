@@ -46,7 +46,7 @@ def rank_pids(sid):
 
 
 def journal_records(path):
-    """[(type, id)] of a job journal (coordinator/job_journal.h's format)."""
+    """[(type, id)] of a job journal (coordinator/service/job_journal.h's format)."""
     recs = []
     with open(path, "rb") as f:
         data = f.read()

@@ -23,7 +23,7 @@ import time
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "coordinator", "python"))
+sys.path.insert(0, os.path.join(ROOT, "coordinator", "service", "python"))
 import xctx_client  # noqa: E402
 
 T = xctx_client.bindings().ttypes

@@ -39,7 +39,7 @@
 
 #include "cache/cache.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "coordinator/sampler.h"
+#include "coordinator/jobs/sampler.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 #include "test_util.h"
