@@ -20,7 +20,7 @@ model_hparams smollm2_like() {
 
 using test::error_of;
 
-sequence_options job_defaults() {  // what the CLI passes (coordinator/main.cpp)
+sequence_options job_defaults() {  // what the CLI passes (coordinator/cli/options.h)
   sequence_options seq;
   seq.attention = attention_mode::attention_auto;
   seq.mode = prefill_mode::prefill_auto;
