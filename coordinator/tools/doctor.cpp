@@ -7,15 +7,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "common/env_vars.h"
 #include "common/error.h"
-#include "kernels/cpu/simd/roofline.h"
 #include "common/sys.h"
+#include "kernels/cpu/simd/roofline.h"
 #include "coordinator/jobs/jobs.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
@@ -195,6 +197,31 @@ void print_report(const json& rep) {
                 r0["cpus_online"].get<int>());
 }
 
+// Rank 0's environment against the table of every variable xctx reads (common/env_vars.h).
+json environment_report() {
+  json out = json::array();
+  size_t n = 0;
+  const env_var* vars = env_vars(&n);
+  for (size_t i = 0; i < n; ++i) {
+    const char* v = std::getenv(vars[i].name);
+    out.push_back({{"name", vars[i].name},
+                   {"value", v != nullptr ? json(v) : json(nullptr)},
+                   {"default", vars[i].default_value},
+                   {"meaning", vars[i].meaning}});
+  }
+  return out;
+}
+
+void print_environment(const json& env) {
+  std::printf("environment   (every variable xctx reads; rank 0's values, docs/env_vars.md)\n");
+  for (const json& e : env) {
+    const std::string value =
+        e["value"].is_null() ? "unset: " + e["default"].get<std::string>() : "= " + e["value"].get<std::string>();
+    std::printf("  %-20s %s -- %s\n", e["name"].get<std::string>().c_str(), value.c_str(),
+                e["meaning"].get<std::string>().c_str());
+  }
+}
+
 }  // namespace
 
 int run_doctor(const doctor_options& opt, communicator& comm) {
@@ -216,7 +243,9 @@ int run_doctor(const doctor_options& opt, communicator& comm) {
   const std::string mpi = mpi_library_version();
   rep["mpi"] = mpi.empty() ? std::string("unknown") : mpi;
   rep["per_rank"] = all;
+  rep["environment"] = environment_report();
   print_report(rep);
+  print_environment(rep["environment"]);
   if (opt.probe) {
     // Rank 0 alone, on its threads (the other ranks have returned).
     const cpu::roofline r = cpu::measure_roofline();
