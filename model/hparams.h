@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/ops.h"
+#include "kernels/types.h"
 
 namespace xctx {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/ops.h"
+#include "kernels/types.h"
 #include "model/hparams.h"
 
 namespace xctx {
