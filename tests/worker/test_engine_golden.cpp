@@ -6,11 +6,12 @@
 // Why two. llama.cpp rounds every activation vector to 8-bit blocks (Q8_1/Q8_0, step 1/127 of
 // the block's max) before its quantized matmuls and rounds q to fp16 for K·q; that alone moves
 // its logits away from exact arithmetic by up to 1.3 (mean ~0.14) on these prompts, enough to
-// flip top-1 at 54 of 1,506 Austen positions where the top two are within ~0.2. xctx's batched
-// matmuls never round activations (dequantized weights + its own GEMM); its decode matmuls
-// (fewer than ~32 tokens) take f32 activations or, by default, 16-bit blocks (step 1/32767 of
-// the block's max, 1/256 of llama.cpp's), so it tracks exact arithmetic far more closely. Each
-// case names its cache and decode activations; the test asserts:
+// flip top-1 at 54 of 1,506 Austen positions where the top two are within ~0.2. xctx's matmuls
+// take f32 activations or, by default, 16-bit blocks (step 1/32767 of the block's max, 1/256 of
+// llama.cpp's): always in decode (fewer than ~32 tokens), and in the batched (prefill) matmuls
+// where the CPU runs the integer GEMM (AVX-512 VNNI); elsewhere the batched ones dequantize the
+// weights and never round activations. So it tracks exact arithmetic far more closely. Each case
+// names its cache and its decode and prefill activations; the test asserts:
 //   * vs exact: |Δlogit| <= kExactTol and top-1 equal wherever the exact top-2 gap > 2·kExactTol;
 //     greedy continuation equal to the exact one.
 //   * vs llama.cpp: |Δlogit| <= (llama.cpp's own distance from exact, recorded per prompt) +
