@@ -47,6 +47,7 @@
 #include "kernels/cpu/elementwise_attention_impl.h"
 #include "kernels/cpu/kvq/kvq_impl.h"
 #include "kernels/kv_quant.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

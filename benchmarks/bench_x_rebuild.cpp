@@ -37,6 +37,7 @@
 #include "cache/x_cache.h"
 #include "cache/x_factors.h"
 #include "common/error.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

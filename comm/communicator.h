@@ -47,9 +47,6 @@ std::string mpi_library_version();
 // MPI when launched by mpirun with several ranks, else local.
 std::unique_ptr<communicator> make_default_communicator();
 
-// NCCL over device buffers, bootstrapped through `bootstrap` (kernels/registry.cpp; CUDA builds
-// with a device only — otherwise a clear error).
-bool nccl_available();
-std::unique_ptr<communicator> make_nccl_communicator_or_fail(communicator& bootstrap);
+// NCCL (CUDA builds): comm/nccl.h, made through registry/registry.h.
 
 }  // namespace xctx

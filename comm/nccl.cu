@@ -1,7 +1,6 @@
 // NCCL communicator: see comm/nccl.h.
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -10,32 +9,12 @@
 
 #include "comm/nccl.h"
 #include "common/error.h"
-#include "kernels/ops.h"  // cuda_device_for_process
+#include "common/cuda_check.h"
+#include "common/sys.h"
+#include "kernels/device.h"  // cuda_device_for_process: the CUDA backend binds the same device
 
 namespace xctx {
 namespace {
-
-std::string where(int rank) {
-  char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  return "rank " + std::to_string(rank) + " on " + host;
-}
-
-#define NCCL_CHECK(call)                                                                                  \
-  do {                                                                                                    \
-    ncclResult_t rc_ = (call);                                                                            \
-    if (rc_ != ncclSuccess && rc_ != ncclInProgress)                                                      \
-      ::xctx::fail("NCCL ", #call, " failed: ", ncclGetErrorString(rc_), " (", where(rank_), ", ", __FILE__, \
-                   ":", __LINE__, ")");                                                                   \
-  } while (0)
-
-#define CUDA_CALL(call)                                                                                        \
-  do {                                                                                                         \
-    cudaError_t rc_ = (call);                                                                                  \
-    if (rc_ != cudaSuccess)                                                                                    \
-      ::xctx::fail("CUDA ", #call, " failed: ", cudaGetErrorString(rc_), " (", where(rank_), ", ", __FILE__, ":", \
-                   __LINE__, ")");                                                                             \
-  } while (0)
 
 class nccl_communicator final : public communicator {
  public:
@@ -43,10 +22,10 @@ class nccl_communicator final : public communicator {
     rank_ = boot_.rank();
     size_ = boot_.size();
     int n_dev = 0;
-    CUDA_CALL(cudaGetDeviceCount(&n_dev));
-    XCTX_CHECK(n_dev > 0, "NCCL communicator: no CUDA device visible to ", where(rank_));
-    CUDA_CALL(cudaSetDevice(cuda_device_for_process(n_dev)));  // the CUDA backend's device too
-    CUDA_CALL(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+    XCTX_CHECK(n_dev > 0, "NCCL communicator: no CUDA device visible to ", where_am_i());
+    CUDA_CHECK(cudaSetDevice(cuda_device_for_process(n_dev)));  // the CUDA backend's device too
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     ncclUniqueId id;
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
     boot_.broadcast(&id, sizeof id, 0);
@@ -114,7 +93,7 @@ class nccl_communicator final : public communicator {
     for (;;) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) CUDA_CALL(q);
+      if (q != cudaErrorNotReady) CUDA_CHECK(q);
       ncclResult_t async = ncclSuccess;
       NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
       if (async != ncclSuccess) abort(std::string("NCCL ") + what + ": " + ncclGetErrorString(async));

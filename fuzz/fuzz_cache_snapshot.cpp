@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "fuzz_util.h"
 #include "kernels/ops.h"
+#include "registry/registry.h"
 #include "snapshot_fixture.h"
 
 using namespace xctx;

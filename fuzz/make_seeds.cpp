@@ -16,6 +16,7 @@
 #include "model/gguf_writer.h"
 #include "model/hparams.h"
 #include "model/safetensors.h"
+#include "registry/registry.h"
 #include "snapshot_fixture.h"
 #include "worker/cache_snapshot.h"
 

@@ -260,41 +260,20 @@ const T* host_array_on(backend& be, const T* host, int64_t n, backend_buffer& bu
 
 enum class backend_kind : uint8_t { backend_ref, backend_cpu, backend_cuda };
 
-// Defined in kernels/registry.cpp, the only file that knows whether CUDA was compiled in.
-std::unique_ptr<backend> make_backend(backend_kind kind);
-bool backend_available(backend_kind kind);  // cuda: compiled in AND a device is present
-const char* backend_name(backend_kind kind);
-// "cpu" / "cuda" (and "ref", the scalar oracle) as `--backend` and XCTX_BACKEND spell them; an
-// error naming `what` and the choices otherwise.
-backend_kind parse_backend_kind(const std::string& name, const char* what);
-// The backend a job runs on: `flag` (the --backend value) when given, else XCTX_BACKEND, else
-// cpu. Checked here, before any model is loaded: cuda on a build without it, or on a machine
-// where no device can be used, is an error saying which and why.
-backend_kind choose_backend(const std::string& flag);
-
-// The CUDA device this process binds to among `count` > 0 visible ones (the CUDA backend and
-// the NCCL communicator both ask this): XCTX_CUDA_DEVICE when set (an error unless it is below
-// count), else the node-local rank (node_local_rank, common/sys.h) mod count, else 0. `why`,
-// when given, says which rule chose it. Host code, in every build, so it is tested without GPUs.
-int cuda_device_for_process(int count, std::string* why = nullptr);
-
-// The CUDA side of this process as `xctx doctor` reports it (probe_cuda, kernels/registry.cpp).
-struct cuda_probe {
-  struct device {
-    std::string name;
-    int cc_major = 0, cc_minor = 0, sm_count = 0;
-    size_t total_bytes = 0;
-  };
-  bool compiled = false;     // built with XCTX_CUDA=ON
-  std::string error;         // why no device can be used; empty when one can
-  int runtime_version = 0;   // CUDA runtime, 1000 * major + 10 * minor
-  int driver_version = 0;    // the newest CUDA version the driver supports, same encoding
-  int nccl_version = 0;      // NCCL_VERSION_CODE of the linked library, 0 when unknown
-  std::vector<device> devices;
-  int bound = -1;            // cuda_device_for_process(devices.size()); -1 without devices
-  std::string bound_why;     // its rule, or the error that rule raised
-  size_t bound_free_bytes = 0;
+// What a backend's kernels keep allocated while a rank prefills chunks of n_batch tokens and
+// decodes (per-thread tiles, shared tiles, scaled queries): the fit check asks the backend
+// (kernel_workspace_bytes, registry/registry.h) instead of knowing its tile sizes.
+struct workspace_shape {
+  int n_threads = 1;
+  int64_t n_batch = 1;
+  int64_t kv_dim = 0;  // key channels of a token
+  int64_t q_dim = 0;   // query channels of a token
 };
-cuda_probe probe_cuda();
+
+// Names as `--backend` and XCTX_BACKEND spell them (kernels/backend_kind.cpp); making one is
+// the registry's (registry/registry.h, the only part that knows what was compiled in).
+const char* backend_name(backend_kind kind);
+// "cpu" / "cuda" (and "ref", the scalar oracle); an error naming `what` and the choices otherwise.
+backend_kind parse_backend_kind(const std::string& name, const char* what);
 
 }  // namespace xctx

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-SOURCE_PARTS = ["common", "model", "kernels", "cache", "comm", "worker", "coordinator"]
+SOURCE_PARTS = ["common", "model", "kernels", "cache", "comm", "registry", "worker", "coordinator"]
 SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
 
 

@@ -31,6 +31,7 @@
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/x_quant.h"
+#include "registry/registry.h"
 
 namespace xctx::test {
 

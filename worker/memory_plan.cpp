@@ -12,8 +12,8 @@
 #include "cache/x_factors.h"
 #include "common/error.h"
 #include "common/sys.h"
-#include "kernels/cpu/workspace.h"
 #include "kernels/softmax_acc.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {
@@ -121,7 +121,8 @@ size_t cache_allocation_bytes(const cache_spec& spec, const model_hparams& hp, i
 }
 
 rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec, const sequence_options& opt,
-                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank) {
+                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank,
+                                 backend_kind kind) {
   rank_memory m;
   const int64_t n_suffix = 1, n_new = std::max<int64_t>(0, extra_on_tail - n_suffix);
   const int64_t held = opt.capacity_per_rank > 0
@@ -135,7 +136,7 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
   const size_t d = hp.n_embd, q = (size_t)hp.n_head * hp.head_dim, kv = hp.kv_dim(), f = hp.n_ff;
   m.scratch = (size_t)b * (2 * d + 2 * q + 2 * kv + 2 * f) * 4;
   m.accumulators = (size_t)b * hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(double));
-  m.workspace = cpu::kernel_workspace_bytes(std::max(1, n_threads), b, (int64_t)kv, (int64_t)q);
+  m.workspace = kernel_workspace_bytes(kind, {std::max(1, n_threads), b, (int64_t)kv, (int64_t)q});
   const bool ring = mode == prefill_mode::prefill_exact && n_rank > 1;
   m.residual = (size_t)(ring ? std::max<int64_t>(shard, 0) : b) * d * 4;
   if (ring) {
@@ -210,11 +211,11 @@ size_t factor_upload_bytes(const model_hparams& hp, const cache_spec& spec, cons
 
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
                          const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
-                         int64_t extra_on_tail, const backend* be) {
+                         int64_t extra_on_tail, backend_kind kind, const backend* be) {
   const int P = comm.size();
   // On a device, everything counts against the rank's share, the factors' upload included.
   const auto needs = [&](const cache_spec& s, int n_rank) {
-    rank_memory m = estimate_rank_memory(hp, s, opt, n_batch, n_threads, n_context, extra_on_tail, n_rank);
+    rank_memory m = estimate_rank_memory(hp, s, opt, n_batch, n_threads, n_context, extra_on_tail, n_rank, kind);
     m.factors = factor_upload_bytes(hp, s, be);
     return m;
   };

@@ -15,7 +15,7 @@
 //   star_caches   star: an anchor cache and a block view (cache_bytes_for of each)
 //   x_accumulator xquant-cl: (capacity + star's anchor and block rows)·(d·4 + 2), the f32 X̂
 //                 rows and a layer tag each, allocated whole on first use
-//   workspace     the CPU kernels' buffers (cpu::kernel_workspace_bytes) + nuq -1%'s per-row
+//   workspace     the backend's kernel buffers (kernel_workspace_bytes, registry/registry.h) + nuq -1%'s per-row
 //                 outlier lists, one chunk per cache appended to
 //   factors       X formats on a device backend: the rebuild factors' upload (x_factor_bytes),
 //                 unless already there; on the host they are resident model data, not counted
@@ -43,7 +43,8 @@ struct rank_memory {
 // The most any rank of n_rank needs for a prefill of n_context tokens whose tail rank then
 // holds `extra_on_tail` more (suffix + new tokens); capacity_per_rank > 0 fixes the cache size.
 rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec, const sequence_options& opt,
-                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank);
+                                 int n_batch, int n_threads, int64_t n_context, int64_t extra_on_tail, int n_rank,
+                                 backend_kind kind);
 
 // The bytes the cache of this spec allocates for `capacity` tokens (nominal outliers).
 size_t cache_allocation_bytes(const cache_spec& spec, const model_hparams& hp, int64_t capacity);
@@ -69,6 +70,6 @@ size_t factor_upload_bytes(const model_hparams& hp, const cache_spec& spec, cons
 // message, naming the rank, what it needs by part, and the formats and rank counts that would fit.
 void check_sequence_fits(communicator& comm, const model_hparams& hp, const cache_spec& spec,
                          const sequence_options& opt, int n_batch, int n_threads, int64_t n_context,
-                         int64_t extra_on_tail, const backend* be = nullptr);
+                         int64_t extra_on_tail, backend_kind kind, const backend* be = nullptr);
 
 }  // namespace xctx

@@ -1,3 +1,4 @@
+#include "registry/registry.h"
 #include "worker/sequence_parallel.h"
 
 #include <algorithm>
@@ -350,8 +351,10 @@ void sequence_parallel_runner::prepare_cache(const sequence_options& seq, int64_
     // Every rank refuses together, before allocating, when some rank lacks the memory.
     cache_spec spec = resolve_ring_mode(spec_, hp, seq, n_context, comm_.size());
     cache_.reset();  // the previous sequence's cache goes before the check and the new allocation
-    check_sequence_fits(comm_, hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail, &be_);
-    planned_bytes_ = estimate_rank_memory(hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail, comm_.size()).total();
+    const backend_kind kind = engine_.params().backend;
+    check_sequence_fits(comm_, hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail, kind, &be_);
+    planned_bytes_ =
+        estimate_rank_memory(hp, spec, seq, n_batch, n_threads, n_context, extra_on_tail, comm_.size(), kind).total();
     cache_ = make_cache(spec, engine_.cache_geometry_for(std::max<int64_t>(1, own_tokens)), be_);
     return;
   }
@@ -369,8 +372,10 @@ void sequence_parallel_runner::reserve() {
   const model_hparams& hp = engine_.hparams();
   const int64_t longest = cap * comm_.size();
   const cache_spec spec = resolve_ring_mode(spec_, hp, opt_, longest, comm_.size());
-  check_sequence_fits(comm_, hp, spec, opt_, engine_.params().n_batch, engine_.params().n_threads, longest, 0, &be_);
-  planned_bytes_ = estimate_rank_memory(hp, spec, opt_, engine_.params().n_batch, engine_.params().n_threads, longest, 0, comm_.size()).total();
+  const run_params& rp = engine_.params();
+  check_sequence_fits(comm_, hp, spec, opt_, rp.n_batch, rp.n_threads, longest, 0, rp.backend, &be_);
+  planned_bytes_ =
+      estimate_rank_memory(hp, spec, opt_, rp.n_batch, rp.n_threads, longest, 0, comm_.size(), rp.backend).total();
   cache_ = make_cache(spec, engine_.cache_geometry_for(cap), be_);
 }
 

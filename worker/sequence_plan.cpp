@@ -39,13 +39,14 @@ sequence_plan plan_sequences(const model_hparams& hp, const sequence_options& se
     p.seq.capacity_per_rank = sequence_capacity_per_rank(shape.total_tokens, n_rank, p.cache, p.seq);
     const int64_t longest = p.seq.capacity_per_rank * n_rank;
     p.memory = estimate_rank_memory(hp, resolve_ring_mode(p.cache, hp, p.seq, longest, n_rank), p.seq, p.run.n_batch,
-                                    n_threads, longest, 0, n_rank);
+                                    n_threads, longest, 0, n_rank, p.run.backend);
   } else {
     // A prefill keeps the prompt's last token for the merged path (sequence_parallel_runner::prefill).
     const int64_t n_context = std::max<int64_t>(0, shape.prompt_tokens - 1);
     const sequence_options resolved = with_mode_resolved(p.seq, std::max<int64_t>(1, shape.prompt_tokens));
     p.memory = estimate_rank_memory(hp, resolve_ring_mode(p.cache, hp, resolved, n_context, n_rank), resolved,
-                                    p.run.n_batch, n_threads, n_context, shape.total_tokens - n_context, n_rank);
+                                    p.run.n_batch, n_threads, n_context, shape.total_tokens - n_context, n_rank,
+                                    p.run.backend);
   }
   return p;
 }

@@ -9,6 +9,7 @@
 #include "common/sys.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
+#include "registry/registry.h"
 
 namespace xctx::cli {
 

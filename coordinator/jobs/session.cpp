@@ -10,6 +10,7 @@
 #include "coordinator/jobs/calibration_store.h"
 #include "common/error.h"
 #include "model/gguf.h"
+#include "registry/registry.h"
 
 #ifndef XCTX_SOURCE_DIR
 #define XCTX_SOURCE_DIR "."

@@ -20,7 +20,9 @@
 #include "kernels/cpu/simd/roofline.h"
 #include "coordinator/jobs/jobs.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/device.h"
 #include "kernels/ops.h"
+#include "registry/registry.h"
 #include "worker/memory_plan.h"
 
 #ifndef XCTX_BUILD_TYPE

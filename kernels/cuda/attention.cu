@@ -27,7 +27,7 @@
 
 #include "common/error.h"
 #include "kernels/cuda/attention.cuh"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"  // kvq_rope_setup, kvq_rotate_pair, se_turned_query_pair
 #include "kernels/softmax_acc.h"   // kAttnUnit

@@ -1,6 +1,6 @@
 // The CUDA backend: device memory, one stream per backend instance, cuBLAS for prefill GEMMs.
 //
-// Device choice: cuda_device_for_process (kernels/ops.h): XCTX_CUDA_DEVICE if set, else the
+// Device choice: cuda_device_for_process (kernels/device.h): XCTX_CUDA_DEVICE if set, else the
 // launcher's node-local rank modulo the device count, else 0, so ranks sharing a node spread
 // over its GPUs without any configuration.
 // XCTX_CUDA_TF32=0 makes prefill GEMMs exact fp32 instead of TF32 tensor-core math.
@@ -20,10 +20,11 @@
 #include "common/error.h"
 #include "common/sys.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"
 #include "kernels/cuda/xq.cuh"
+#include "kernels/device.h"
 
 namespace xctx::cuda {
 

@@ -1,9 +1,10 @@
 // Host-side entry points of the CUDA backend (the .cu files implement them). Included only
-// from kernels/registry.cpp and the CUDA tests.
+// from registry/registry.cpp and the CUDA tests.
 #pragma once
 
 #include <memory>
 
+#include "kernels/device.h"
 #include "kernels/ops.h"
 
 namespace xctx::cuda {

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "common/error.h"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/dequant.cuh"
 #include "kernels/cuda/kernels.cuh"
 

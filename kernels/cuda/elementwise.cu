@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 #include "common/half.h"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 
 namespace xctx::cuda {

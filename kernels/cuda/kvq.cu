@@ -28,7 +28,7 @@
 #include <type_traits>
 
 #include "common/error.h"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"
 

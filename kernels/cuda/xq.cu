@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "common/error.h"
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/xq.cuh"
 

@@ -17,6 +17,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ref/ref_ops.h"
 #include "kernels/softmax_acc.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/half.h"
 #include "kernels/ref/ref_ops.h"
+#include "registry/registry.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -10,6 +10,7 @@
 
 #include "cache/quant_test_util.h"
 #include "cache/snapshot_check.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "common/error.h"
 #include "common/half.h"

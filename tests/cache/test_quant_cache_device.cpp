@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "cache/device_partials.h"
 #include "device_space_backend.h"
+#include "registry/registry.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -15,6 +15,7 @@
 #include <random>
 
 #include "cache/quant_test_util.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "common/error.h"
 #include "kernels/cpu/cpu_ops.h"

@@ -16,6 +16,7 @@
 #include "common/half.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "registry/registry.h"
 #include "test_util.h"
 
 namespace xctx {

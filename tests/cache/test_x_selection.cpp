@@ -12,6 +12,7 @@
 
 #include "cache/x_test_util.h"
 #include "kernels/softmax_acc.h"
+#include "registry/registry.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -16,6 +16,7 @@
 #include "common/half.h"
 #include "common/hash.h"
 #include "common/sys.h"
+#include "kernels/device.h"
 #include "kernels/ops.h"
 
 namespace xctx {

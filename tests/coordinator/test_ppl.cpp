@@ -15,6 +15,7 @@
 #include "coordinator/jobs/jobs.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/calibrate.h"
 #include "worker/sequence_parallel.h"

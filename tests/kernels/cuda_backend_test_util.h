@@ -20,6 +20,7 @@
 #include "common/half.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "registry/registry.h"
 
 namespace xctx {
 

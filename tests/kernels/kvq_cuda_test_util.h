@@ -13,6 +13,7 @@
 
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
+#include "registry/registry.h"
 
 // Device suites skip (reported as skipped) where no usable CUDA device is present.
 #define XCTX_REQUIRE_CUDA()                            \

@@ -14,6 +14,7 @@
 
 #include "common/half.h"
 #include "kernels/ops.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

@@ -42,6 +42,7 @@
 #include "kernels/ref/ref_ops.h"
 #include "kernels/softmax_acc.h"
 #include "kernels/kvq_cuda_test_util.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

@@ -21,6 +21,7 @@
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
 #include "kernels/kvq_cuda_test_util.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

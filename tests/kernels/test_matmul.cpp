@@ -41,6 +41,7 @@
 #include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
+#include "registry/registry.h"
 #include "test_util.h"
 
 namespace xctx {

@@ -45,8 +45,9 @@
 #if XCTX_USE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "kernels/cuda/cuda_check.cuh"
+#include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
+#include "registry/registry.h"
 #endif
 
 namespace xctx {

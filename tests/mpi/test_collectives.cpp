@@ -136,6 +136,7 @@ TEST(collectives, bad_arguments_are_errors) {
 // NCCL on device buffers (CUDA builds with a GPU per rank); skipped elsewhere. Same checks as
 // the MPI collectives, data moved through the CUDA backend's alloc/upload/download.
 #include "kernels/ops.h"
+#include "registry/registry.h"
 
 namespace xctx {
 namespace {

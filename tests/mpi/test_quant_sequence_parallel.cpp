@@ -32,6 +32,7 @@
 #include "model/gguf_writer.h"
 #include "mpi_test.h"
 #include "reference_store.h"
+#include "registry/registry.h"
 #include "worker/memory_plan.h"
 #include "test_util.h"
 #include "worker/cache_snapshot.h"
@@ -41,6 +42,9 @@
 
 namespace xctx {
 namespace {
+
+// The fit check counts the CPU kernels' workspace (kernel_workspace_bytes, registry/registry.h).
+constexpr backend_kind kCpu = backend_kind::backend_cpu;
 
 constexpr int kGreedy = 8;
 constexpr int64_t kPrompt = 600;
@@ -186,7 +190,7 @@ uint64_t expect_same_logits_as_one_process(const model_weights& w, const std::ve
     if (cm.size() > 1 && !c.retrieval) {  // the foreign blocks held for one layer, against the memory plan's bound
       const uint64_t held = runner.stats().ring_held_bytes_peak;
       const rank_memory m =
-          estimate_rank_memory(w.hp, spec, opt, n_batch, 1, n_prompt - 1, n_greedy + 2, cm.size());
+          estimate_rank_memory(w.hp, spec, opt, n_batch, 1, n_prompt - 1, n_greedy + 2, cm.size(), kCpu);
       // Every rank ends a layer's ring holding all of the layer's blocks: the plan's n tokens at
       // the largest layer's bytes per token, plus each block's fixed part. The plan is a bound:
       // it counts every rank's fp16 residual window full (grouped formats) and 3x the nominal

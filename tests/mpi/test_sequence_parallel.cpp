@@ -16,6 +16,7 @@
 #include "cache/calibration.h"
 #include "mpi_test.h"
 #include "reference_store.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/sequence_parallel.h"
 

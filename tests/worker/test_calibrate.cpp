@@ -9,6 +9,7 @@
 #include "cache/calibration.h"
 #include "common/error.h"
 #include "model/gguf_writer.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/calibrate.h"
 

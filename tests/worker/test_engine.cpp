@@ -11,6 +11,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "model/gguf.h"
 #include "model/gguf_writer.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "tiny_model.h"
 #include "worker/llama_engine.h"

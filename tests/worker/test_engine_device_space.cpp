@@ -18,6 +18,7 @@
 #include "device_space_backend.h"
 #include "model/gguf.h"
 #include "model/gguf_writer.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "tiny_model.h"
 #include "worker/llama_engine.h"
@@ -26,6 +27,9 @@
 
 namespace xctx {
 namespace {
+
+// The fit check counts the CPU kernels' workspace (kernel_workspace_bytes, registry/registry.h).
+constexpr backend_kind kCpu = backend_kind::backend_cpu;
 
 using test::some_tokens;
 using test::tiny_hparams;
@@ -430,10 +434,10 @@ TEST(device_space, the_fit_check_counts_the_factor_upload) {
   cache_spec spec(cache_format::cache_xquant2, cache_options{});
   spec.options.factors = build_x_factors(w, x_factor_kind::xf_latent);
   const int64_t n = 150, extra = 4;
-  const size_t without = estimate_rank_memory(w.hp, spec, opt, 512, 1, n, extra, 1).total();
+  const size_t without = estimate_rank_memory(w.hp, spec, opt, 512, 1, n, extra, 1, kCpu).total();
   const size_t factors = x_factor_bytes(w.hp, x_factor_kind::xf_latent);
   ASSERT_GT(factors, 0u);
-  const auto check = [&] { check_sequence_fits(*comm, w.hp, spec, opt, 512, 1, n, extra, &dev); };
+  const auto check = [&] { check_sequence_fits(*comm, w.hp, spec, opt, 512, 1, n, extra, kCpu, &dev); };
   dev.memory_share = without + factors / 2;
   test::expect_error_contains(check, "rebuild factors");
   dev.memory_share = without + factors;

@@ -43,6 +43,7 @@
 #include "coordinator/jobs/sampler.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/llama_engine.h"
 

@@ -11,11 +11,15 @@
 #include "common/error.h"
 #include "kernels/softmax_acc.h"
 #include "model/weights.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/memory_plan.h"
 
 namespace xctx {
 namespace {
+
+// The fit check counts the CPU kernels' workspace (kernel_workspace_bytes, registry/registry.h).
+constexpr backend_kind kCpu = backend_kind::backend_cpu;
 
 model_hparams smollm2_like() {
   model_hparams hp;
@@ -70,7 +74,7 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   opt.mode = prefill_mode::prefill_exact;
   const int P = 8, n_batch = 512;
   const int64_t n = 1 << 20;
-  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, n, 32, P);
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, n, 32, P, kCpu);
   const int64_t s = n / P;  // zigzag shards of a power of two
   EXPECT_NEAR((double)m.residual, (double)s * 576 * 4, 576.0 * 4 * 512);
   EXPECT_EQ(m.scratch, (size_t)512 * (2 * 576 + 2 * 576 + 2 * 192 + 2 * 1536) * 4);
@@ -87,7 +91,7 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   EXPECT_LT((double)(m.total() - m.cache), 0.45 * (double)s * 21000);
   EXPECT_LT((double)(m.scratch + m.accumulators), 0.01 * (double)s * 21000);
   // One rank runs chunk-major: no shard-sized residual, no ring.
-  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, 100000, 32, 1);
+  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, 100000, 32, 1, kCpu);
   EXPECT_EQ(one.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(one.ring_blocks, 0u);
 }
@@ -103,7 +107,7 @@ TEST(memory_plan, xquant_cl_auto_ring_switches_to_latent_past_the_budget) {
   EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 8).options.cl_ring, cl_ring_mode::cl_ring_latent);
   EXPECT_EQ(resolve_ring_mode(spec, hp, opt, over, 1).options.cl_ring, cl_ring_mode::cl_ring_deltas) << "no ring";
   const cache_spec deltas = resolve_ring_mode(spec, hp, opt, under, 8);
-  EXPECT_GT(estimate_rank_memory(hp, deltas, opt, 512, 1, under, 1, 8).foreign_acc, 0u);
+  EXPECT_GT(estimate_rank_memory(hp, deltas, opt, 512, 1, under, 1, 8, kCpu).foreign_acc, 0u);
 }
 
 TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
@@ -111,12 +115,12 @@ TEST(memory_plan, star_holds_anchor_and_block_caches_not_the_shard) {
   sequence_options opt;
   opt.mode = prefill_mode::prefill_auto;
   opt.block_tokens = 4096;
-  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 1 << 20, 32, 8);
+  const rank_memory m = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 1 << 20, 32, 8, kCpu);
   EXPECT_EQ(m.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(m.ring_blocks, 0u);
   EXPECT_EQ(m.star_caches, 2 * cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
   // One block per rank: the block is attended in the own cache, only the anchor is extra.
-  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 8 * 4096 - 1, 32, 8);
+  const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 8 * 4096 - 1, 32, 8, kCpu);
   EXPECT_EQ(one.star_caches, cache_allocation_bytes(cache_format::cache_fp16, hp, 4096));
 }
 
@@ -129,12 +133,12 @@ TEST(memory_plan, xquant_cl_counts_its_accumulator_rows) {
   opt.block_tokens = 4096;
   const int64_t n = 1 << 20;
   const int P = 8;
-  const rank_memory cl = estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant-cl3")), opt, 512, 1, n, 32, P);
+  const rank_memory cl = estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant-cl3")), opt, 512, 1, n, 32, P, kCpu);
   const double row = 576 * 4 + 2;
   EXPECT_GE((double)cl.x_accumulator, (double)(n / P + 2 * 4096) * row);
   EXPECT_LE((double)cl.x_accumulator, (double)(n / P + 3 * 4096 + 64) * row);  // a rank may hold one block more
-  EXPECT_EQ(estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant3")), opt, 512, 1, n, 32, P).x_accumulator, 0u);
-  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, n, 32, P).x_accumulator, 0u);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_spec(parse_cache_format("xquant3")), opt, 512, 1, n, 32, P, kCpu).x_accumulator, 0u);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, n, 32, P, kCpu).x_accumulator, 0u);
 }
 
 TEST(memory_plan, auto_mode_counts_the_suffix_like_the_runner) {
@@ -147,8 +151,8 @@ TEST(memory_plan, auto_mode_counts_the_suffix_like_the_runner) {
   opt.block_tokens = 4096;
   EXPECT_EQ(with_mode_resolved(opt, 32768).mode, prefill_mode::prefill_star);
   EXPECT_EQ(with_mode_resolved(opt, 32767).mode, prefill_mode::prefill_exact);
-  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32767, 32, 8).ring_blocks, 0u);
-  EXPECT_GT(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32766, 32, 8).ring_blocks, 0u);
+  EXPECT_EQ(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32767, 32, 8, kCpu).ring_blocks, 0u);
+  EXPECT_GT(estimate_rank_memory(hp, cache_format::cache_fp16, opt, 512, 1, 32766, 32, 8, kCpu).ring_blocks, 0u);
   EXPECT_NE(describe_prefill(opt, 32768).find("star: blocks of 4096 tokens"), std::string::npos);
   EXPECT_NE(describe_prefill(opt, 32768).find("(auto: prompt >= 32768)"), std::string::npos);
 }
@@ -160,7 +164,7 @@ TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
   const memory_limit limit("1G");
   // 64K tokens of fp16 on one rank: 64K x 30 layers x 768 B = 1.4 GiB of cache.
   try {
-    check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 65536, 32);
+    check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 65536, 32, kCpu);
     FAIL() << "expected a refusal";
   } catch (const Error& e) {
     const std::string m = e.what();
@@ -172,7 +176,7 @@ TEST(memory_plan, fit_check_refuses_with_what_would_fit) {
     EXPECT_EQ(m.find("fp32 ("), std::string::npos) << "fp32 does not fit: " << m;
     EXPECT_NE(m.find("fp16 fits from 2 ranks"), std::string::npos) << m;
   }
-  EXPECT_NO_THROW(check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 16384, 32));
+  EXPECT_NO_THROW(check_sequence_fits(*comm, hp, cache_format::cache_fp16, opt, 512, 1, 16384, 32, kCpu));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "cache/quant_test_util.h"
 #include "comm/communicator.h"
 #include "common/half.h"
+#include "registry/registry.h"
 #include "test_util.h"
 #include "worker/representative_tokens.h"
 #include "worker/retrieval.h"

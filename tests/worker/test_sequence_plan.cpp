@@ -11,6 +11,9 @@
 namespace xctx {
 namespace {
 
+// The fit check counts the CPU kernels' workspace (kernel_workspace_bytes, registry/registry.h).
+constexpr backend_kind kCpu = backend_kind::backend_cpu;
+
 model_hparams smollm2_like() {
   model_hparams hp;
   hp.n_layer = 30, hp.n_embd = 576, hp.n_ff = 1536, hp.n_head = 9, hp.n_head_kv = 3, hp.head_dim = 64;
@@ -75,7 +78,7 @@ TEST(sequence_plan, memory_is_what_the_fit_check_counts) {
       plan_sequences(hp, job_defaults(), rp, cache_spec(cache_format::cache_kivi2), {n, n + 64, 64, false}, 4);
   const sequence_options resolved = with_mode_resolved(p.seq, n);
   const cache_spec ring = resolve_ring_mode(p.cache, hp, resolved, n - 1, 4);
-  EXPECT_EQ(p.memory.total(), estimate_rank_memory(hp, ring, resolved, rp.n_batch, 2, n - 1, 65, 4).total());
+  EXPECT_EQ(p.memory.total(), estimate_rank_memory(hp, ring, resolved, rp.n_batch, 2, n - 1, 65, 4, kCpu).total());
   EXPECT_GT(p.memory.cache, 0u);
 
   const sequence_plan one =
@@ -84,7 +87,7 @@ TEST(sequence_plan, memory_is_what_the_fit_check_counts) {
   const int64_t longest = one.seq.capacity_per_rank * 4;
   EXPECT_EQ(one.memory.total(),
             estimate_rank_memory(hp, resolve_ring_mode(one.cache, hp, one.seq, longest, 4), one.seq, rp.n_batch, 2,
-                                 longest, 0, 4)
+                                 longest, 0, 4, kCpu)
                 .total());
 }
 
