@@ -58,7 +58,10 @@ bench_data make_data(int64_t n_q, int64_t n_kv, bool causal_self) {
   return d;
 }
 
-double seconds_of(void (*fn)(const attn_args&), const attn_args& a, int reps) {
+// One attention call (cpu::attention_partial's overload with the default switches, or ref's).
+using attention_fn = void (*)(const attn_args&);
+
+double seconds_of(attention_fn fn, const attn_args& a, int reps) {
   fn(a);  // warm
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r) fn(a);
@@ -72,7 +75,7 @@ void BM_decode(benchmark::State& state) {
   const bool cpu_backend = state.range(2) != 0;
   auto d = make_data(1, n_kv, false);
   const attn_args a = d.args(t);
-  auto fn = cpu_backend ? &cpu::attention_partial : &ref::attention_partial;
+  const attention_fn fn = cpu_backend ? attention_fn(&cpu::attention_partial) : &ref::attention_partial;
   for (auto _ : state) {
     fn(a);
     benchmark::DoNotOptimize(d.o.data());
@@ -99,7 +102,7 @@ void BM_prefill(benchmark::State& state) {
   const bool cpu_backend = state.range(2) != 0;
   auto d = make_data(n, n, true);
   const attn_args a = d.args(t);
-  auto fn = cpu_backend ? &cpu::attention_partial : &ref::attention_partial;
+  const attention_fn fn = cpu_backend ? attention_fn(&cpu::attention_partial) : &ref::attention_partial;
   for (auto _ : state) {
     fn(a);
     benchmark::DoNotOptimize(d.o.data());

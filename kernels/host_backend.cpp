@@ -15,6 +15,8 @@ class host_backend final : public backend {
  public:
   explicit host_backend(const host_kernels& k) : k_(k) {}
   std::string name() const override { return k_.name; }
+  std::string arithmetic() const override { return k_.arithmetic; }
+  backend_settings settings() const override { return k_.settings; }
 
   void* alloc(size_t bytes) override {
     // 64-byte aligned and sized to whole lines, so SIMD loads never straddle two.

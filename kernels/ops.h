@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/backend_settings.h"
 #include "kernels/quant_blocks.h"
 #include "kernels/types.h"
 
@@ -110,6 +111,9 @@ class backend {
   // Where this backend's arithmetic departs from the CPU backend's fp32, for run headers and
   // results (cuda: TF32 prefill GEMMs unless XCTX_CUDA_TF32=0); empty when it does not.
   virtual std::string arithmetic() const { return {}; }
+  // The choices this backend was made with, resolved (kernels/backend_settings.h); unset fields
+  // are choices it does not have.
+  virtual backend_settings settings() const { return {}; }
 
   // Memory of this backend's space (host for ref/cpu, device for cuda).
   virtual void* alloc(size_t bytes) = 0;
@@ -268,6 +272,11 @@ struct workspace_shape {
   int64_t n_batch = 1;
   int64_t kv_dim = 0;  // key channels of a token
   int64_t q_dim = 0;   // query channels of a token
+  // What the device kernels' scratch follows (kernels/cuda/scratch.h): the heads, the widest
+  // weight row a GEMM dequantizes, and the tokens a rank holds (a selection's lists).
+  int n_head = 0, n_head_kv = 0, head_dim = 0, n_embd = 0;
+  int64_t max_weight_cols = 0;
+  int64_t capacity = 0;
 };
 
 // Names as `--backend` and XCTX_BACKEND spell them (kernels/backend_kind.cpp); making one is

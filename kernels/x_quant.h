@@ -129,11 +129,13 @@ void attention_xq(const xq_attn_args& a, bool absorb = false);
 }  // namespace ref
 
 namespace cpu {
+struct attention_switches;  // kernels/cpu/cpu_ops.h
 void xq_encode(const xq_encode_job& j);  // OpenMP over rows / channels; codes equal to ref's
 // Decode (n_q <= 8): tiles of rows, K rebuilt with a small GEMM and rotated in the tile, V absorbed.
 // Prefill: blocks of rows with K and V rebuilt explicitly (cheaper when many queries share them)
 // and the BLAS-tiled attention core. Never holds more than one block of rebuilt rows per thread.
 void attention_xq(const xq_attn_args& a);
+void attention_xq(const xq_attn_args& a, const attention_switches& s);
 // acc[t, :] += z[t, :]·uᵀ for t < n (xquant-cl's accumulator update), BLAS.
 void xq_add_projected(const float* z /*[n, r]*/, const float* u /*[d, r]*/, int64_t n, int r, int d,
                       float* acc /*[n, d]*/);

@@ -12,7 +12,12 @@
 
 namespace xctx {
 
-std::unique_ptr<backend> make_backend(backend_kind kind);
+// A backend of `kind` made with `settings`, each unset one taken from the environment
+// (XCTX_DECODE_ACT, XCTX_PREFILL_ACT; an error naming the variable when it is not a choice)
+// or else the backend's default. Only the CPU backend has these choices (kernels/backend_settings.h).
+std::unique_ptr<backend> make_backend(backend_kind kind, const backend_settings& settings = {});
+// `settings` with every unset field the environment sets filled in.
+backend_settings settings_with_environment(backend_settings settings);
 bool backend_available(backend_kind kind);  // cuda: compiled in AND a device is present
 // The backend a job runs on: `flag` (the --backend value) when given, else XCTX_BACKEND, else
 // cpu. Checked here, before any model is loaded: cuda on a build without it, or on a machine
@@ -27,6 +32,9 @@ size_t kernel_workspace_bytes(backend_kind kind, const workspace_shape& s);
 // otherwise a clear error).
 bool nccl_available();
 std::unique_ptr<communicator> make_nccl_communicator_or_fail(communicator& bootstrap);
+// "host/PCI bus id" of the CUDA device this process binds to, to tell whether two ranks share
+// one (NCCL refuses that); "" where no CUDA device can be used.
+std::string cuda_device_identity();
 
 // The CUDA side of this process as `xctx doctor` reports it; nccl_version included.
 cuda_probe probe_cuda();

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <string>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd/cpu_features.h"
 
 namespace xctx::test {
 

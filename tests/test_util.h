@@ -8,13 +8,15 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/backend_settings.h"
+#include "kernels/cpu/simd/cpu_features.h"
 #include "kernels/ops.h"
 
 namespace xctx::test {
@@ -46,32 +48,36 @@ T worse(T worst, T err) {
 // leaves a margin of 4x.
 inline constexpr double kEngineAmplification = 16;
 inline double float_sum_rounding() { return 8 * std::ldexp(1.0, -24); }
-inline double decode_rounding(cpu::decode_activations act) {
+inline double decode_rounding(decode_activations act) {
   switch (act) {
-    case cpu::decode_activations::act_q16: return std::ldexp(1.0, -16);
-    case cpu::decode_activations::act_q8: return 1.0 / 254;
-    case cpu::decode_activations::act_f32: break;
+    case decode_activations::act_q16: return std::ldexp(1.0, -16);
+    case decode_activations::act_q8: return 1.0 / 254;
+    case decode_activations::act_f32: break;
   }
   return float_sum_rounding();
 }
 // The batched (prefill) matmuls' activations: f32 (float sums only), or the integer GEMM's 16- or
 // 8-bit blocks -- the decode grids' steps -- where the CPU runs it (AVX-512 VNNI).
-inline double prefill_rounding(cpu::prefill_activations pre) {
+inline double prefill_rounding(prefill_activations pre) {
   if (!cpu::prefill_q8_supported()) return float_sum_rounding();
   switch (pre) {
-    case cpu::prefill_activations::pre_q16: return decode_rounding(cpu::decode_activations::act_q16);
-    case cpu::prefill_activations::pre_q8: return decode_rounding(cpu::decode_activations::act_q8);
-    case cpu::prefill_activations::pre_f32: break;
+    case prefill_activations::pre_q16: return decode_rounding(decode_activations::act_q16);
+    case prefill_activations::pre_q8: return decode_rounding(decode_activations::act_q8);
+    case prefill_activations::pre_f32: break;
   }
   return float_sum_rounding();
 }
-inline double engine_logit_bound(bool quantized_weights, double max_abs_logit,
-                                 cpu::decode_activations act = cpu::get_decode_activations(),
-                                 cpu::prefill_activations pre = cpu::get_prefill_activations()) {
+inline double engine_logit_bound(bool quantized_weights, double max_abs_logit, decode_activations act,
+                                 prefill_activations pre) {
   const double u = quantized_weights
                        ? std::max({decode_rounding(act), prefill_rounding(pre), float_sum_rounding()})
                        : float_sum_rounding();
   return kEngineAmplification * u * std::max(1.0, max_abs_logit);
+}
+// The bound for a backend made with `s` (backend::settings(); unset: exact float arithmetic).
+inline double engine_logit_bound(bool quantized_weights, double max_abs_logit, const backend_settings& s) {
+  return engine_logit_bound(quantized_weights, max_abs_logit, s.decode.value_or(decode_activations::act_f32),
+                            s.prefill.value_or(prefill_activations::pre_f32));
 }
 
 // The worst observed/bound ratio of a named tolerance check in this process, printed at exit:
@@ -172,32 +178,26 @@ inline std::string default_model_path() {
     GTEST_SKIP() << "model not fetched (run launch/fetch-model): " << path_var;              \
   }
 
-// Selects the CPU decode matmuls' activations (process-wide) for the scope's lifetime.
-class decode_activations_scope {
+// Sets an environment variable for the scope's lifetime, restoring what was there.
+class env_scope {
  public:
-  explicit decode_activations_scope(cpu::decode_activations act) : saved_(cpu::get_decode_activations()) {
-    cpu::set_decode_activations(act);
+  env_scope(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
   }
-  ~decode_activations_scope() { cpu::set_decode_activations(saved_); }
-  decode_activations_scope(const decode_activations_scope&) = delete;
-  decode_activations_scope& operator=(const decode_activations_scope&) = delete;
+  ~env_scope() {
+    if (old_) {
+      setenv(name_.c_str(), old_->c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  env_scope(const env_scope&) = delete;
+  env_scope& operator=(const env_scope&) = delete;
 
  private:
-  cpu::decode_activations saved_;
-};
-
-// Selects the CPU prefill matmuls' activations (process-wide) for the scope's lifetime.
-class prefill_activations_scope {
- public:
-  explicit prefill_activations_scope(cpu::prefill_activations act) : saved_(cpu::get_prefill_activations()) {
-    cpu::set_prefill_activations(act);
-  }
-  ~prefill_activations_scope() { cpu::set_prefill_activations(saved_); }
-  prefill_activations_scope(const prefill_activations_scope&) = delete;
-  prefill_activations_scope& operator=(const prefill_activations_scope&) = delete;
-
- private:
-  cpu::prefill_activations saved_;
+  std::string name_;
+  std::optional<std::string> old_;
 };
 
 // The message of the xctx::Error that `f` throws, or "(no error)".

@@ -136,7 +136,11 @@ rank_memory estimate_rank_memory(const model_hparams& hp, const cache_spec& spec
   const size_t d = hp.n_embd, q = (size_t)hp.n_head * hp.head_dim, kv = hp.kv_dim(), f = hp.n_ff;
   m.scratch = (size_t)b * (2 * d + 2 * q + 2 * kv + 2 * f) * 4;
   m.accumulators = (size_t)b * hp.n_head * (sizeof(int32_t) + (size_t)kAccBins * (hp.head_dim + 1) * sizeof(double));
-  m.workspace = kernel_workspace_bytes(kind, {std::max(1, n_threads), b, (int64_t)kv, (int64_t)q});
+  workspace_shape ws{std::max(1, n_threads), b, (int64_t)kv, (int64_t)q};
+  ws.n_head = hp.n_head, ws.n_head_kv = hp.n_head_kv, ws.head_dim = hp.head_dim, ws.n_embd = hp.n_embd;
+  ws.max_weight_cols = std::max<int64_t>(hp.n_embd, hp.n_ff);
+  ws.capacity = held;
+  m.workspace = kernel_workspace_bytes(kind, ws);
   const bool ring = mode == prefill_mode::prefill_exact && n_rank > 1;
   m.residual = (size_t)(ring ? std::max<int64_t>(shard, 0) : b) * d * 4;
   if (ring) {

@@ -11,6 +11,7 @@ namespace xctx {
 
 struct run_params {
   backend_kind backend = backend_kind::backend_cpu;
+  backend_settings settings;  // what the backend is made with (--decode-act, --prefill-act)
   cache_format cache = cache_format::cache_fp16;
   cache_options cache_opts;  // group size, Q-Norm, sink (the calibration is loaded from calib_path)
   std::string calib_path;    // nuq formats: file made by `xctx calibrate`

@@ -1,6 +1,8 @@
 #include "registry/registry.h"
 #include "worker/sequence_parallel.h"
 
+#include <glog/logging.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -282,9 +284,32 @@ sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communi
     selector_ = std::make_unique<retrieval_selector>(opt_.retrieval, engine_.rope(), engine_.hparams().n_head, be_, comm_);
   }
   if (be_.has_device_collectives() && comm_.size() > 1) {
-    own_device_comm_ = make_nccl_communicator_or_fail(comm_);  // bootstrapped through comm_ (MPI)
-    device_comm_ = own_device_comm_.get();
+    // Every rank's device, gathered before NCCL's initialisation, which would fail on a shared one
+    // (more local ranks than GPUs: -np 2 on one GPU, per-task CUDA_VISIBLE_DEVICES under Slurm).
+    constexpr size_t kIdBytes = 320;
+    std::string mine = cuda_device_identity();
+    mine.resize(kIdBytes, '\0');
+    std::vector<char> all((size_t)comm_.size() * kIdBytes);
+    comm_.all_gather(mine.data(), all.data(), kIdBytes);
+    std::vector<std::string> ids;
+    for (int r = 0; r < comm_.size(); ++r) ids.emplace_back(all.data() + (size_t)r * kIdBytes);  // up to its NUL
+    if (const std::string shared = describe_shared_devices(ids); !shared.empty()) {
+      if (comm_.rank() == 0)
+        LOG(WARNING) << "NCCL cannot run two ranks on one GPU (" << shared << "): ring blocks and decode partials "
+                     << "go through host memory over " << comm_.name() << " instead (slower; one rank per GPU avoids it)";
+    } else {
+      own_device_comm_ = make_nccl_communicator_or_fail(comm_);  // bootstrapped through comm_ (MPI)
+      device_comm_ = own_device_comm_.get();
+    }
   }
+}
+
+std::string describe_shared_devices(const std::vector<std::string>& identities) {
+  for (size_t a = 0; a < identities.size(); ++a)
+    for (size_t b = a + 1; b < identities.size(); ++b)
+      if (!identities[a].empty() && identities[a] == identities[b])
+        return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " share " + identities[a];
+  return "";
 }
 
 sequence_parallel_runner::~sequence_parallel_runner() = default;

@@ -108,6 +108,12 @@ int64_t sequence_tokens_needed_per_rank(int64_t n_context, int64_t n_suffix, int
 // opt.max_new_tokens generated) on n_rank ranks.
 int64_t sequence_capacity_per_rank(int64_t n_total, int n_rank, const cache_spec& spec, const sequence_options& opt);
 
+// Which ranks would share one GPU, given each rank's device identity (cuda_device_identity,
+// registry/registry.h; "" = none): "ranks 0 and 1 share host/0000:3b:00.0" for the first pair,
+// "" when every device is a rank's own. NCCL refuses such ranks ("Duplicate GPU detected"), so
+// the runner then passes ring blocks and decode partials through host memory instead.
+std::string describe_shared_devices(const std::vector<std::string>& identities);
+
 class sequence_parallel_runner {
  public:
   sequence_parallel_runner(llama_engine& engine, communicator& comm, backend& be, cache_spec spec,

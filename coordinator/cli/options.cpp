@@ -7,7 +7,6 @@
 #include "cache/format.h"
 #include "common/error.h"
 #include "common/sys.h"
-#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 #include "registry/registry.h"
 
@@ -63,6 +62,19 @@ CLI::Validator non_empty(const char* flag) {
   const std::string name = flag;
   return CLI::Validator(
       [name](std::string& in) { return in.empty() ? name + " needs a non-empty string" : std::string(); }, "non-empty");
+}
+
+CLI::Validator one_of(std::vector<std::string> choices) {
+  std::string list;
+  for (size_t i = 0; i < choices.size(); ++i)
+    list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
+  return CLI::Validator(
+      [choices, list](std::string& in) -> std::string {
+        for (const std::string& c : choices)
+          if (in == c) return {};
+        return "must be " + list + ", not '" + in + "'";
+      },
+      list);
 }
 
 void add_sampling_options(CLI::App* cmd, sampler_params& s, bool with_seed, const sampler_params& defaults) {
@@ -161,13 +173,15 @@ void add_run_options(CLI::App* cmd, run_params& rp, job_flags& f) {
   cmd->add_option("--group-size", rp.cache_opts.group_size, "kivi: tokens per key group = channels per value group")
       ->default_val(128);
   cmd->add_option("--qnorm", f.qnorm, "nuq: Q-Norm of the datatypes: auto (on at 2 bits, as KVQuant) | on | off")
-      ->default_val("auto");
+      ->default_val("auto")
+      ->check(one_of({"auto", "on", "off"}));
   cmd->add_flag("--no-sink", f.no_sink, "nuq: quantize the first token too (default keeps it fp16)");
   cmd->add_option("--cl-ring", f.cl_ring,
                   "xquant-cl exact ring prefill: deltas (stored codes; receiver keeps n*n_embd*4 bytes of "
                   "accumulators) | latent (fp16 latent, the bytes of fp16 K|V; O(block) memory) | auto (deltas "
                   "while those accumulators stay within 1 GiB per rank)")
-      ->default_val("auto");
+      ->default_val("auto")
+      ->check(one_of({"deltas", "latent", "auto"}));
   cmd->add_option("--ctx", f.ctx, "context capacity in tokens (e.g. 8192, 32K); default: the model's trained context");
   cmd->add_option("--backend", f.backend,
                   "cpu | cuda: where the forward, the cache and attention run (default: XCTX_BACKEND, else cpu); "
@@ -178,15 +192,18 @@ void add_run_options(CLI::App* cmd, run_params& rp, job_flags& f) {
   cmd->add_option("--batch", rp.n_batch, "prefill chunk size in tokens")->default_val(512)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--decode-act", f.decode_act,
                   "activations of the decode matmuls: q16 (16-bit blocks, default) | f32 (exact float) | q8 "
-                  "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16");
+                  "(8-bit blocks, llama.cpp's rounding); default: XCTX_DECODE_ACT, else q16")
+      ->check(one_of({"f32", "q16", "q8"}));
   cmd->add_option("--prefill-act", f.prefill_act,
                   "activations of the prefill matmuls: q16 (16-bit blocks) | q8 (8-bit blocks) | f32 (exact "
                   "float): the integer ones run as integer GEMMs on AVX-512 VNNI CPUs (AMX tiles where granted), "
-                  "as f32 elsewhere; default: XCTX_PREFILL_ACT, else q16 on AVX-512 VNNI CPUs and f32 elsewhere");
+                  "as f32 elsewhere; default: XCTX_PREFILL_ACT, else q16 on AVX-512 VNNI CPUs and f32 elsewhere")
+      ->check(one_of({"f32", "q16", "q8"}));
   cmd->add_option("--rope-scaling", f.rope,
                   "positions past the trained context: none | linear | ntk (with --rope-factor) | selfextend "
                   "(grouped positions, with --group and --window)")
-      ->default_val("none");
+      ->default_val("none")
+      ->check(one_of({"none", "linear", "ntk", "selfextend"}));
   cmd->add_option("--rope-factor", rp.rope_factor, "RoPE scaling factor (>= 1)")->default_val(1.0f)->check(at_least(1));
   // --se-window everywhere; --window too where the command has no window of its own (ppl has).
   const bool window_free = cmd->get_option_no_throw("--window") == nullptr;
@@ -200,18 +217,12 @@ void add_run_options(CLI::App* cmd, run_params& rp, job_flags& f) {
 void apply_run_options(run_params& rp, const job_flags& f) {
   rp.cache = parse_cache_format(f.cache);
   rp.backend = choose_backend(f.backend);
-  if (!f.decode_act.empty()) {  // process-wide: every rank parses the same command line
-    cpu::set_decode_activations(cpu::parse_decode_activations(f.decode_act, "--decode-act"));
-  }
-  if (!f.prefill_act.empty()) {
-    cpu::set_prefill_activations(cpu::parse_prefill_activations(f.prefill_act, "--prefill-act"));
-  }
-  XCTX_CHECK(f.qnorm == "auto" || f.qnorm == "on" || f.qnorm == "off", "--qnorm: unknown '", f.qnorm,
-             "' (auto, on, off)");
+  // The backend is made with these (session.cpp); unset ones fall to XCTX_DECODE_ACT /
+  // XCTX_PREFILL_ACT, then the backend's defaults (registry/registry.h).
+  if (!f.decode_act.empty()) rp.settings.decode = parse_decode_activations(f.decode_act, "--decode-act");
+  if (!f.prefill_act.empty()) rp.settings.prefill = parse_prefill_activations(f.prefill_act, "--prefill-act");
   rp.cache_opts.qnorm = f.qnorm == "auto" ? -1 : (f.qnorm == "on" ? 1 : 0);
   rp.cache_opts.sink = !f.no_sink;
-  XCTX_CHECK(f.cl_ring == "deltas" || f.cl_ring == "latent" || f.cl_ring == "auto", "--cl-ring: unknown '",
-             f.cl_ring, "' (deltas, latent, auto)");
   rp.cache_opts.cl_ring = parse_cl_ring_mode(f.cl_ring);
   if (!f.ctx.empty()) {
     rp.n_ctx = parse_count(f.ctx, "--ctx");

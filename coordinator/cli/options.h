@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "coordinator/jobs/sampler.h"
 #include "worker/run_params.h"
@@ -25,6 +26,8 @@ CLI::Validator integer_in(int64_t lo, int64_t hi);  // whole numbers in [lo, hi]
 CLI::Validator seed_value();                      // [0, INT64_MAX]
 CLI::Validator number_in(double lo, double hi);   // [lo, hi], NaN refused
 CLI::Validator non_empty(const char* flag);       // a string option that must not be ""
+// A choice among `choices`, refused where it is parsed: "must be a, b or c, not 'x'".
+CLI::Validator one_of(std::vector<std::string> choices);
 
 // The sampler's options (coordinator/jobs/sampler.h says what each does and in which order), the
 // same on every job that decodes. with_seed: false where --seed is the job's own (submit).
@@ -54,7 +57,6 @@ struct job_flags {
   int top_k = 32;
 };
 void add_job_options(CLI::App* cmd, run_params& rp, job_flags& f);
-// Sets the process-wide matmul activations when given (every rank parses the same command line).
 void apply_job_options(run_params& rp, sequence_options& seq, const job_flags& f);
 
 }  // namespace xctx::cli

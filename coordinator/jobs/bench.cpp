@@ -13,7 +13,7 @@
 #include "coordinator/jobs/jobs.h"
 #include "coordinator/jobs/sampler.h"
 #include "coordinator/jobs/session.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd/cpu_features.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
 #include "worker/sequence_plan.h"
@@ -121,8 +121,14 @@ int run_bench(const bench_options& opt, communicator& comm) {
   j["planned_bytes_per_rank"] = plan.memory.total();  // the fit check's figure for the fullest rank
   j["ring_held_bytes_peak"] = runner.stats().ring_held_bytes_peak;
   j["threads"] = opt.run.n_threads > 0 ? opt.run.n_threads : default_threads();
-  j["decode_activations"] = cpu::decode_activations_name(cpu::get_decode_activations());
-  j["prefill_activations"] = cpu::prefill_activations_name(cpu::get_prefill_activations());
+  // The backend's own settings (unset: choices it does not have, e.g. cuda's activations).
+  const backend_settings bs = s.be->settings();
+  if (bs.decode) j["decode_activations"] = decode_activations_name(*bs.decode);
+  if (bs.prefill) j["prefill_activations"] = prefill_activations_name(*bs.prefill);
+  if (bs.attn_avx512_rows) j["attn_avx512_rows"] = *bs.attn_avx512_rows;
+  if (bs.kvq_key_lanes) j["kvq_key_lanes"] = *bs.kvq_key_lanes;
+  if (bs.cuda_graphs) j["cuda_graphs"] = *bs.cuda_graphs;
+  if (bs.cuda_tf32) j["cuda_tf32"] = *bs.cuda_tf32;
   j["prefill_q8_gemm"] = cpu::prefill_q8_supported();
   j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;

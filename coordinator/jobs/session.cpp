@@ -45,7 +45,7 @@ model_session open_session(const std::string& model_path, const std::string& tok
   s.chat_template = vocab_file->get_string("tokenizer.chat_template", "");
   XCTX_CHECK(s.tok->n_vocab() <= s.weights.hp.n_vocab, "tokenizer ", vocab_source, " has ", s.tok->n_vocab(),
              " tokens but the model's vocabulary has ", s.weights.hp.n_vocab);
-  s.be = make_backend(rp.backend);
+  s.be = make_backend(rp.backend, rp.settings);
   s.cache = cache_spec(rp.cache, rp.cache_opts);
   if (format_traits(rp.cache).needs_calibration) {
     const uint64_t fingerprint = model_fingerprint(s.weights);

@@ -5,31 +5,12 @@
 #include <cstdint>
 #include <string_view>
 
+#include "kernels/backend_settings.h"
+#include "kernels/cpu/simd/cpu_features.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace xctx::cpu {
-
-bool has_avx2();  // AVX2 + FMA + F16C present on this CPU (cached)
-// Tests and benchmarks: while on, has_avx2() reports false so every kernel takes its scalar
-// fallback. The environment variable XCTX_NO_AVX2 (read once) has the same effect.
-void set_force_scalar(bool on);
-// AVX-512 F/BW/VL/DQ + VBMI + VNNI on top of has_avx2(): the few kernels with a 16-lane variant
-// (the fused decode step over quantized caches, the integer decode matvecs) take it. set_force_avx2(true) or XCTX_NO_AVX512 in
-// the environment keep them on AVX2.
-bool has_avx512();
-void set_force_avx2(bool on);
-// AVX-VNNI (256-bit VEX VPDPBUSD / VPDPWSSD) on top of has_avx2(): the integer decode matvecs
-// use it where has_avx512() is false. set_force_avx2(true) or XCTX_NO_AVXVNNI turn it off.
-bool has_avx_vnni();
-// Tests and benchmarks: while on, has_avx512() reports false, so the kernels with an AVX-VNNI
-// variant take it on CPUs that have both.
-void set_force_avx_vnni(bool on);
-// AMX tiles with int8 dot products (TDPBUSD) on top of has_avx512(), granted by the kernel
-// (arch_prctl ARCH_REQ_XCOMP_PERM, asked once here): the integer prefill GEMM takes them.
-// XCTX_NO_AMX, set_force_no_amx(true), and everything that turns has_avx512() off turn it off.
-bool has_amx();
-void set_force_no_amx(bool on);
 
 // ---- matmul (kernels/cpu/matmul/matmul*.cpp) ----------------------------------------------------
 // Small n_tok (decode): fused dequantize-and-dot on the quantized weights. Large n_tok
@@ -54,13 +35,11 @@ void set_force_no_amx(bool on);
 //    longer continuous in upstream float summation orders.
 // Rank counts: the integer paths keep multi-rank runs bitwise equal to one rank, because the
 // attention they follow is bitwise rank-count invariant (tests/mpi run under each setting).
-// Process-wide; XCTX_DECODE_ACT=f32|q16|q8 in the environment (read once) selects one.
-enum class decode_activations : uint8_t { act_f32, act_q8, act_q16 };
-void set_decode_activations(decode_activations act);
-decode_activations get_decode_activations();
-// "f32" / "q16" / "q8"; parse throws an Error naming `what` (e.g. "--decode-act") and the choices.
-const char* decode_activations_name(decode_activations act);
-decode_activations parse_decode_activations(std::string_view name, const char* what);
+// The choice is the backend's (backend_settings, kernels/backend_settings.h: --decode-act,
+// XCTX_DECODE_ACT), passed to every call in matmul_settings; no process-wide state.
+using xctx::decode_activations;
+using xctx::decode_activations_name;
+using xctx::parse_decode_activations;
 
 // Activations of the prefill matmuls (n_tok at or above detail::prefill_min_tokens) for the
 // legacy block quants:
@@ -74,25 +53,28 @@ decode_activations parse_decode_activations(std::string_view name, const char* w
 //  * q16: the same with 16-bit blocks (act_q16's rounding, 1/258 of q8's), split into two byte
 //    planes: twice the integer products of q8. Q8_0 weights take it only with AMX. The default
 //    on AVX-512 VNNI hosts (default_prefill_activations).
-// Process-wide; XCTX_PREFILL_ACT=f32|q16|q8 in the environment (read once) selects one.
-enum class prefill_activations : uint8_t { pre_f32, pre_q8, pre_q16 };
-void set_prefill_activations(prefill_activations act);
-prefill_activations get_prefill_activations();
+// Chosen like the decode activations (--prefill-act, XCTX_PREFILL_ACT).
+using xctx::prefill_activations;
+using xctx::prefill_activations_name;
+using xctx::parse_prefill_activations;
 prefill_activations default_prefill_activations();  // q16 where prefill_q8_supported(), else f32
-// "f32" / "q16" / "q8"; parse throws an Error naming `what` (e.g. "--prefill-act") and the choices.
-const char* prefill_activations_name(prefill_activations act);
-prefill_activations parse_prefill_activations(std::string_view name, const char* what);
-// Whether integer prefill activations take the integer GEMM on this CPU (AVX-512 VNNI; see
-// detail::prefill_int_applies for the per-type rule).
-bool prefill_q8_supported();
 
-void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y);
+// The activations cpu::matmul rounds to: the CPU backend holds the ones it was made with and
+// passes them to every call; a default-constructed one is the backend's defaults.
+struct matmul_settings {
+  decode_activations decode = decode_activations::act_q16;
+  prefill_activations prefill = default_prefill_activations();
+};
+
+void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y, const matmul_settings& s = {});
 // n_w products of the same x (q, k and v; gate and up): y[i] = x·W[i]ᵀ, bitwise what n_w
 // cpu::matmul calls give. On the integer decode paths x is quantized once and all run in one
 // parallel region over their concatenated rows (one fork/join and barrier instead of n_w).
-void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y);
+void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y,
+              const matmul_settings& s = {});
 // The pair form of matmul_n.
-void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb);
+void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb,
+             const matmul_settings& s = {});
 // C = A·B (b_transposed false: B [k, n_out] row-major) or A·Bᵀ (true: B [n_out, k]), plus C
 // itself when beta is 1 (beta must be 0 or 1). Row-invariant like the prefill matmul: every
 // element is one chain of fused multiply-adds in k order, added to C last, so a row's bits do not
@@ -111,10 +93,18 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void add(float* y, const float* x, int64_t n);
 
 // ---- attention (kernels/cpu/attention/attention*.cpp) ----------------------------------------------
+// Which of two kernels that give the same bits an attention call takes: the A/B baselines a
+// benchmark compares in one binary. The CPU backend binds the ones it was made with
+// (backend_settings: attn_avx512_rows, kvq_key_lanes); the defaults are the faster kernels.
+struct attention_switches {
+  bool avx512_rows = true;    // many-row exact attention on the AVX-512 kernel (else AVX2)
+  bool kvq_key_lanes = true;  // fused quantized decode: nuq keys scored 16 in lanes (else one at a time)
+};
 // Decode (few queries): one pass over the cache per kv head with an online softmax, all query
 // heads of a GQA group together. Prefill (many queries): tiles through BLAS with the same
 // online-softmax merge, never materializing the full score matrix.
 void attention_partial(const attn_args& a);
+void attention_partial(const attn_args& a, const attention_switches& s);
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim,
                     float* o, float* lse);
 
@@ -124,5 +114,6 @@ void merge_partials(const float* o_parts, const float* lse_parts, int n_part, in
 // then the decode/prefill attention core), never the whole shard in f32.
 void kvq_encode(const kvq_encode_job& job);
 void attention_kvq(const kvq_attn_args& a);
+void attention_kvq(const kvq_attn_args& a, const attention_switches& s);
 
 }  // namespace xctx::cpu

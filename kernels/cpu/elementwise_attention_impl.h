@@ -8,6 +8,10 @@
 
 #include "kernels/ops.h"
 
+namespace xctx::cpu {
+struct attention_switches;  // cpu_ops.h
+}  // namespace xctx::cpu
+
 namespace xctx::cpu::impl {
 
 enum class isa : uint8_t { isa_scalar, isa_avx2 };
@@ -21,7 +25,8 @@ void rms_norm(isa v, const float* x /*[n_tok, dim]*/, const float* weight /*[dim
 void rope(isa v, float* x /*[n_tok, n_head, head_dim]*/, const int32_t* pos /*[n_tok]*/, int64_t n_tok, int n_head,
           const rope_config& cfg);
 void swiglu(isa v, const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n, float* out /*[n]*/);
-void attention_partial(isa v, const attn_args& a);
+void attention_partial(isa v, const attn_args& a);  // default attention_switches
+void attention_partial(isa v, const attn_args& a, const attention_switches& s);
 void merge_partials(isa v, const float* o_parts /*[n_part, n_row, head_dim]*/, const float* lse_parts /*[n_part, n_row]*/,
                     int n_part, int64_t n_row, int head_dim, float* o /*[n_row, head_dim]*/, float* lse /*[n_row]*/);
 
@@ -65,6 +70,7 @@ struct decode_job {
   float* o = nullptr;    // [R, v_width]
   float* lse = nullptr;  // [R]
   float* scratch = nullptr;  // [decode_scratch_floats(R, hd)]
+  bool avx512_rows = true;   // the AVX-512 many-row kernel may take the job (attention_switches)
 };
 // Covers the kernels: scalar (f16 K/V tiles converted to f32, scores, m, l), AVX2 (scores of a
 // 3-row block with row stride kDecodeTile + 8, m, l) and AVX-512 (a transposed key tile and an

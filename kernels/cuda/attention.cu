@@ -30,6 +30,7 @@
 #include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"  // kvq_rope_setup, kvq_rotate_pair, se_turned_query_pair
+#include "kernels/cuda/scratch.h"
 #include "kernels/softmax_acc.h"   // kAttnUnit
 
 namespace xctx::cuda {
@@ -43,11 +44,13 @@ attn_scratch attention_scratch(context& ctx, size_t part_bytes, const attn_selec
   if (select != nullptr) {
     check_selection(*select, n_q, n_head_kv, who);
     units_at = select->offsets.size() * sizeof(int64_t);
-    sel_bytes = units_at + select->units.size() * sizeof(int64_t);
+    sel_bytes = selection_list_bytes(select->offsets.size(), select->units.size());
   }
-  const size_t parts_end = (part_bytes + 255) / 256 * 256;  // the lists start 256-byte aligned
-  if (part_bytes + sel_bytes == 0) return out;
-  char* base = static_cast<char*>(ctx.scratch(parts_end + sel_bytes));
+  // The request as the fit check bounds it (kernels/cuda/scratch.h): lists from an aligned byte.
+  const size_t request = scratch_request(part_bytes, sel_bytes);
+  if (request == 0) return out;
+  const size_t parts_end = request - sel_bytes;
+  char* base = static_cast<char*>(ctx.scratch(request));
   if (part_bytes > 0) out.parts = reinterpret_cast<float*>(base);
   if (select != nullptr) {
     char* lists = base + parts_end;
@@ -645,7 +648,7 @@ void attention_partial(context& ctx, const attn_args& a) {
 
   const int64_t n_row = a.n_q * a.n_head;
   const size_t o_elems = plan.n_split == 1 ? 0 : (size_t)plan.n_split * n_row * a.head_dim;
-  const size_t part_bytes = plan.n_split == 1 ? 0 : (o_elems + (size_t)plan.n_split * n_row) * sizeof(float);
+  const size_t part_bytes = split_partial_bytes(plan.n_split, n_row, a.head_dim);  // o, then lse
   const attn_scratch scr = attention_scratch(ctx, part_bytes, a.select, a.n_q, a.n_head_kv, "cuda attention");
   prm.sel = scr.sel;
   if (plan.n_split == 1) {

@@ -24,6 +24,7 @@
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"
 #include "kernels/cuda/xq.cuh"
+#include "kernels/cuda/scratch.h"
 #include "kernels/device.h"
 
 namespace xctx::cuda {
@@ -79,7 +80,7 @@ void* context::scratch(size_t bytes) {
     scratch_ptr = nullptr;
     scratch_bytes = 0;
   }
-  const size_t want = (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);  // whole MiB: fewer regrowths
+  const size_t want = scratch_allocation(bytes);  // whole MiB: fewer regrowths
   scratch_ptr = device_malloc(want, device);
   scratch_bytes = want;
   return scratch_ptr;
@@ -89,9 +90,9 @@ namespace {
 
 class cuda_backend final : public backend {
  public:
-  explicit cuda_backend(int device) {
+  cuda_backend(int device, const backend_settings& settings) {
     try {
-      init(device);
+      init(device, settings);
     } catch (...) {
       release();
       throw;
@@ -104,6 +105,12 @@ class cuda_backend final : public backend {
   std::string name() const override { return "cuda"; }
   std::string arithmetic() const override {
     return ctx_.tf32 ? "prefill GEMMs in TF32, 10-bit mantissas (XCTX_CUDA_TF32=0: fp32)" : "GEMMs in fp32";
+  }
+  backend_settings settings() const override {
+    backend_settings s;
+    s.cuda_graphs = graphs_enabled_;
+    s.cuda_tf32 = ctx_.tf32;
+    return s;
   }
   bool has_device_collectives() const override { return true; }  // NCCL (comm/nccl.h)
   size_t memory_share_bytes() const override {
@@ -273,7 +280,7 @@ class cuda_backend final : public backend {
   }
 
  private:
-  void init(int device) {
+  void init(int device, const backend_settings& settings) {
     ctx_.device = device;
     CUDA_CHECK(cudaSetDevice(device));
     cudaFuncAttributes attr{};
@@ -291,10 +298,8 @@ class cuda_backend final : public backend {
     ctx_.n_sm = std::max(1, v);
     CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     ctx_.smem_optin = (size_t)std::max(v, 48 << 10);
-    const char* tf32 = std::getenv("XCTX_CUDA_TF32");
-    ctx_.tf32 = !(tf32 != nullptr && std::strcmp(tf32, "0") == 0);
-    const char* graphs = std::getenv("XCTX_CUDA_GRAPHS");
-    graphs_enabled_ = !(graphs != nullptr && std::strcmp(graphs, "0") == 0);
+    ctx_.tf32 = settings.cuda_tf32.value_or(true);
+    graphs_enabled_ = settings.cuda_graphs.value_or(true);
     // A blocking stream: it orders with the legacy default stream other libraries may use.
     CUDA_CHECK(cudaStreamCreate(&ctx_.stream));
     CUBLAS_CHECK(cublasCreate(&ctx_.blas));
@@ -381,7 +386,7 @@ class cuda_backend final : public backend {
 
   context ctx_;
   int* err_host_ = nullptr;  // [device_error_words] mapped; ctx_.err is its device address
-  bool graphs_enabled_ = true;  // XCTX_CUDA_GRAPHS=0: every segment eager
+  bool graphs_enabled_ = true;  // backend_settings::cuda_graphs off: every segment eager
   bool capture_failure_noted_ = false;
   std::unordered_map<uint64_t, segment_graph> graphs_;
 };
@@ -458,11 +463,20 @@ cuda_probe probe_runtime() {
   return p;
 }
 
-std::unique_ptr<backend> make_cuda_backend() {
+std::string bound_device_pci_bus_id() {
+  int n = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&n));
+  XCTX_CHECK(n > 0, "cuda: no CUDA device on ", where_am_i());
+  char id[32] = {};
+  CUDA_CHECK(cudaDeviceGetPCIBusId(id, (int)sizeof id, cuda_device_for_process(n)));
+  return id;
+}
+
+std::unique_ptr<backend> make_cuda_backend(const backend_settings& settings) {
   int n = 0;
   CUDA_CHECK(cudaGetDeviceCount(&n));
   XCTX_CHECK(n > 0, "cuda backend: no CUDA device on ", where_am_i());
-  return std::make_unique<cuda_backend>(cuda_device_for_process(n));
+  return std::make_unique<cuda_backend>(cuda_device_for_process(n), settings);
 }
 
 }  // namespace xctx::cuda

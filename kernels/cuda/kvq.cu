@@ -31,6 +31,7 @@
 #include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/kvq.cuh"
+#include "kernels/cuda/scratch.h"
 
 namespace xctx::cuda {
 
@@ -636,7 +637,7 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
 
   const int64_t n_row = a.n_q * a.n_head;
   const size_t o_elems = pl.n_split == 1 ? 0 : (size_t)pl.n_split * n_row * L.head_dim;
-  const size_t part_bytes = pl.n_split == 1 ? 0 : (o_elems + (size_t)pl.n_split * n_row) * sizeof(float);
+  const size_t part_bytes = split_partial_bytes(pl.n_split, n_row, L.head_dim);  // o, then lse
   const attn_scratch scr = attention_scratch(ctx, part_bytes, a.select, a.n_q, L.n_head_kv, "cuda attention_kvq");
   prm.sel = scr.sel;
   if (pl.n_split == 1) {

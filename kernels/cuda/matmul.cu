@@ -15,6 +15,7 @@
 #include "common/cuda_check.h"
 #include "kernels/cuda/dequant.cuh"
 #include "kernels/cuda/kernels.cuh"
+#include "kernels/cuda/scratch.h"
 
 namespace xctx::cuda {
 
@@ -23,7 +24,6 @@ namespace {
 constexpr int kWarps = 4;                  // rows per thread block in the fused kernels
 constexpr int kMaxTokPerPass = 8;          // register accumulators per lane
 constexpr int64_t kFusedMaxTok = 32;       // up to 4 fused passes beat dequantize + GEMM on bytes moved
-constexpr size_t kPanelBytes = 64u << 20;  // f32 scratch for one dequantized weight panel
 
 __device__ inline float4 load_x4(const float* p, bool vec) {
   if (vec) return *reinterpret_cast<const float4*>(p);
@@ -185,8 +185,9 @@ void matmul_gemm(context& ctx, const weight_view& w, const float* x, int64_t n_t
     return;
   }
   const size_t row_f32 = (size_t)w.n_cols * sizeof(float);
-  const int64_t panel = std::clamp<int64_t>((int64_t)(kPanelBytes / row_f32), 1, w.n_rows);
-  auto* scratch = static_cast<float*>(ctx.scratch((size_t)panel * row_f32));  // [panel, n_cols]
+  const size_t panel_bytes = matmul_panel_request(w.n_rows, w.n_cols);  // kernels/cuda/scratch.h
+  const int64_t panel = (int64_t)(panel_bytes / row_f32);
+  auto* scratch = static_cast<float*>(ctx.scratch(panel_bytes));  // [panel, n_cols]
   for (int64_t r0 = 0; r0 < w.n_rows; r0 += panel) {
     const int64_t rows = std::min(panel, w.n_rows - r0);
     dequant_rows(ctx, w, nullptr, r0, rows, scratch);

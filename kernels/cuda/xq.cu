@@ -22,6 +22,7 @@
 #include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/xq.cuh"
+#include "kernels/cuda/scratch.h"
 
 namespace xctx::cuda {
 
@@ -369,7 +370,7 @@ void attention_xq(context& ctx, const xq_attn_args& a) {
   const int64_t n_row = a.n_q * a.n_head;
   // Scratch: the split partials (or the single partial) of U, then their lse when split.
   const size_t u_elems = (size_t)pl.n_split * n_row * wv;
-  const attn_scratch scr = attention_scratch(ctx, (u_elems + (size_t)pl.n_split * n_row) * sizeof(float), a.select,
+  const attn_scratch scr = attention_scratch(ctx, xq_partial_bytes(pl.n_split, n_row, wv), a.select,
                                              a.n_q, a.n_head_kv, "cuda attention_xq");
   float* scratch = scr.parts;
   prm.sel = scr.sel;

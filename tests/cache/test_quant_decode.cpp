@@ -80,6 +80,12 @@ struct isa_scope {
 TEST_P(quant_decode_test, fused_step_matches_the_reference) {
   const decode_case& c = GetParam();
   auto be = make_backend(backend_kind::backend_cpu);
+  // Where the CPU has AVX-512, also the per-key scoring the keys-in-lanes path replaces
+  // (backend_settings::kvq_key_lanes off: the benchmarks' baseline; it sums channels in another
+  // order, so it is held to the same bound, not to the same bits).
+  backend_settings per_key_settings;
+  per_key_settings.kvq_key_lanes = false;
+  auto per_key = make_backend(backend_kind::backend_cpu, per_key_settings);
   const int64_t n = 700;
   // SelfExtend off, and with groups of 32 and 256 positions: blocks of consecutive keys then
   // share one rotation, which the kernels move onto the query (turn_query); at 256 a whole unit
@@ -98,6 +104,8 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
     for (int64_t i = 0; i < n; ++i) pos[i] = (int32_t)(i < 300 || i >= 400 ? i + (i >= 400 ? 150 : 0) : 300 + 2 * (i - 300));
     auto cache = make_cache(spec_of(c, g), g, *be);
     append(*cache, d, C, pos, 0, n);
+    auto cache_per_key = make_cache(spec_of(c, g), g, *per_key);
+    append(*cache_per_key, d, C, pos, 0, n);
     const kvq_layer_view v = quant_cache_view(*cache, 0);
     if (v.k_out_off != nullptr) {
       ASSERT_GE(v.k_out_off[123 - v.n_sink + 1] - v.k_out_off[123 - v.n_sink], 9u);
@@ -124,17 +132,20 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
     }
     // Query positions: past everything (a decode step), and inside the gap run (a cut unit).
     for (const int32_t q_pos : {pos[n - 1] + 1, pos[350]})
-    for (const bool force_avx2 : avx2_forced_settings()) {
+    for (const bool force_avx2 : avx2_forced_settings())
+    for (const bool lanes : {true, false}) {
+      if (!lanes && (force_avx2 || !cpu::has_avx512())) continue;  // lanes are an AVX-512 path
       const isa_scope isa(force_avx2);
       SCOPED_TRACE(::testing::Message() << format_traits(c.format).name << " " << c.name << " q_pos " << q_pos
                                         << " selfextend G " << se.group << " W " << se.window
-                                        << (force_avx2 ? " avx2" : " avx512") << " seeds 41/43");
+                                        << (force_avx2 ? " avx2" : lanes ? " avx512" : " avx512 per-key")
+                                        << " seeds 41/43");
       std::vector<float> o_ref(qd), l_ref(c.n_head), o(qd), l(c.n_head);
       kvq_attn_args a;
       a.kv = v, a.q = q.data(), a.q_pos = &q_pos, a.n_q = 1, a.n_head = c.n_head;
       a.scale = 1.0f / std::sqrt((float)c.head_dim), a.rope = g.rope, a.o = o_ref.data(), a.lse = l_ref.data();
       ref::attention_kvq(a);
-      cache->attend(0, q.data(), &q_pos, 1, o.data(), l.data(), attend_path::attend_decode);
+      (lanes ? cache : cache_per_key)->attend(0, q.data(), &q_pos, 1, o.data(), l.data(), attend_path::attend_decode);
       // Score error: the query rotated by the unit start and each key by its offset (float tables
       // of double angles: a few ulps of |q||k|), ~head_dim/2 roundings of the dot product, the
       // outlier corrections' own roundings (same order): delta <= kScoreRel |q| |k| scale.

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-PARTS = ["common", "model", "kernels", "cache", "comm", "worker", "coordinator"]
+PARTS = ["common", "model", "kernels", "cache", "comm", "registry", "worker", "coordinator"]
 EXEMPT = {"HOME"}  # only as the fallback of XDG_CACHE_HOME, which the table names
 
 

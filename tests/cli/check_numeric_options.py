@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Every numeric option of every xctx subcommand refuses bad values where it is parsed.
+"""Every numeric option and every choice of every xctx subcommand refuses bad values where it is parsed.
 
 Usage: check_numeric_options.py XCTX MODEL
 
 The options come from each subcommand's --help, so a numeric option added later is covered
-without editing this file: every INT/UINT/FLOAT option, and every TEXT option that takes a
-count (NUMERIC_TEXT below). Each gets the bad values of its kind; each run must end quickly with
+without editing this file: every INT/UINT/FLOAT option, every TEXT option that takes a
+count (NUMERIC_TEXT below), and every choice (a TEXT option whose help lists "a, b or c", the
+one_of check of coordinator/cli/options.h). Each gets the bad values of its kind; each run must end quickly with
 a clear error -- a non-zero exit that is not a signal's, whose output names the flag. A run that
 is still going after the time limit took the bad value as good (a job started).
 """
@@ -47,10 +48,11 @@ BAD = {
     "UINT": ["abc", "-1"],
     "FLOAT": ["abc", "-1", "nan"],
     "TEXT": ["abc", "-1", "99999999999999999999", "9000000000T"],
+    "CHOICE": ["not-a-choice", ""],
 }
 # Options whose range holds negatives (OpenAI's penalties, [-2, 2]): bad values past the range.
 BAD_FOR = {opt: ["abc", "-3", "nan"] for opt in ("--frequency-penalty", "--presence-penalty")}
-OPTION = re.compile(r"^\s+(?:-[a-zA-Z],)?(--[a-z][a-z0-9-]*)(?:,--[a-z0-9-]+)? (INT|UINT|FLOAT|TEXT)\b")
+OPTION = re.compile(r"^\s+(?:-[a-zA-Z],)?(--[a-z][a-z0-9-]*)(?:,--[a-z0-9-]+)? (INT|UINT|FLOAT|TEXT)\b(:[^=\[]* or [^=\[]*)?")
 
 
 def options_of(sub):
@@ -58,7 +60,9 @@ def options_of(sub):
     opts = []
     for line in out.splitlines():
         m = OPTION.match(line)
-        if m and (m.group(2) != "TEXT" or m.group(1) in NUMERIC_TEXT):
+        if m and m.group(2) == "TEXT" and m.group(3):
+            opts.append((m.group(1), "CHOICE"))
+        elif m and (m.group(2) != "TEXT" or m.group(1) in NUMERIC_TEXT):
             opts.append((m.group(1), m.group(2)))
     return opts
 

@@ -21,6 +21,7 @@
 #include "kernels/ops.h"
 #include "kernels/ref/ref_ops.h"
 #include "registry/registry.h"
+#include "require_gpu.h"  // XCTX_REQUIRE_CUDA
 
 namespace xctx {
 
@@ -37,9 +38,6 @@ inline constexpr double kTf32Operands = 2.0 / 1024.0;  // two operands, each wit
 inline constexpr double kDoubleUlp = 1.0 / 9007199254740992.0;  // 2^-53
 inline constexpr float kInf = std::numeric_limits<float>::infinity();
 
-#define XCTX_REQUIRE_CUDA()                                                    \
-  if (!backend_available(backend_kind::backend_cuda))                         \
-  GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)"
 
 // ---- shared helpers ----------------------------------------------------------------------
 

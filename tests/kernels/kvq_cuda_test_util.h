@@ -14,11 +14,8 @@
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "registry/registry.h"
+#include "require_gpu.h"  // XCTX_REQUIRE_CUDA
 
-// Device suites skip (reported as skipped) where no usable CUDA device is present.
-#define XCTX_REQUIRE_CUDA()                            \
-  if (!backend_available(backend_kind::backend_cuda)) \
-  GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)"
 
 namespace xctx::kvq_cuda_test {
 

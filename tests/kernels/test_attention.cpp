@@ -520,13 +520,14 @@ TEST(AttentionAvx512, ManyRowKernelGivesTheAvx2KernelsBits) {
 
 // ---- the unit path (args.acc: exact per-unit deposits) ---------------------------------------
 
-attn_out run_units(const attn_inputs& in, int64_t j0 = 0, int64_t j1 = -1, softmax_acc* shared = nullptr) {
+attn_out run_units(const attn_inputs& in, int64_t j0 = 0, int64_t j1 = -1, softmax_acc* shared = nullptr,
+                   const cpu::attention_switches& sw = {}) {
   attn_out out(in.c);
   softmax_acc own(in.c.n_q * in.c.n_head, in.c.hd);
   softmax_acc& acc = shared != nullptr ? *shared : own;
   attn_args a = in.args(nullptr, nullptr, j0, j1);
   a.acc = &acc;
-  cpu::attention_partial(a);
+  cpu::attention_partial(a, sw);
   acc.finish(out.o.data(), out.lse.data());
   return out;
 }
@@ -557,6 +558,14 @@ TEST_P(attention_units_test, matches_ref) {
   attn_out want(in.c);
   ref::attention_partial(in.args(want.o.data(), want.lse.data()));
   EXPECT_TRUE(close_to_ref(in, run_units(in), want));
+}
+
+// The AVX2 switch (backend_settings::attn_avx512_rows off, the benchmarks' baseline) keeps
+// every job on the AVX2 kernel: the same bits as the default, which takes AVX-512 for blocks of
+// many rows per kv head on CPUs that have it.
+TEST_P(attention_units_test, the_avx2_switch_gives_the_same_bits) {
+  const attn_inputs in = make_inputs(GetParam(), seed_of(GetParam()));
+  EXPECT_TRUE(same_bits(run_units(in, 0, -1, nullptr, {false, true}), run_units(in)));
 }
 
 // Splitting the keys at unit boundaries (as shard plans do), the thread count, and which other

@@ -15,6 +15,7 @@
 #include "common/half.h"
 #include "kernels/ops.h"
 #include "registry/registry.h"
+#include "require_gpu.h"
 
 namespace xctx {
 namespace {
@@ -86,7 +87,7 @@ TEST(convert_rows, host_backends_round_like_fp32_to_fp16) {
 }
 
 TEST(convert_rows, cuda_rounds_like_fp32_to_fp16) {
-  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)";
+  XCTX_REQUIRE_CUDA();
   auto be = make_backend(backend_kind::backend_cuda);
   expect_converts_like_the_host(*be);
   expect_adds_rows_like_the_host(*be);

@@ -40,6 +40,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ops.h"
+#include "kernels/matmul_test_util.h"
 #include "kernels/ref/ref_ops.h"
 #include "registry/registry.h"
 #include "test_util.h"
@@ -48,6 +49,8 @@ namespace xctx {
 namespace {
 
 using cpu::detail::prefill_mode;
+using test::quantized_weights;
+using test::random_activations;
 
 constexpr double k_f32_eps = 1.0 / (1 << 23);  // FLT_EPSILON
 constexpr double k_unit_round = k_f32_eps / 2;
@@ -55,9 +58,9 @@ constexpr double k_unit_round = k_f32_eps / 2;
 constexpr double act_half_step(int levels) { return 0.5 + levels * k_f32_eps; }
 
 // The integer decode paths and their grids: index 0 act_q8 (int8), 1 act_q16 (int16).
-constexpr cpu::decode_activations k_int_acts[] = {cpu::decode_activations::act_q8, cpu::decode_activations::act_q16};
+constexpr decode_activations k_int_acts[] = {decode_activations::act_q8, decode_activations::act_q16};
 constexpr int k_int_levels[] = {127, 32767};
-int int_path_index(cpu::decode_activations act) { return act == cpu::decode_activations::act_q16 ? 1 : 0; }
+int int_path_index(decode_activations act) { return act == decode_activations::act_q16 ? 1 : 0; }
 
 // Row t of x on path p's grid (x̃ = d·q from quantize_act_scalar) and each block's step d.
 void grid_activations(int p, const float* x, int64_t n_cols, double* x_grid, double* step) {
@@ -173,34 +176,6 @@ std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_rows, int64_t n_col
   return data;
 }
 
-// Weights as a file would hold them: seeded normal values (a few rows scaled up, as real
-// matrices have outlier rows) quantized by the reference quantizer.
-std::vector<uint8_t> quantized_weights(ggml_type type, int64_t n_rows, int64_t n_cols, std::mt19937& rng) {
-  const size_t row_bytes = ggml_row_bytes(type, n_cols);
-  std::vector<uint8_t> data(row_bytes * (size_t)n_rows);
-  std::normal_distribution<float> nd(0.0f, 0.05f);
-  std::vector<float> row((size_t)n_cols);  // [n_cols]
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const float scale = (r % 7 == 3) ? 8.0f : 1.0f;
-    for (auto& v : row) v = nd(rng) * scale;
-    ref::quantize_row(type, row.data(), data.data() + (size_t)r * row_bytes, n_cols);
-  }
-  return data;
-}
-
-// Activations: uniform in [-a, a] with a per token spanning 4 decades, plus an outlier or two per
-// row so some blocks have a coarse grid.
-std::vector<float> random_activations(int64_t n_tok, int64_t n_cols, std::mt19937& rng) {
-  std::vector<float> x((size_t)(n_tok * n_cols));
-  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
-  for (int64_t t = 0; t < n_tok; ++t) {
-    const float a = std::pow(10.0f, (float)(t % 5) - 2.0f);
-    for (int64_t c = 0; c < n_cols; ++c) x[(size_t)(t * n_cols + c)] = a * ud(rng);
-    x[(size_t)(t * n_cols + (t * 13) % n_cols)] = 20.0f * a;
-  }
-  return x;
-}
-
 // |c| of a legacy block: the weight offset the integer path multiplies with the block sum.
 double block_offset_abs(ggml_type type, const uint8_t* p) {
   if (type == ggml_type::ggml_q4_0) return 8.0 * std::fabs(fp16_to_fp32(reinterpret_cast<const block_q4_0*>(p)->d));
@@ -313,9 +288,9 @@ class matmul_test : public testing::TestWithParam<mm_case> {
   }
   // The decode path's bound with activations `act`: integer path for legacy quants under
   // act_q8 / act_q16, float dot otherwise.
-  double decode_bound(int64_t i, cpu::decode_activations act) const {
+  double decode_bound(int64_t i, decode_activations act) const {
     if (!cpu::detail::is_legacy_quant(GetParam().type)) return float_bound(i);
-    if (act == cpu::decode_activations::act_f32) return decode_f32_bound(i);
+    if (act == decode_activations::act_f32) return decode_f32_bound(i);
     const int p = int_path_index(act);
     return quant_term_[p][(size_t)i] + int_float_err_[p][(size_t)i] + k_unit_round * abs_dot_[(size_t)i] +
            std::numeric_limits<float>::denorm_min();
@@ -325,8 +300,8 @@ class matmul_test : public testing::TestWithParam<mm_case> {
   // derives its float error): the same activation grid as the decode path's, and a chain of
   // (3 nb + 4) roundings of 2^-24 over terms bounded by the M that int_float_err_ sums (the
   // decode path's (nb + 10)·2^-23 of M, rescaled).
-  double prefill_int_bound(int64_t i, cpu::prefill_activations pre) const {
-    const int p = pre == cpu::prefill_activations::pre_q16 ? 1 : 0;
+  double prefill_int_bound(int64_t i, prefill_activations pre) const {
+    const int p = pre == prefill_activations::pre_q16 ? 1 : 0;
     const double nb = (double)(GetParam().s.n_cols / qk_small);
     const double rescale = ((3.0 * nb + 4.0) * k_unit_round) / ((nb + 10.0) * k_f32_eps);
     return quant_term_[p][(size_t)i] + int_float_err_[p][(size_t)i] * std::max(1.0, rescale) +
@@ -335,7 +310,7 @@ class matmul_test : public testing::TestWithParam<mm_case> {
 
   // Integer paths only: against the exact product with the grid activations, where nothing but
   // float rounding separates them.
-  void expect_near_grid(const std::vector<float>& y, cpu::decode_activations act, const char* what) const {
+  void expect_near_grid(const std::vector<float>& y, decode_activations act, const char* what) const {
     if (!cpu::detail::is_legacy_quant(GetParam().type)) return;
     const int p = int_path_index(act);
     const std::vector<float> want(y_grid_[p].begin(), y_grid_[p].end());
@@ -385,7 +360,6 @@ class matmul_test : public testing::TestWithParam<mm_case> {
 TEST_P(matmul_test, all_paths_match_ref) {
   const mm_case& c = GetParam();
   const bool legacy = cpu::detail::is_legacy_quant(c.type);
-  using cpu::decode_activations;
 
   // Float activations: both kernels within the accumulation bound of ref, and of each other.
   {
@@ -451,19 +425,18 @@ TEST_P(matmul_test, all_paths_match_ref) {
 
   // cpu::matmul under each prefill setting: the decode path below the crossover, above it the
   // integer prefill GEMM where it applies to this type on this CPU, else the f32 one.
-  const decode_activations act = cpu::get_decode_activations();
+  const decode_activations act = cpu::matmul_settings{}.decode;
   const bool prefill = c.n_tok >= cpu::detail::prefill_min_tokens(c.type, act);
-  for (const cpu::prefill_activations pre :
-       {cpu::prefill_activations::pre_f32, cpu::prefill_activations::pre_q16, cpu::prefill_activations::pre_q8}) {
-    const test::prefill_activations_scope scope(pre);
+  for (const prefill_activations pre :
+       {prefill_activations::pre_f32, prefill_activations::pre_q16, prefill_activations::pre_q8}) {
     const bool prefill_int = prefill && cpu::detail::prefill_int_applies(c.type, pre);
     std::vector<float> y = nan_output();
-    cpu::matmul(w_, x_.data(), c.n_tok, y.data());
+    cpu::matmul(w_, x_.data(), c.n_tok, y.data(), test::with_prefill(pre));
     expect_close(y, y_ref_,
                  [&](int64_t i) {
                    return !prefill ? decode_bound(i, act) : prefill_int ? prefill_int_bound(i, pre) : float_bound(i);
                  },
-                 (std::string("cpu::matmul, prefill ") + cpu::prefill_activations_name(pre)).c_str());
+                 (std::string("cpu::matmul, prefill ") + prefill_activations_name(pre)).c_str());
   }
 }
 
@@ -562,8 +535,8 @@ TEST(matmul_threads, one_and_two_threads_give_identical_bits) {
   std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
   const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
   std::vector<float> x = random_activations(n_tok, n_cols, rng);
-  for (cpu::decode_activations act :
-       {cpu::decode_activations::act_f32, cpu::decode_activations::act_q16, cpu::decode_activations::act_q8}) {
+  for (decode_activations act :
+       {decode_activations::act_f32, decode_activations::act_q16, decode_activations::act_q8}) {
     std::vector<float> y1((size_t)(n_tok * n_rows)), y2((size_t)(n_tok * n_rows));
     const int saved = omp_get_max_threads();
     omp_set_num_threads(1);
@@ -624,7 +597,7 @@ TEST_P(matmul_continuity_test, f32_activations_are_continuous_integer_grids_are_
 
   // Largest |y(x') - y(x)| / Σ|w x| over the rows, per path.
   std::vector<float> wrow((size_t)n_cols);  // [n_cols]
-  auto max_rel_move = [&](cpu::decode_activations act) {
+  auto max_rel_move = [&](decode_activations act) {
     std::vector<double> scale((size_t)n_rows);  // [n_rows] Σ|w x|
     for (int64_t r = 0; r < n_rows; ++r) {
       ref::dequantize_row(type, w_data.data() + (size_t)r * w.row_bytes(), wrow.data(), n_cols);
@@ -645,11 +618,11 @@ TEST_P(matmul_continuity_test, f32_activations_are_continuous_integer_grids_are_
     cpu::set_force_scalar(scalar);
     const char* kind = scalar ? "scalar" : "simd";
     set_levels(127);
-    const double f32 = max_rel_move(cpu::decode_activations::act_f32);
-    const double q8 = max_rel_move(cpu::decode_activations::act_q8);
+    const double f32 = max_rel_move(decode_activations::act_f32);
+    const double q8 = max_rel_move(decode_activations::act_q8);
     set_levels(32767);
-    const double f32_wide = max_rel_move(cpu::decode_activations::act_f32);
-    const double q16 = max_rel_move(cpu::decode_activations::act_q16);
+    const double f32_wide = max_rel_move(decode_activations::act_f32);
+    const double q16 = max_rel_move(decode_activations::act_q16);
     cpu::set_force_scalar(false);
     EXPECT_LE(std::max(f32, f32_wide), k_continuity_tol) << kind << ": f32 activations moved y discontinuously";
     // The grid step shows up in y (a step is 1 for both grids here: x[0] = L).
@@ -663,34 +636,6 @@ INSTANTIATE_TEST_SUITE_P(types, matmul_continuity_test,
                          testing::Values(ggml_type::ggml_q4_0, ggml_type::ggml_q4_1, ggml_type::ggml_q5_0,
                                          ggml_type::ggml_q5_1, ggml_type::ggml_q8_0),
                          [](const testing::TestParamInfo<ggml_type>& info) { return ggml_traits(info.param).name; });
-
-// The process-wide switch reaches cpu::matmul (decode-sized n_tok), and q16 is the default
-// unless XCTX_DECODE_ACT says f32 or q8.
-TEST(matmul_activations, setting_selects_the_decode_path) {
-  const char* env = std::getenv("XCTX_DECODE_ACT");
-  const std::string e = env != nullptr ? env : "";
-  const cpu::decode_activations saved = cpu::get_decode_activations();
-  EXPECT_EQ(saved, e == "q8"    ? cpu::decode_activations::act_q8
-                   : e == "f32" ? cpu::decode_activations::act_f32
-                                : cpu::decode_activations::act_q16);
-  const uint32_t seed = 92;
-  std::printf("seed %u\n", seed);
-  std::mt19937 rng(seed);
-  const int64_t n_rows = 100, n_cols = 576, n_tok = 2;
-  std::vector<uint8_t> w_data = quantized_weights(ggml_type::ggml_q4_1, n_rows, n_cols, rng);
-  const weight_view w{ggml_type::ggml_q4_1, n_rows, n_cols, w_data.data()};
-  std::vector<float> x = random_activations(n_tok, n_cols, rng);
-  for (cpu::decode_activations act :
-       {cpu::decode_activations::act_q8, cpu::decode_activations::act_f32, cpu::decode_activations::act_q16}) {
-    cpu::set_decode_activations(act);
-    EXPECT_EQ(cpu::get_decode_activations(), act);
-    std::vector<float> want((size_t)(n_tok * n_rows)), got((size_t)(n_tok * n_rows));
-    cpu::detail::matmul_decode(w, x.data(), n_tok, want.data(), act);
-    cpu::matmul(w, x.data(), n_tok, got.data());
-    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << "activations " << (int)act;
-  }
-  cpu::set_decode_activations(saved);
-}
 
 TEST(matmul_errors, bad_input_throws) {
   std::vector<uint8_t> data(ggml_row_bytes(ggml_type::ggml_q4_1, 64) * 4);

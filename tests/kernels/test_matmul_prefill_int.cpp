@@ -30,6 +30,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ops.h"
+#include "kernels/matmul_test_util.h"
 #include "kernels/ref/ref_ops.h"
 #include "test_util.h"
 
@@ -229,24 +230,22 @@ TEST_P(prefill_int_test, scalar_kernel_is_the_grid_product_within_float_error) {
 
 TEST_P(prefill_int_test, matmul_with_integer_prefill_is_the_integer_gemm) {
   const q8_case& c = GetParam();
-  if (c.n_tok < cpu::detail::prefill_min_tokens(c.type)) GTEST_SKIP() << "a decode-path size";
+  if (c.n_tok < cpu::detail::prefill_min_tokens(c.type, cpu::matmul_settings{}.decode))
+    GTEST_SKIP() << "a decode-path size";
   std::mt19937 rng(c.seed + 2);
   const std::vector<uint8_t> w_data = legacy_weights(c, rng);
   const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
   const std::vector<float> x = activations(c.n_tok, c.n_cols, rng);
-  for (cpu::prefill_activations act : {cpu::prefill_activations::pre_q8, cpu::prefill_activations::pre_q16}) {
+  for (prefill_activations act : {prefill_activations::pre_q8, prefill_activations::pre_q16}) {
     std::vector<float> y_mm((size_t)(c.n_tok * c.n_rows)), y_ref(y_mm.size());
-    {
-      test::prefill_activations_scope scope(act);
-      cpu::matmul(w, x.data(), c.n_tok, y_mm.data());
-    }
+    cpu::matmul(w, x.data(), c.n_tok, y_mm.data(), test::with_prefill(act));
     if (cpu::detail::prefill_int_applies(c.type, act)) {
       cpu::detail::matmul_prefill_int(w, x.data(), c.n_tok, y_ref.data(), act, false);
     } else {  // this CPU runs the f32 GEMM for it whatever the setting
       cpu::detail::matmul_prefill(w, x.data(), c.n_tok, y_ref.data());
     }
     EXPECT_EQ(0, std::memcmp(y_mm.data(), y_ref.data(), y_mm.size() * sizeof(float)))
-        << cpu::prefill_activations_name(act);
+        << prefill_activations_name(act);
   }
 }
 
@@ -263,9 +262,9 @@ INSTANTIATE_TEST_SUITE_P(
     q8_case_name);
 
 TEST(prefill_activations, parse_names_the_flag_and_the_choices) {
-  EXPECT_EQ(cpu::prefill_activations::pre_q8, cpu::parse_prefill_activations("q8", "--prefill-act"));
-  EXPECT_EQ(cpu::prefill_activations::pre_f32, cpu::parse_prefill_activations("f32", "--prefill-act"));
-  EXPECT_EQ(cpu::prefill_activations::pre_q16, cpu::parse_prefill_activations("q16", "--prefill-act"));
+  EXPECT_EQ(prefill_activations::pre_q8, cpu::parse_prefill_activations("q8", "--prefill-act"));
+  EXPECT_EQ(prefill_activations::pre_f32, cpu::parse_prefill_activations("f32", "--prefill-act"));
+  EXPECT_EQ(prefill_activations::pre_q16, cpu::parse_prefill_activations("q16", "--prefill-act"));
   EXPECT_EQ("--prefill-act must be f32, q16 or q8, not 'q4'",
             test::error_of([] { cpu::parse_prefill_activations("q4", "--prefill-act"); }));
 }

@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul/matmul_impl.h"
 #include "kernels/ops.h"
+#include "kernels/matmul_test_util.h"
 #include "kernels/ref/ref_ops.h"
 #include "test_util.h"
 
@@ -118,24 +119,24 @@ void PrintTo(const rows_case& c, std::ostream* os) {
 
 class matmul_rows_test : public testing::TestWithParam<rows_case> {};
 
-void expect_rows_independent_of_the_call(const rows_case& c) {
+void expect_rows_independent_of_the_call(const rows_case& c, const cpu::matmul_settings& settings = {}) {
   std::printf("seed %u\n", c.seed);
   std::mt19937 rng(c.seed);
   const std::vector<uint8_t> w_data = make_weights(c.type, c.n_rows, c.n_cols, rng);
   const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
   const std::vector<float> x = random_floats(k_all_rows * c.n_cols, 1.0f, rng);  // [700, n_cols]
-  const int64_t min_n = cpu::detail::prefill_min_tokens(c.type, cpu::get_decode_activations());
+  const int64_t min_n = cpu::detail::prefill_min_tokens(c.type, settings.decode);
 
   omp_threads_guard guard;
   omp_set_num_threads(2);
   std::vector<float> y_all((size_t)(k_all_rows * c.n_rows));  // [700, n_rows]
-  cpu::matmul(w, x.data(), k_all_rows, y_all.data());
+  cpu::matmul(w, x.data(), k_all_rows, y_all.data(), settings);
 
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
     for (const sub_call& s : sub_calls(min_n)) {
       std::vector<float> y((size_t)(s.n * c.n_rows));
-      cpu::matmul(w, x.data() + s.offset * c.n_cols, s.n, y.data());
+      cpu::matmul(w, x.data() + s.offset * c.n_cols, s.n, y.data(), settings);
       EXPECT_EQ(-1, first_bad_row(y.data(), y_all.data(), s.offset, s.n, c.n_rows))
           << "rows [" << s.offset << ", " << s.offset + s.n << "), " << threads << " thread(s)";
     }
@@ -152,7 +153,7 @@ void expect_rows_independent_of_the_call(const rows_case& c) {
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
     std::vector<float> y((size_t)(n * c.n_rows));
-    cpu::matmul(w, x2.data(), n, y.data());
+    cpu::matmul(w, x2.data(), n, y.data(), settings);
     for (const auto& m : moved) {
       EXPECT_EQ(0, std::memcmp(y.data() + m[1] * c.n_rows, y_all.data() + m[0] * c.n_rows,
                                (size_t)c.n_rows * sizeof(float)))
@@ -167,10 +168,9 @@ TEST_P(matmul_rows_test, row_results_do_not_depend_on_the_call) { expect_rows_in
 // VNNI, AMX where granted; the f32 path, already covered above, elsewhere and for the float types).
 TEST_P(matmul_rows_test, integer_prefill_rows_do_not_depend_on_the_call) {
   if (!cpu::prefill_q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI: integer prefill is the f32 path here";
-  for (cpu::prefill_activations act : {cpu::prefill_activations::pre_q8, cpu::prefill_activations::pre_q16}) {
-    SCOPED_TRACE(cpu::prefill_activations_name(act));
-    test::prefill_activations_scope scope(act);
-    expect_rows_independent_of_the_call(GetParam());
+  for (prefill_activations act : {prefill_activations::pre_q8, prefill_activations::pre_q16}) {
+    SCOPED_TRACE(prefill_activations_name(act));
+    expect_rows_independent_of_the_call(GetParam(), test::with_prefill(act));
   }
 }
 
@@ -312,7 +312,6 @@ TEST(matmul_pair, equals_two_products_bitwise) {
       {ggml_type::ggml_q4_1, ggml_type::ggml_f16, 64, 64, 576, 576, 2},    // float weight: two calls
       {ggml_type::ggml_q4_1, ggml_type::ggml_q4_1, 64, 64, 576, 576, 200},  // prefill: two calls
   };
-  const cpu::decode_activations saved = cpu::get_decode_activations();
   for (const pair_case& c : cases) {
     const int64_t n_cols = c.cols_a;
     std::vector<uint8_t> wa_data = make_weights(c.ta, c.rows_a, c.cols_a, rng);
@@ -320,25 +319,25 @@ TEST(matmul_pair, equals_two_products_bitwise) {
     const weight_view wa{c.ta, c.rows_a, c.cols_a, wa_data.data()};
     const weight_view wb{c.tb, c.rows_b, c.cols_b, wb_data.data()};
     std::vector<float> x = random_floats(c.n_tok * n_cols, 1.0f, rng);
-    for (cpu::decode_activations act :
-         {cpu::decode_activations::act_q16, cpu::decode_activations::act_q8, cpu::decode_activations::act_f32}) {
-      cpu::set_decode_activations(act);
+    for (decode_activations act :
+         {decode_activations::act_q16, decode_activations::act_q8, decode_activations::act_f32}) {
+      const cpu::matmul_settings s = test::with_decode(act);
       for (int level = 0; level < 4; ++level) {  // best kernels, AVX2 forced, scalar, AVX-VNNI preferred
         cpu::set_force_avx2(level == 1);
         cpu::set_force_scalar(level == 2);
         cpu::set_force_avx_vnni(level == 3);
         std::vector<float> ya((size_t)(c.n_tok * c.rows_a)), yb((size_t)(c.n_tok * c.rows_b));
         std::vector<float> want_a(ya.size()), want_b(yb.size());
-        cpu::matmul(wa, x.data(), c.n_tok, want_a.data());
-        cpu::matmul(wb, x.data(), c.n_tok, want_b.data());
-        cpu::matmul2(wa, wb, x.data(), c.n_tok, ya.data(), yb.data());
+        cpu::matmul(wa, x.data(), c.n_tok, want_a.data(), s);
+        cpu::matmul(wb, x.data(), c.n_tok, want_b.data(), s);
+        cpu::matmul2(wa, wb, x.data(), c.n_tok, ya.data(), yb.data(), s);
         // Three products (q, k and v): b between two a's, so a's rows come first and last.
         std::vector<float> ya1(ya.size()), yb1(yb.size()), ya2(ya.size());
         const weight_view w3[3] = {wa, wb, wa};
         float* const y3[3] = {ya1.data(), yb1.data(), ya2.data()};
-        cpu::matmul_n(w3, 3, x.data(), c.n_tok, y3);
+        cpu::matmul_n(w3, 3, x.data(), c.n_tok, y3, s);
         const std::string what = std::string(ggml_traits(c.ta).name) + "+" + ggml_traits(c.tb).name + " n_tok " +
-                                 std::to_string(c.n_tok) + " act " + cpu::decode_activations_name(act) + " level " +
+                                 std::to_string(c.n_tok) + " act " + decode_activations_name(act) + " level " +
                                  std::to_string(level);
         EXPECT_EQ(0, std::memcmp(want_a.data(), ya.data(), ya.size() * sizeof(float))) << what;
         EXPECT_EQ(0, std::memcmp(want_b.data(), yb.data(), yb.size() * sizeof(float))) << what;
@@ -351,7 +350,6 @@ TEST(matmul_pair, equals_two_products_bitwise) {
       cpu::set_force_avx_vnni(false);
     }
   }
-  cpu::set_decode_activations(saved);
 }
 
 }  // namespace

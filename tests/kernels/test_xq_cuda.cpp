@@ -48,6 +48,7 @@
 #include "common/cuda_check.h"
 #include "kernels/cuda/kernels.cuh"
 #include "registry/registry.h"
+#include "require_gpu.h"  // XCTX_REQUIRE_CUDA
 #endif
 
 namespace xctx {
@@ -59,9 +60,6 @@ constexpr double kEps = FLT_EPSILON;
 constexpr double kRopeRotEps = 2.0;  // in eps: float rotation + the reference's rounding
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-#define XCTX_REQUIRE_CUDA()                            \
-  if (!backend_available(backend_kind::backend_cuda)) \
-  GTEST_SKIP() << "no usable CUDA device (or xctx built without CUDA)"
 
 // ---- host: encode pieces ----------------------------------------------------------------------
 

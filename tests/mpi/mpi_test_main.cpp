@@ -6,6 +6,7 @@
 #include "common/sys.h"
 #include "isa_coverage.h"
 #include "mpi_test.h"
+#include "require_gpu.h"
 
 namespace xctx::mpi_test {
 static std::unique_ptr<communicator> g_world;
@@ -23,6 +24,7 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
   }
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  if (world.rank() == 0 && xctx::test::fail_gpu_skips_when_required() != 0) failed = 1;
   // Agree on the outcome so every rank exits with the same code.
   float f = (float)failed;
   world.all_reduce_max(&f, 1);

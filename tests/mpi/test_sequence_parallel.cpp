@@ -252,17 +252,19 @@ TEST(star_blocks, match_the_papers_masks) {
   ASSERT_EQ(ids.size(), 1100u);
   const int64_t n_context = (int64_t)ids.size() - 1, block = 256, anchor = 256;
   constexpr int kSteps = 3;
-  auto be = make_backend(backend_kind::backend_cpu);
-  run_params rp;
-  rp.cache = cache_format::cache_fp32;
-  rp.n_batch = 128;  // several sub-chunks per block
-  llama_engine engine(w, *be, rp);
   // f32 decode and prefill activations: the reference's double softmax differs from the kernels'
   // float one by ~1e-6, which could flip a rounding of the default 16-bit activations (measured
   // 3.4e-3 in the logits with q16 decode, 1.0e-3 with the q16 prefill GEMM); this test is about
   // the masks, so only attention arithmetic may separate the two.
-  const test::decode_activations_scope f32_matmuls(cpu::decode_activations::act_f32);
-  const test::prefill_activations_scope f32_prefill(cpu::prefill_activations::pre_f32);
+  backend_settings f32_matmuls;
+  f32_matmuls.decode = decode_activations::act_f32;
+  f32_matmuls.prefill = prefill_activations::pre_f32;
+  auto be = make_backend(backend_kind::backend_cpu, f32_matmuls);
+  run_params rp;
+  rp.cache = cache_format::cache_fp32;
+  rp.n_batch = 128;  // several sub-chunks per block
+  rp.settings = f32_matmuls;
+  llama_engine engine(w, *be, rp);
 
   // The reference on rank 0, broadcast (stored once per test run): logits after the last context
   // token and kSteps greedy steps, then star's gap to exact attention (max |Δlogit|).

@@ -24,8 +24,8 @@ using test::tiny_hparams;
 using test::write_and_load;
 
 std::vector<float> run_all_logits(const model_weights& w, backend_kind kind, cache_format fmt, int n_batch,
-                                  const std::vector<int32_t>& tokens) {
-  auto be = make_backend(kind);
+                                  const std::vector<int32_t>& tokens, const backend_settings& settings = {}) {
+  auto be = make_backend(kind, settings);
   run_params rp;
   rp.cache = fmt;
   rp.n_batch = n_batch;
@@ -81,30 +81,30 @@ TEST_P(engine_test, cpu_backend_matches_ref_backend) {
   const model_weights w = write_and_load(tiny_hparams(c.tied, c.bias), c.type, 7);
   const auto tokens = some_tokens(40, w.hp.n_vocab);
   const bool quantized = c.type != ggml_type::ggml_f32 && c.type != ggml_type::ggml_f16;
-  const cpu::decode_activations saved = cpu::get_decode_activations();
-  for (const cpu::decode_activations act :
-       {cpu::decode_activations::act_f32, cpu::decode_activations::act_q16, cpu::decode_activations::act_q8}) {
-    cpu::set_decode_activations(act);
+  for (const decode_activations act :
+       {decode_activations::act_f32, decode_activations::act_q16, decode_activations::act_q8}) {
+    backend_settings settings;
+    settings.decode = act;  // prefill: the backend's default (or XCTX_PREFILL_ACT)
+    const prefill_activations prefill = *make_backend(backend_kind::backend_cpu, settings)->settings().prefill;
     for (int n_batch : {1, 512}) {
       const auto r = run_all_logits(w, backend_kind::backend_ref, cache_format::cache_fp32, n_batch, tokens);
-      const auto o = run_all_logits(w, backend_kind::backend_cpu, cache_format::cache_fp32, n_batch, tokens);
+      const auto o = run_all_logits(w, backend_kind::backend_cpu, cache_format::cache_fp32, n_batch, tokens, settings);
       double max_abs = 0, max_ref = 0;
       for (size_t i = 0; i < r.size(); ++i) {
         max_abs = test::worse(max_abs, (double)std::fabs(r[i] - o[i]));
         max_ref = std::max(max_ref, (double)std::fabs(r[i]));
       }
       // One token per call never reaches the prefill GEMM, whatever its activations.
-      const cpu::prefill_activations pre = n_batch == 1 ? cpu::prefill_activations::pre_f32 : cpu::get_prefill_activations();
+      const prefill_activations pre = n_batch == 1 ? prefill_activations::pre_f32 : prefill;
       const double bound = test::engine_logit_bound(quantized, max_ref, act, pre);
       std::printf("[engine] %s decode %s prefill %s n_batch %d: max |cpu - ref| %.3g, bound %.3g (observed/bound %.3f)\n",
-                  c.name, cpu::decode_activations_name(act),
-                  cpu::prefill_activations_name(pre), n_batch, max_abs, bound,
+                  c.name, decode_activations_name(act),
+                  prefill_activations_name(pre), n_batch, max_abs, bound,
                   max_abs / bound);
-      EXPECT_LE(max_abs, bound) << cpu::decode_activations_name(act) << " n_batch " << n_batch << " max |ref| "
+      EXPECT_LE(max_abs, bound) << decode_activations_name(act) << " n_batch " << n_batch << " max |ref| "
                                 << max_ref;
     }
   }
-  cpu::set_decode_activations(saved);
 }
 
 INSTANTIATE_TEST_SUITE_P(models, engine_test,

@@ -19,6 +19,7 @@
 #include "model/gguf.h"
 #include "model/gguf_writer.h"
 #include "registry/registry.h"
+#include "require_gpu.h"
 #include "test_util.h"
 #include "tiny_model.h"
 #include "worker/llama_engine.h"
@@ -125,7 +126,7 @@ void expect_generation_matches_the_cpu(const model_weights& w, bool quantized, b
       max_ref = std::max(max_ref, (double)std::fabs(ref[s][i]));
     }
     const double bound =
-        test::engine_logit_bound(quantized, max_ref) + kFlipAmplification * cache_code_step(fmt) * std::max(1.0, max_ref);
+        test::engine_logit_bound(quantized, max_ref, cpu->settings()) + kFlipAmplification * cache_code_step(fmt) * std::max(1.0, max_ref);
     worst_ratio = std::max(worst_ratio, max_abs / bound);
     worst_abs = std::max(worst_abs, max_abs);
     EXPECT_LE(max_abs, bound) << "step " << s;
@@ -185,7 +186,7 @@ TEST(device_space_engine_self_extend, generation_matches_the_cpu_backend) {
 // observed/bound ratio of the first device run is the check of that derivation.
 TEST(cuda_engine, greedy_generation_matches_the_cpu_backend) {
   setenv("XCTX_CUDA_TF32", "0", 1);
-  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  XCTX_REQUIRE_CUDA();
   const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
   auto gpu = make_backend(backend_kind::backend_cuda);
   for (cache_format f : {cache_format::cache_fp16, cache_format::cache_fp32}) expect_generation_matches_the_cpu(w, true, *gpu, f);
@@ -196,7 +197,7 @@ TEST(cuda_engine, greedy_generation_matches_the_cpu_backend) {
 // fp32, XCTX_CUDA_TF32=0).
 TEST(cuda_engine, compressed_cache_generation_matches_the_cpu_backend) {
   setenv("XCTX_CUDA_TF32", "0", 1);
-  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  XCTX_REQUIRE_CUDA();
   const model_weights w = write_and_load(tiny_hparams(true, false), ggml_type::ggml_q4_1, 11);
   auto gpu = make_backend(backend_kind::backend_cuda);
   for (cache_format f : {cache_format::cache_kivi2, cache_format::cache_nuq3_1pct, cache_format::cache_xquant2,
@@ -208,7 +209,7 @@ TEST(cuda_engine, compressed_cache_generation_matches_the_cpu_backend) {
 // launches (XCTX_CUDA_GRAPHS=0) bit for bit -- the same kernels with the same arguments.
 TEST(cuda_engine, decode_graphs_match_eager_launches) {
   setenv("XCTX_CUDA_TF32", "0", 1);
-  if (!backend_available(backend_kind::backend_cuda)) GTEST_SKIP() << "no usable CUDA device";
+  XCTX_REQUIRE_CUDA();
   const model_weights w = write_and_load(tiny_hparams(true, true), ggml_type::ggml_q4_1, 11);
   const auto prompt = some_tokens(45, w.hp.n_vocab);
   std::vector<int32_t> forced;

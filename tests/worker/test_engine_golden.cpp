@@ -52,20 +52,20 @@ namespace {
 
 struct golden_param {
   cache_format cache;
-  cpu::decode_activations act;
-  cpu::prefill_activations pre;  // the batched matmuls' (integer GEMM on AVX-512 VNNI hosts)
+  decode_activations act;
+  prefill_activations pre;  // the batched matmuls' (integer GEMM on AVX-512 VNNI hosts)
 };
 
 float exact_tolerance(const golden_param& p) {
   if (p.cache != cache_format::cache_fp32) return 0.07f;
-  const bool float_only = p.act == cpu::decode_activations::act_f32 &&
-                          (p.pre == cpu::prefill_activations::pre_f32 || !cpu::prefill_q8_supported());
+  const bool float_only = p.act == decode_activations::act_f32 &&
+                          (p.pre == prefill_activations::pre_f32 || !cpu::prefill_q8_supported());
   return float_only ? 1e-3f : 0.01f;
 }
 
 std::string param_name(const golden_param& p) {
-  return std::string(format_traits(p.cache).name) + " cache, decode " + cpu::decode_activations_name(p.act) +
-         ", prefill " + cpu::prefill_activations_name(p.pre);
+  return std::string(format_traits(p.cache).name) + " cache, decode " + decode_activations_name(p.act) +
+         ", prefill " + prefill_activations_name(p.pre);
 }
 
 // The decode path against llama.cpp's own decode logits: llama.cpp is up to 1.3 logits from
@@ -123,9 +123,10 @@ class engine_golden : public ::testing::TestWithParam<golden_param> {};
 TEST_P(engine_golden, logits_and_greedy_continuations) {
   XCTX_REQUIRE_MODEL(path);
   const model_weights w = load_model(path);
-  auto be = make_backend(backend_kind::backend_cpu);
-  const test::decode_activations_scope act(GetParam().act);
-  const test::prefill_activations_scope pre(GetParam().pre);
+  backend_settings settings;
+  settings.decode = GetParam().act;
+  settings.prefill = GetParam().pre;
+  auto be = make_backend(backend_kind::backend_cpu, settings);
   run_params rp;
   rp.cache = GetParam().cache;
   llama_engine engine(w, *be, rp);
@@ -196,9 +197,10 @@ TEST_P(engine_golden, logits_and_greedy_continuations) {
 TEST_P(engine_golden, decode_path_teacher_forced) {
   XCTX_REQUIRE_MODEL(path);
   const model_weights w = load_model(path);
-  auto be = make_backend(backend_kind::backend_cpu);
-  const test::decode_activations_scope act(GetParam().act);
-  const test::prefill_activations_scope pre(GetParam().pre);
+  backend_settings settings;
+  settings.decode = GetParam().act;
+  settings.prefill = GetParam().pre;
+  auto be = make_backend(backend_kind::backend_cpu, settings);
   run_params rp;
   rp.cache = GetParam().cache;
   llama_engine engine(w, *be, rp);
@@ -250,13 +252,13 @@ TEST_P(engine_golden, decode_path_teacher_forced) {
 INSTANTIATE_TEST_SUITE_P(
     caches, engine_golden,
     ::testing::Values(
-        golden_param{cache_format::cache_fp16, cpu::decode_activations::act_q16, cpu::prefill_activations::pre_q16},
-        golden_param{cache_format::cache_fp32, cpu::decode_activations::act_f32, cpu::prefill_activations::pre_f32},
-        golden_param{cache_format::cache_fp32, cpu::decode_activations::act_q16, cpu::prefill_activations::pre_f32},
-        golden_param{cache_format::cache_fp32, cpu::decode_activations::act_q16, cpu::prefill_activations::pre_q16}),
+        golden_param{cache_format::cache_fp16, decode_activations::act_q16, prefill_activations::pre_q16},
+        golden_param{cache_format::cache_fp32, decode_activations::act_f32, prefill_activations::pre_f32},
+        golden_param{cache_format::cache_fp32, decode_activations::act_q16, prefill_activations::pre_f32},
+        golden_param{cache_format::cache_fp32, decode_activations::act_q16, prefill_activations::pre_q16}),
     [](const auto& info) {
-      return std::string(format_traits(info.param.cache).name) + "_" + cpu::decode_activations_name(info.param.act) +
-             "_prefill_" + cpu::prefill_activations_name(info.param.pre);
+      return std::string(format_traits(info.param.cache).name) + "_" + decode_activations_name(info.param.act) +
+             "_prefill_" + prefill_activations_name(info.param.pre);
     });
 
 TEST(engine_golden_tokens, tokenizer_reproduces_golden_prompt_ids) {

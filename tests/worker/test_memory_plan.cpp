@@ -3,12 +3,14 @@
 // cannot fit with a message naming what would.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "cache/quant_test_util.h"
 #include "cache/x_test_util.h"
 #include "cache/x_factors.h"
 #include "common/error.h"
+#include "kernels/cuda/scratch.h"
 #include "kernels/softmax_acc.h"
 #include "model/weights.h"
 #include "registry/registry.h"
@@ -94,6 +96,24 @@ TEST(memory_plan, exact_ring_parts_follow_the_formula) {
   const rank_memory one = estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, 100000, 32, 1, kCpu);
   EXPECT_EQ(one.residual, (size_t)512 * 576 * 4);
   EXPECT_EQ(one.ring_blocks, 0u);
+}
+
+// On the CUDA backend the workspace is the device scratch's bound for the job's shape
+// (kernels/cuda/scratch.h): the split partials' cap and the fullest selection over the shard,
+// counted whether or not this build has CUDA (the planner may plan for another machine).
+TEST(memory_plan, cuda_workspace_is_the_device_scratch_bound) {
+  const model_hparams hp = smollm2_like();
+  sequence_options opt;
+  const int P = 8, n_batch = 512;
+  const int64_t n = 1 << 20;
+  const rank_memory m =
+      estimate_rank_memory(hp, cache_format::cache_fp16, opt, n_batch, 1, n, 32, P, backend_kind::backend_cuda);
+  workspace_shape ws{1, n_batch, (int64_t)hp.kv_dim(), (int64_t)hp.n_head * hp.head_dim};
+  ws.n_head = hp.n_head, ws.n_head_kv = hp.n_head_kv, ws.head_dim = hp.head_dim, ws.n_embd = hp.n_embd;
+  ws.max_weight_cols = std::max<int64_t>(hp.n_embd, hp.n_ff);
+  ws.capacity = n / P + 32;  // the shard and the new tokens
+  EXPECT_GE(m.workspace, (size_t)256 << 20);  // the partials' cap at least
+  EXPECT_LE(m.workspace, cuda::scratch_bound(ws) + ((size_t)1 << 20));
 }
 
 TEST(memory_plan, xquant_cl_auto_ring_switches_to_latent_past_the_budget) {

@@ -13,8 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -335,21 +333,11 @@ void attention_prefill(isa v, const attn_args& a, const std::vector<int64_t>& q_
 // 48 1.3x faster.
 constexpr int kAvx512MinRowsPerHead = 12;
 
-// XCTX_ATTN_AVX512=0 (read once) keeps every job on the AVX2 kernel: the baseline a benchmark
-// compares with in one run (the results are the same bits either way).
-bool avx512_rows_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("XCTX_ATTN_AVX512");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
-  return on;
-}
-
 }  // namespace
 
 void decode_block(isa v, const decode_job& jb) {
   if (v == isa::isa_avx2 && jb.hd % 8 == 0 && (jb.v_width <= 0 || jb.v_width % 8 == 0)) {
-    if (jb.n_kvh > 0 && jb.R / jb.n_kvh >= kAvx512MinRowsPerHead && has_avx512() && avx512_rows_enabled() &&
+    if (jb.n_kvh > 0 && jb.R / jb.n_kvh >= kAvx512MinRowsPerHead && has_avx512() && jb.avx512_rows &&
         avx512::decode_block_supported(jb))
       avx512::decode_block(jb);
     else
@@ -426,14 +414,18 @@ int64_t visible_prefixes(const int32_t* q_pos, int64_t n_q, const int32_t* kv_po
   return longest;
 }
 
-void attention_partial(isa v, const attn_args& a) {
+void attention_partial(isa v, const attn_args& a) { attention_partial(v, a, attention_switches{}); }
+
+void attention_partial(isa v, const attn_args& a, const attention_switches& s) {
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
+    unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
+    qs.avx512_rows = s.avx512_rows;
     attend_units(qs, a.kv_pos, a.n_kv, [&] { return std::make_unique<plain_loader>(a); }, *a.acc);
     return;
   }
   if (self_extend_on(a.rope) || a.select != nullptr)
-    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [&](const attn_args& b) { attention_partial(v, b); });
+    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim,
+                                  [&](const attn_args& b) { attention_partial(v, b, s); });
   XCTX_CHECK(a.n_q >= 0 && a.n_kv >= 0, "attention: negative sizes n_q=", a.n_q, " n_kv=", a.n_kv);
   XCTX_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0,
              "attention: n_head=", a.n_head, " must be a positive multiple of n_head_kv=", a.n_head_kv);
@@ -504,6 +496,9 @@ void streamed_attention::finish(float* o, float* lse) const {
 }  // namespace impl
 
 void attention_partial(const attn_args& a) { impl::attention_partial(impl::best_isa(), a); }
+void attention_partial(const attn_args& a, const attention_switches& s) {
+  impl::attention_partial(impl::best_isa(), a, s);
+}
 void merge_partials(const float* o_parts, const float* lse_parts, int n_part, int64_t n_row, int head_dim, float* o,
                     float* lse) {
   impl::merge_partials(impl::best_isa(), o_parts, lse_parts, n_part, n_row, head_dim, o, lse);

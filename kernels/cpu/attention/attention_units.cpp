@@ -111,6 +111,7 @@ struct query_runner {
     jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
     jb.j0 = 0, jb.j1 = n;
     jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+    jb.avx512_rows = qs.avx512_rows;
     impl::decode_block(isa, jb);
     for (int r = 0; r < R; ++r)  // rows ordered (kvh, query, head of the group)
       if (qr.head_sees(block_i0 + (r / g) % block_n, r / (g * block_n), s0))
@@ -132,6 +133,7 @@ struct query_runner {
     jb.k = kv.k, jb.v = kv.v, jb.type = kv.type, jb.ld = kv.ld;
     jb.j0 = b, jb.j1 = n;
     jb.o = o.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+    jb.avx512_rows = qs.avx512_rows;
     impl::decode_block(isa, jb);
     const int g = qs.n_head / qs.n_head_kv;
     for (int h = 0; h < qs.n_head; ++h)

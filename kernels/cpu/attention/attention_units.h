@@ -73,6 +73,7 @@ struct unit_queries {
   // with one list per KV head, a unit is computed for every head of the query and deposited
   // only for the heads whose list holds it.
   const attn_selection* select = nullptr;
+  bool avx512_rows = true;  // decode jobs may take the AVX-512 many-row kernel (attention_switches)
 };
 
 // Which cached slots each query sees, and on which side: everything near unless the rope has

@@ -278,7 +278,8 @@ void merge_into(float* acc_o, float* acc_lse, const float* o, const float* lse, 
   }
 }
 
-void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len) {
+void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64_t>& q_end, int64_t kv_len,
+                          const attention_switches& sw) {
   const kvq_layer_view& L = a.kv;
   const int hd = L.head_dim, C = L.channels(), g = a.n_head / L.n_head_kv;
   const int R = (int)(a.n_q * a.n_head);
@@ -323,6 +324,7 @@ void attention_kvq_decode(isa v, const kvq_attn_args& a, const std::vector<int64
         jb.k = kt.data(), jb.v = vt.data(), jb.type = kv_dtype::kv_f32, jb.ld = C;
         jb.j0 = 0, jb.j1 = nt;
         jb.o = o_t.data(), jb.lse = lse_t.data(), jb.scratch = scratch.data();
+        jb.avx512_rows = sw.avx512_rows;
         impl::decode_block(v, jb);
         merge_into(acc_o, acc_lse, o_t.data(), lse_t.data(), R, hd);
       }
@@ -402,8 +404,8 @@ class kvq_fused_kernel final : public unit_kernel {
  public:
   // Scratch is per thread and kept between calls: a decode step calls this once per layer, and
   // zeroing ~120 KB each time cost more than the attention over a short cache.
-  kvq_fused_kernel(const kvq_attn_args& a, const impl::rope_table& tab)
-      : a_(a), tab_(tab), scratch_(thread_scratch()), angles_(thread_angles()) {
+  kvq_fused_kernel(const kvq_attn_args& a, const impl::rope_table& tab, bool keys_in_lanes)
+      : a_(a), tab_(tab), keys_in_lanes_(keys_in_lanes), scratch_(thread_scratch()), angles_(thread_angles()) {
     const size_t need = impl::kvq_fused_scratch_floats(a.n_head, a.kv.head_dim, a.kv.channels());
     if (scratch_.size() < need) scratch_.resize(need);
     if (angles_.size() < (size_t)a.kv.head_dim) angles_.resize((size_t)a.kv.head_dim);
@@ -418,6 +420,7 @@ class kvq_fused_kernel final : public unit_kernel {
     f.angles = angles_of, f.angle_table = &tab_;
     f.scratch = scratch_.data(), f.angle_scratch = angles_.data();
     f.o = o, f.lse = lse;
+    f.keys_in_lanes = keys_in_lanes_;
     if (has_avx512() && impl::kvq_fused_avx512_supported(a_.kv))
       impl::avx512::kvq_attend_fused(f);
     else
@@ -438,35 +441,41 @@ class kvq_fused_kernel final : public unit_kernel {
   }
   const kvq_attn_args& a_;
   const impl::rope_table& tab_;
+  const bool keys_in_lanes_;
   std::vector<float>& scratch_;
   std::vector<double>& angles_;
 };
 
 }  // namespace
 
-void attention_kvq(const kvq_attn_args& a) {
+void attention_kvq(const kvq_attn_args& a) { attention_kvq(a, attention_switches{}); }
+
+void attention_kvq(const kvq_attn_args& a, const attention_switches& sw) {
   check_args(a);
   const kvq_layer_view& L = a.kv;
   if (a.acc != nullptr) {
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale, &a.rope, a.select};
+    unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, L.n_head_kv, L.head_dim, a.scale, &a.rope, a.select};
+    qs.avx512_rows = sw.avx512_rows;
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     if (a.decode_step && a.n_q == 1 && impl::best_isa() == isa::isa_avx2 &&
         impl::kvq_fused_supported(L, a.n_head, a.rope.n_rot)) {
-      attend_units_one_query(qs, L.pos, L.n, [&] { return std::make_unique<kvq_fused_kernel>(a, tab); }, *a.acc);
+      attend_units_one_query(
+          qs, L.pos, L.n, [&] { return std::make_unique<kvq_fused_kernel>(a, tab, sw.kvq_key_lanes); }, *a.acc);
       return;
     }
     attend_units(qs, L.pos, L.n, [&] { return std::make_unique<kvq_loader>(a, tab); }, *a.acc);
     return;
   }
   if (self_extend_on(a.rope) || a.select != nullptr)
-    return attend_via_accumulator(a, a.n_q * a.n_head, L.head_dim, [](const kvq_attn_args& b) { attention_kvq(b); });
+    return attend_via_accumulator(a, a.n_q * a.n_head, L.head_dim,
+                                  [&](const kvq_attn_args& b) { attention_kvq(b, sw); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]
   const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, L.pos, L.n, a.n_head, L.head_dim, a.o, a.lse, q_end);
   if (kv_len == 0) return;
   const isa v = impl::best_isa();
   if (a.n_q <= impl::kDecodeMaxQueries)
-    attention_kvq_decode(v, a, q_end, kv_len);
+    attention_kvq_decode(v, a, q_end, kv_len, sw);
   else
     attention_kvq_prefill(v, a, kv_len);
 }

@@ -354,16 +354,6 @@ inline void score_lanes(const K& keys, int j0, int r0, const int* o, const float
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + u * kSS + j0 + 16 * b, acc[u][b]);
 }
 
-// XCTX_KVQ_KEY_LANES=0 (read once) scores every key one at a time: the baseline a benchmark
-// compares the keys-in-lanes path with in one run.
-bool keys_in_lanes() {
-  static const bool on = [] {
-    const char* e = std::getenv("XCTX_KVQ_KEY_LANES");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
-  return on;
-}
-
 // Whether tile rows j .. j + 15 sit at 16 consecutive offsets of the unit (rot = offset · hd).
 inline bool consecutive16(const int32_t* rot, int j, int hd) {
   const __m512i want = _mm512_add_epi32(
@@ -503,7 +493,7 @@ struct ops {
 void kvq_attend_fused(const kvq_fused_args& a) {
   XCTX_ASSERT(kvq_fused_avx512_supported(*a.kv), "kvq fused avx512: value groups of ", a.kv->group,
               " channels do not hold whole 16-lane vectors");
-  attend_unit(a, pick_heads<ops>(*a.kv), /*channel_tables=*/keys_in_lanes());
+  attend_unit(a, pick_heads<ops>(*a.kv), /*channel_tables=*/a.keys_in_lanes);
 }
 
 }  // namespace xctx::cpu::impl::avx512

@@ -59,6 +59,9 @@ struct kvq_fused_args {
   const void* angle_table = nullptr;
   float* scratch = nullptr;         // [kvq_fused_scratch_floats(...)]
   double* angle_scratch = nullptr;  // [head_dim]
+  // Where the ISA can, score nuq keys 16 at a time in lanes (attention_switches::kvq_key_lanes;
+  // false: one key at a time, the A/B baseline).
+  bool keys_in_lanes = true;
   float* o = nullptr;    // [n_head, head_dim] normalised partial
   float* lse = nullptr;  // [n_head] natural log; -inf (and o = 0) when n == 0
 };

@@ -494,7 +494,7 @@ struct absorbed_far_side {
 // a kv head share every key and latent load; impl::decode_job's value layout), then
 // o = u·M_v[:, head] + b_v for all heads in one row-invariant product. Each (query, unit) is
 // computed by the same code wherever the unit lives, and deposited exactly.
-void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
+void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc, const attention_switches& sw) {
   const int hd = a.head_dim, g = a.n_head / a.n_head_kv, kv = a.n_head_kv * hd, cv = a.zv.channels;
   const int vw = a.m_v != nullptr ? cv : hd;  // values each query row accumulates
   const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, hd, a.scale, &a.rope, a.select};
@@ -560,6 +560,7 @@ void attention_absorbed_units(const xq_attn_args& a, softmax_acc& acc) {
       if (a.m_v != nullptr) jb.v_width = cv, jb.v_ld = cv, jb.v_head_stride = 0;  // every head reads the latent
       jb.j0 = b, jb.j1 = e;
       jb.o = ol.data(), jb.lse = lse.data(), jb.scratch = scratch.data();
+      jb.avx512_rows = sw.avx512_rows;
       impl::decode_block(isa, jb);
       deposit(i, s0);
     };
@@ -618,7 +619,7 @@ bool as_kvq_layer(const xq_attn_args& a, kvq_layer_view& v) {
 // A clkv decode step through the fused one-query kernel over the quantized-KV layout (its
 // rounding differs from the absorbed path's, so it is chosen by the phase, never by n_q: decode
 // steps carry one query). False when the shape is not one it takes.
-bool attend_decode_as_kvq(const xq_attn_args& a) {
+bool attend_decode_as_kvq(const xq_attn_args& a, const attention_switches& sw) {
   kvq_layer_view v;
   if (a.n_q != 1 || impl::best_isa() != impl::isa::isa_avx2 || !as_kvq_layer(a, v) ||
       !impl::kvq_fused_supported(v, a.n_head, a.rope.n_rot))
@@ -627,22 +628,25 @@ bool attend_decode_as_kvq(const xq_attn_args& a) {
   k.kv = v;
   k.q = a.q, k.q_pos = a.q_pos, k.n_q = a.n_q, k.n_head = a.n_head, k.scale = a.scale, k.rope = a.rope;
   k.acc = a.acc, k.decode_step = true, k.select = a.select;
-  attention_kvq(k);
+  attention_kvq(k, sw);
   return true;
 }
 
 }  // namespace
 
-void attention_xq(const xq_attn_args& a) {
+void attention_xq(const xq_attn_args& a) { attention_xq(a, attention_switches{}); }
+
+void attention_xq(const xq_attn_args& a, const attention_switches& sw) {
   check(a);
   if (a.acc != nullptr) {
     XCTX_CHECK(a.acc->rows() == a.n_q * a.n_head && a.acc->width() == a.head_dim, "attention_xq: accumulator of ",
                a.acc->rows(), " x ", a.acc->width(), " for ", a.n_q, " x ", a.n_head, " x ", a.head_dim);
     if (a.absorb_v) {
-      if (!attend_decode_as_kvq(a)) attention_absorbed_units(a, *a.acc);
+      if (!attend_decode_as_kvq(a, sw)) attention_absorbed_units(a, *a.acc, sw);
       return;
     }
-    const unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
+    unit_queries qs{a.q, a.q_pos, a.n_q, a.n_head, a.n_head_kv, a.head_dim, a.scale, &a.rope, a.select};
+    qs.avx512_rows = sw.avx512_rows;
     const impl::rope_table& tab = impl::rope_table_for(a.rope);
     const int blas_threads = openblas_get_num_threads();
     openblas_set_num_threads(1);
@@ -651,7 +655,8 @@ void attention_xq(const xq_attn_args& a) {
     return;
   }
   if (self_extend_on(a.rope) || a.select != nullptr)
-    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim, [](const xq_attn_args& b) { attention_xq(b); });
+    return attend_via_accumulator(a, a.n_q * a.n_head, a.head_dim,
+                                  [&](const xq_attn_args& b) { attention_xq(b, sw); });
   if (a.n_q == 0) return;
   std::vector<int64_t> q_end;  // [n_q]
   const int64_t kv_len = impl::visible_prefixes(a.q_pos, a.n_q, a.pos, a.n, a.n_head, a.head_dim, a.o, a.lse, q_end);

@@ -5,11 +5,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <vector>
 
 #include "common/error.h"
@@ -612,45 +609,6 @@ int64_t prefill_min_tokens(ggml_type type, decode_activations act) {
 
 }  // namespace detail
 
-namespace {
-
-// -1 until first read: then XCTX_DECODE_ACT decides, unless set_decode_activations came first.
-std::atomic<int> g_decode_act{-1};
-
-}  // namespace
-
-const char* decode_activations_name(decode_activations act) {
-  switch (act) {
-    case decode_activations::act_f32: return "f32";
-    case decode_activations::act_q16: return "q16";
-    case decode_activations::act_q8: return "q8";
-  }
-  return "?";
-}
-
-decode_activations parse_decode_activations(std::string_view name, const char* what) {
-  for (decode_activations act :
-       {decode_activations::act_f32, decode_activations::act_q16, decode_activations::act_q8}) {
-    if (name == decode_activations_name(act)) return act;
-  }
-  fail(what, " must be f32, q16 or q8, not '", name, "'");
-}
-
-void set_decode_activations(decode_activations act) { g_decode_act.store((int)act, std::memory_order_relaxed); }
-
-decode_activations get_decode_activations() {
-  int v = g_decode_act.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("XCTX_DECODE_ACT");
-    const std::string_view e = env != nullptr ? env : "";
-    int expected = -1;
-    const int want = (int)(e.empty() ? decode_activations::act_q16  // the default
-                                     : parse_decode_activations(e, "XCTX_DECODE_ACT"));
-    v = g_decode_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
-  }
-  return (decode_activations)v;
-}
-
 // Decode path below prefill_min_tokens (crossover table there), prefill path above. Measured
 // on this 2-core machine, SmolLM2-135M shapes, hot cache, 1 / 2 threads (bench_matmul):
 //   n_tok = 1, act_q8 (first run; a later, busier run in brackets):
@@ -677,12 +635,12 @@ void check_matmul_args(const weight_view& w, int64_t n_tok) {
 }
 }  // namespace
 
-void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
+void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y, const matmul_settings& s) {
   check_matmul_args(w, n_tok);
   if (n_tok == 0 || w.n_rows == 0) return;
-  const decode_activations act = get_decode_activations();
+  const decode_activations act = s.decode;
   if (n_tok >= detail::prefill_min_tokens(w.type, act)) {
-    if (const prefill_activations pre = get_prefill_activations(); detail::prefill_int_applies(w.type, pre)) {
+    if (const prefill_activations pre = s.prefill; detail::prefill_int_applies(w.type, pre)) {
       detail::matmul_prefill_int(w, x, n_tok, y, pre, true);
     } else {
       detail::matmul_prefill(w, x, n_tok, y);
@@ -692,16 +650,17 @@ void matmul(const weight_view& w, const float* x, int64_t n_tok, float* y) {
   }
 }
 
-void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y) {
+void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, float* const* y,
+              const matmul_settings& s) {
   XCTX_CHECK(n_w >= 0, "cpu::matmul_n: ", n_w, " weights");
-  const decode_activations act = get_decode_activations();
+  const decode_activations act = s.decode;
   bool shared = act != decode_activations::act_f32 && n_tok > 0 && n_w > 1;
   for (int i = 0; shared && i < n_w; ++i) {
     shared = w[i].n_rows > 0 && w[i].n_cols == w[0].n_cols && detail::is_legacy_quant(w[i].type) &&
              n_tok < detail::prefill_min_tokens(w[i].type, act);
   }
   if (!shared) {
-    for (int i = 0; i < n_w; ++i) matmul(w[i], x, n_tok, y[i]);
+    for (int i = 0; i < n_w; ++i) matmul(w[i], x, n_tok, y[i], s);
     return;
   }
   for (int i = 0; i < n_w; ++i) check_matmul_args(w[i], n_tok);
@@ -712,10 +671,11 @@ void matmul_n(const weight_view* w, int n_w, const float* x, int64_t n_tok, floa
   }
 }
 
-void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb) {
+void matmul2(const weight_view& a, const weight_view& b, const float* x, int64_t n_tok, float* ya, float* yb,
+             const matmul_settings& s) {
   const weight_view w[2] = {a, b};
   float* const y[2] = {ya, yb};
-  matmul_n(w, 2, x, n_tok, y);
+  matmul_n(w, 2, x, n_tok, y, s);
 }
 
 void gemm_rows(const float* a, int64_t n, int k, const float* b, bool b_transposed, int n_out, float beta, float* c,

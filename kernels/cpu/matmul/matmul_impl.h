@@ -88,7 +88,7 @@ bool is_float_type(ggml_type type);
 // The two matmul strategies behind cpu::matmul, callable directly by tests and benchmarks.
 // `act` matters only for legacy quants (the other types always use float activations).
 void matmul_decode(const weight_view& w, const float* x /*[n_tok, n_cols]*/, int64_t n_tok,
-                   float* y /*[n_tok, n_rows]*/, decode_activations act = get_decode_activations());
+                   float* y /*[n_tok, n_rows]*/, decode_activations act);
 // Both prefill modes dequantize weights to f32 strips and run the row-invariant GEMM of
 // matmul.cpp (every y[t, r] one fused multiply-add chain in column order), so they give the
 // same bits as each other and for every n_tok, row offset and thread count. OpenBLAS sgemm was
@@ -104,7 +104,7 @@ void matmul_prefill(const weight_view& w, const float* x /*[n_tok, n_cols]*/, in
                     float* y /*[n_tok, n_rows]*/, prefill_mode mode = prefill_mode::prefill_split_rows);
 // n_tok at which cpu::matmul switches from matmul_decode (with activations `act`) to
 // matmul_prefill.
-int64_t prefill_min_tokens(ggml_type type, decode_activations act = get_decode_activations());
+int64_t prefill_min_tokens(ggml_type type, decode_activations act);
 
 // Scalar view of one legacy block: w_j = d * q[j] + c (Q8_0: q signed, c = 0).
 void block_codes(ggml_type type, const uint8_t* p, int32_t* q /*[32]*/, float* d, float* c);

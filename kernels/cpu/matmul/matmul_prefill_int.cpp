@@ -6,11 +6,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <vector>
 
 #include "common/error.h"
@@ -247,49 +244,11 @@ void matmul_prefill_int(const weight_view& w, const float* x, int64_t n_tok, flo
 
 }  // namespace detail
 
-namespace {
-
-// -1 until first read: then XCTX_PREFILL_ACT decides, unless set_prefill_activations came first.
-std::atomic<int> g_prefill_act{-1};
-
-}  // namespace
-
-const char* prefill_activations_name(prefill_activations act) {
-  switch (act) {
-    case prefill_activations::pre_f32: return "f32";
-    case prefill_activations::pre_q8: return "q8";
-    case prefill_activations::pre_q16: return "q16";
-  }
-  return "?";
-}
-
-prefill_activations parse_prefill_activations(std::string_view name, const char* what) {
-  for (prefill_activations act :
-       {prefill_activations::pre_f32, prefill_activations::pre_q16, prefill_activations::pre_q8}) {
-    if (name == prefill_activations_name(act)) return act;
-  }
-  fail(what, " must be f32, q16 or q8, not '", name, "'");
-}
-
 // q16 where the integer GEMM runs (AVX-512 VNNI): perplexity unchanged within the paired noise and
 // 1.1-1.5x the whole prefill (benchmarks/results/prefill_int*.md); f32 elsewhere, where the
 // setting would change nothing but the name.
 prefill_activations default_prefill_activations() {
   return prefill_q8_supported() ? prefill_activations::pre_q16 : prefill_activations::pre_f32;
-}
-
-void set_prefill_activations(prefill_activations act) { g_prefill_act.store((int)act, std::memory_order_relaxed); }
-
-prefill_activations get_prefill_activations() {
-  int v = g_prefill_act.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("XCTX_PREFILL_ACT");
-    const std::string_view e = env != nullptr ? env : "";
-    int expected = -1;
-    const int want = (int)(e.empty() ? default_prefill_activations() : parse_prefill_activations(e, "XCTX_PREFILL_ACT"));
-    v = g_prefill_act.compare_exchange_strong(expected, want, std::memory_order_relaxed) ? want : expected;
-  }
-  return (prefill_activations)v;
 }
 
 bool prefill_q8_supported() { return has_avx512(); }

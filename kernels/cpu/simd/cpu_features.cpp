@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd/cpu_features.h"
 
 namespace xctx::cpu {
 
