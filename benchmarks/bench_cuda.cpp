@@ -30,6 +30,7 @@
 #include "common/error.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
+#include "kernels/ref/ref_ops.h"
 #include "model/gguf_writer.h"
 #include "model/weights.h"
 #include "registry/registry.h"
@@ -169,15 +170,13 @@ row attention_row(backend& be, cache_format fmt, int64_t n_keys, const model_wei
 }
 
 row matmul_row(backend& be, ggml_type type, int64_t n_rows, int64_t n_cols, int64_t n_tok, int reps) {
-  std::mt19937 rng(5);
-  const size_t wbytes = ggml_row_bytes(type, n_cols) * (size_t)n_rows;
-  // Random blocks with their fp16 scales forced finite and small: raw random bytes would give
-  // NaN/inf scales, which time the same but read worse.
+  const size_t row_bytes = ggml_row_bytes(type, n_cols), wbytes = row_bytes * (size_t)n_rows;
+  // Real blocks (finite scales): random rows through the reference quantizer.
   std::vector<uint8_t> wh(wbytes);
-  for (auto& b : wh) b = (uint8_t)rng();
+  const std::vector<float> rows = random_floats((size_t)(n_rows * n_cols), 5, -0.1f, 0.1f);
+  for (int64_t r = 0; r < n_rows; ++r)
+    ref::quantize_row(type, rows.data() + (size_t)(r * n_cols), wh.data() + (size_t)r * row_bytes, n_cols);
   const ggml_type_traits tr = ggml_traits(type);
-  if (type != ggml_type::ggml_f32)
-    for (size_t off = 0; off + 2 <= wbytes; off += (size_t)tr.block_bytes) wh[off + 1] = 0x2c;  // scale ~ 2^-4
   device_buffer wd(be, wh);
   device_buffer x(be, random_floats((size_t)(n_tok * n_cols), 6, -1, 1));
   device_buffer y(be, (size_t)(n_tok * n_rows) * sizeof(float));

@@ -69,25 +69,7 @@ std::vector<uint8_t> legacy_weights(const q8_case& c, std::mt19937& rng) {
     }
     return data;
   }
-  std::normal_distribution<float> nd(0.0f, 0.05f);
-  std::vector<float> row((size_t)c.n_cols);
-  for (int64_t r = 0; r < c.n_rows; ++r) {
-    for (auto& v : row) v = nd(rng) * (r % 7 == 3 ? 8.0f : 1.0f);
-    ref::quantize_row(c.type, row.data(), data.data() + (size_t)r * row_bytes, c.n_cols);
-  }
-  return data;
-}
-
-// Activations spanning 4 decades per token, with an outlier per row (coarse blocks).
-std::vector<float> activations(int64_t n_tok, int64_t n_cols, std::mt19937& rng) {
-  std::vector<float> x((size_t)(n_tok * n_cols));
-  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
-  for (int64_t t = 0; t < n_tok; ++t) {
-    const float a = std::pow(10.0f, (float)(t % 5) - 2.0f);
-    for (int64_t j = 0; j < n_cols; ++j) x[(size_t)(t * n_cols + j)] = a * ud(rng);
-    x[(size_t)(t * n_cols + (t * 13) % n_cols)] = 20.0f * a;
-  }
-  return x;
+  return test::quantized_weights(c.type, c.n_rows, c.n_cols, rng);  // kernels/matmul_test_util.h
 }
 
 // One call's activations with Code (int8_t: q8, int16_t: q16) as quantize_act_scalar makes them.
@@ -135,7 +117,7 @@ void expect_kernels_give_the_scalar_bits(const q8_case& c, bool amx) {
   const std::vector<uint8_t> w_data = legacy_weights(c, rng);
   const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
   const int64_t nb = c.n_cols / qk_small, ldy = c.n_rows + 1;
-  const int_acts<Code> a = quantize<Code>(activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
+  const int_acts<Code> a = quantize<Code>(test::random_activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
   const std::vector<uint8_t> p_vnni = packed(w, cpu::detail::q8_layout::vnni);
   std::vector<float> y_ref((size_t)(c.n_tok * ldy), -7.0f), y(y_ref.size(), -7.0f);
   cpu::detail::gemm_q8_strips_scalar(p_vnni.data(), c.n_rows, nb, a.view(nb), c.n_tok, y_ref.data(), ldy);
@@ -187,7 +169,7 @@ void expect_grid_product_within_float_error(const q8_case& c) {
   const std::vector<uint8_t> w_data = legacy_weights(c, rng);
   const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
   const int64_t nb = c.n_cols / qk_small;
-  const int_acts<Code> a = quantize<Code>(activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
+  const int_acts<Code> a = quantize<Code>(test::random_activations(c.n_tok, c.n_cols, rng), c.n_tok, c.n_cols);
   std::vector<float> y((size_t)(c.n_tok * c.n_rows));
   const std::vector<uint8_t> p = packed(w, cpu::detail::q8_layout::vnni);
   cpu::detail::gemm_q8_strips_scalar(p.data(), c.n_rows, nb, a.view(nb), c.n_tok, y.data(), c.n_rows);
@@ -235,7 +217,7 @@ TEST_P(prefill_int_test, matmul_with_integer_prefill_is_the_integer_gemm) {
   std::mt19937 rng(c.seed + 2);
   const std::vector<uint8_t> w_data = legacy_weights(c, rng);
   const weight_view w{c.type, c.n_rows, c.n_cols, w_data.data()};
-  const std::vector<float> x = activations(c.n_tok, c.n_cols, rng);
+  const std::vector<float> x = test::random_activations(c.n_tok, c.n_cols, rng);
   for (prefill_activations act : {prefill_activations::pre_q8, prefill_activations::pre_q16}) {
     std::vector<float> y_mm((size_t)(c.n_tok * c.n_rows)), y_ref(y_mm.size());
     cpu::matmul(w, x.data(), c.n_tok, y_mm.data(), test::with_prefill(act));
