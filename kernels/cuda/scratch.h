@@ -72,7 +72,9 @@ inline size_t scratch_bound(const workspace_shape& s) {
   const int64_t n_row = n_q * std::max(1, s.n_head);
   const size_t parts = std::max({attn_scratch_cap, kvq_scratch_cap, xq_scratch_cap, xq_partial_bytes(1, n_row, wv)});
   const size_t lists_per_call = (size_t)n_q * (size_t)std::max(1, s.n_head_kv);  // per-KV-head lists at most
-  const size_t units = (size_t)(std::max<int64_t>(0, s.capacity) / attn_unit + 1);
+  // Units a shard's keys fall in: its tokens over whole units, plus a partial unit where each of
+  // its pieces (zigzag: two, and the tail's tokens) starts or ends mid-unit.
+  const size_t units = (size_t)(std::max<int64_t>(0, s.capacity) / attn_unit + 6);
   const size_t lists = selection_list_bytes(lists_per_call + 1, lists_per_call * units);
   return scratch_allocation(std::max(panel, scratch_request(parts, lists)));
 }
