@@ -47,15 +47,26 @@ struct rope_config {
   // positions).
   int se_group = 1;   // G
   int se_window = 0;  // W, in positions
+  // Retrieval only (with kFixedDistanceGroup; 0 = off): on the grouped side a key also keeps its
+  // offset within its aligned span of P positions, and the query moves P further, so a retrieved
+  // block's keys keep their order at distances W + 1 .. W + P instead of all sitting at W.
+  int se_period = 0;  // P, a multiple of kAttnUnit (the retrieval block)
 };
 
 inline bool self_extend_on(const rope_config& c) { return c.se_group > 1; }
 inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 // Where a key at position p is rotated to on the grouped side.
-inline int64_t self_extend_key_pos(const rope_config& c, int64_t p) { return floor_div(p, c.se_group); }
+// The one definition of the grouped-side key map (G, P as in rope_config), shared with the fused
+// kernels that carry G and P rather than the config.
+inline int64_t grouped_key_pos(int64_t p, int group, int period) {
+  return floor_div(p, group) + (period > 0 ? p - floor_div(p, period) * period : 0);
+}
+inline int64_t self_extend_key_pos(const rope_config& c, int64_t p) {
+  return grouped_key_pos(p, c.se_group, c.se_period);
+}
 // Where a query at position i is rotated to on the grouped side.
 inline int64_t self_extend_query_pos(const rope_config& c, int64_t i) {
-  return floor_div(i, c.se_group) + c.se_window - c.se_window / c.se_group;
+  return floor_div(i, c.se_group) + c.se_window - c.se_window / c.se_group + c.se_period;
 }
 // Keys at positions <= this are attended on the grouped side by the query at i (i - p >= W).
 inline int64_t self_extend_last_grouped(const rope_config& c, int64_t i) { return i - c.se_window; }
@@ -66,11 +77,14 @@ inline int64_t self_extend_last_grouped(const rope_config& c, int64_t i) { retur
 // larger than any position: keys at floor(p / G) = 0, the query at floor(i / G) + W - 0 = W. So
 // the retrieval rope is the SelfExtend rope with this group, and every kernel and cache that
 // takes SelfExtend takes it unchanged. (InfLLM turns the query by n_local - 1; the distance W
-// here continues the local window's last distance W - 1.)
+// here continues the local window's last distance W - 1.) With a period P (retrieval's
+// --far-positions ordered; a departure from InfLLM) a far key sits at p mod P and the query at
+// W + P: a block's keys keep their order, at distances W + 1 .. W + P.
 inline constexpr int kFixedDistanceGroup = 1 << 30;
-inline rope_config with_fixed_distance(rope_config r, int window) {
+inline rope_config with_fixed_distance(rope_config r, int window, int period = 0) {
   r.se_group = kFixedDistanceGroup;
   r.se_window = window;
+  r.se_period = period;
   return r;
 }
 inline bool fixed_distance_on(const rope_config& c) { return c.se_group == kFixedDistanceGroup; }

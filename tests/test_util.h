@@ -22,14 +22,19 @@
 namespace xctx::test {
 
 // The attention tests' SelfExtend settings: off, a power-of-two group with a window of whole
-// units and one that is neither (units cut by the window's edge, groups across unit seams).
+// units and one that is neither (units cut by the window's edge, groups across unit seams), and
+// retrieval's two far placements (every far key at distance W; far keys in order within spans of
+// `period` positions).
 struct self_extend_case {
   int group, window;
+  int period = 0;
 };
 // G >= 16 lets whole blocks of consecutive keys share a rotation (the fused kernels turn the query).
-inline std::vector<self_extend_case> self_extend_cases() { return {{1, 0}, {4, 256}, {3, 77}, {32, 200}}; }
+inline std::vector<self_extend_case> self_extend_cases() {
+  return {{1, 0}, {4, 256}, {3, 77}, {32, 200}, {kFixedDistanceGroup, 300}, {kFixedDistanceGroup, 300, 256}};
+}
 inline rope_config with_self_extend(rope_config r, self_extend_case c) {
-  r.se_group = c.group, r.se_window = c.window;
+  r.se_group = c.group, r.se_window = c.window, r.se_period = c.period;
   return r;
 }
 

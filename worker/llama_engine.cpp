@@ -34,6 +34,9 @@ rope_config make_rope_config(const model_hparams& hp, const run_params& rp) {
                hp.n_ctx_train, ") (the trained context), got ", rp.se_window);
     r.se_group = rp.se_group;
     r.se_window = rp.se_window;
+    XCTX_CHECK(rp.se_period == 0 || (rp.se_group == kFixedDistanceGroup && rp.se_period % kAttnUnit == 0),
+               "rope period ", rp.se_period, " needs retrieval positions and whole attention units (internal)");
+    r.se_period = rp.se_period;
   }
   return r;
 }
@@ -47,8 +50,11 @@ std::string describe_rope(const rope_config& r, int64_t n_ctx_train) {
   }
   if (r.scaling != rope_scaling::rope_scaling_none) s.erase(s.find_last_not_of('0') + 1), s.erase(s.find_last_not_of('.') + 1);
   if (fixed_distance_on(r))
-    return s + " + retrieval positions: exact within " + std::to_string(r.se_window) + ", farther keys at distance " +
-           std::to_string(r.se_window) + " (any length)";
+    return s + " + retrieval positions: exact within " + std::to_string(r.se_window) + ", farther keys " +
+           (r.se_period > 0 ? "in blocks of " + std::to_string(r.se_period) + " at distances " +
+                                  std::to_string(r.se_window + 1) + "-" + std::to_string(r.se_window + r.se_period)
+                            : "at distance " + std::to_string(r.se_window)) +
+           " (any length)";
   if (self_extend_on(r))
     s = (r.scaling == rope_scaling::rope_scaling_none ? "" : s + " + ") + "selfextend G " + std::to_string(r.se_group) +
         " W " + std::to_string(r.se_window);
@@ -59,7 +65,8 @@ int64_t rope_reach(const rope_config& r, int64_t n_ctx_train) {
   const double factor = r.scaling == rope_scaling::rope_scaling_none ? 1.0 : (double)r.scaling_factor;
   const int64_t trained = (int64_t)((double)n_ctx_train * factor);
   if (!self_extend_on(r)) return trained;
-  if (fixed_distance_on(r)) return r.se_window < trained ? std::numeric_limits<int64_t>::max() : 0;
+  if (fixed_distance_on(r))
+    return r.se_window + r.se_period < trained ? std::numeric_limits<int64_t>::max() : 0;
   // The farthest pair is the query at L - 1 and the key at 0: floor((L - 1) / G) + W - floor(W / G)
   // must stay <= trained - 1.
   const int64_t room = trained - 1 - (r.se_window - r.se_window / r.se_group);

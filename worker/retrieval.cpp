@@ -62,6 +62,14 @@ const char* selection_scope_name(selection_scope s) {
   return "?";
 }
 
+far_positions parse_far_positions(const std::string& name) {
+  if (name == "fixed") return far_positions::far_fixed;
+  if (name == "ordered") return far_positions::far_ordered;
+  fail("--far-positions: unknown placement '", name, "' (fixed, ordered)");
+}
+
+const char* far_positions_name(far_positions f) { return f == far_positions::far_ordered ? "ordered" : "fixed"; }
+
 void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
   XCTX_CHECK(o.block > 0 && o.block % kAttnUnit == 0, "--block-size must be a positive multiple of ", kAttnUnit,
              " (the attention unit), got ", o.block);
@@ -73,12 +81,19 @@ void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train) {
   XCTX_CHECK(o.sink <= (int64_t)1 << 30, "--sink ", o.sink, " is beyond any context");
   XCTX_CHECK(o.restart_skip >= 0 && o.restart_skip < o.block, "--restart-skip must be in [0, --block-size ", o.block,
              "), got ", o.restart_skip);
+  XCTX_CHECK(o.far == far_positions::far_fixed || o.local + o.block < n_ctx_train, "--far-positions ordered places ",
+             "retrieved keys up to --local + --block-size = ", o.local + o.block,
+             " positions from the query, beyond the model's trained window of ", n_ctx_train,
+             " (lower --local or --block-size, or use --far-positions fixed)");
 }
 
 std::string describe_retrieval(const retrieval_options& o) {
   return "retrieval: sink " + std::to_string(o.sink) + ", local " + std::to_string(o.local) + ", top-" +
          std::to_string(o.top_k) + " blocks of " + std::to_string(o.block) + " per " + selection_scope_name(o.scope) +
-         " (" + block_score_rule_name(o.rule) + "), far keys at distance " + std::to_string(o.local) +
+         " (" + block_score_rule_name(o.rule) + "), far keys " +
+         (o.far == far_positions::far_ordered
+              ? "in block order at distances " + std::to_string(o.local + 1) + "-" + std::to_string(o.local + o.block)
+              : "at distance " + std::to_string(o.local)) +
          (o.restart_skip > 0 ? ", star-block restarts unscored: first " + std::to_string(o.restart_skip) : "");
 }
 
@@ -87,8 +102,8 @@ retrieval_selector::retrieval_selector(const retrieval_options& o, const rope_co
     : opt_(o), rope_(rope), n_head_(n_head), be_(be), comm_(comm) {
   XCTX_CHECK(be.host_memory(), "retrieval attention runs on host-memory backends (--backend cpu) so far, not on ",
              be.name());
-  XCTX_CHECK(fixed_distance_on(rope) && rope.se_window == o.local,
-             "retrieval attention: the keys' rope must place far keys at distance --local (internal)");
+  XCTX_CHECK(fixed_distance_on(rope) && rope.se_window == o.local && rope.se_period == o.period(),
+             "retrieval attention: the keys' rope must place far keys as --local and --far-positions say (internal)");
 }
 
 retrieval_selector::~retrieval_selector() = default;

@@ -55,6 +55,14 @@ enum class selection_scope : uint8_t { select_per_layer, select_per_kv_head };
 selection_scope parse_selection_scope(const std::string& name);  // layer | kv-head
 const char* selection_scope_name(selection_scope s);
 
+// Where retrieval places the keys farther than W (the sink and the retrieved blocks).
+//   fixed:   every one at the distance W (InfLLM): a retrieved block's keys lose their order.
+//   ordered: each keeps its offset in its block: distances W + 1 .. W + B, so a block reads in
+//            order (a departure from InfLLM, measured in docs/retrieval.md).
+enum class far_positions : uint8_t { far_fixed, far_ordered };
+far_positions parse_far_positions(const std::string& name);  // fixed | ordered
+const char* far_positions_name(far_positions f);
+
 struct retrieval_options {
   int64_t sink = 256;    // S: the first positions every query sees (rounded up to kAttnUnit)
   int64_t local = 4096;  // W: the window at exact positions; also the distance of everything else
@@ -72,11 +80,15 @@ struct retrieval_options {
   // key's block ranked 1-2 in every layer against 1-6 with 0 or 16; 192 hid a key that sat at a
   // star block's start (benchmarks/results/restart_skip_notes.md).
   int64_t restart_skip = 64;
+  far_positions far = far_positions::far_fixed;
+  // The rope period that places far keys as `far` says (rope_config::se_period): 0 or B.
+  int period() const { return far == far_positions::far_ordered ? (int)block : 0; }
 };
 
 // Throws xctx::Error naming the flag (--sink, --local, --block-size, --top-k) for values the
 // mechanism cannot run with: W must leave room inside the trained window for the distance W
-// plus the local window (2·W <= n_ctx_train), B a positive multiple of kAttnUnit, k >= 1.
+// plus the local window (2·W <= n_ctx_train), B a positive multiple of kAttnUnit, k >= 1; with
+// ordered far positions the farthest distance W + B inside the window.
 void check_retrieval_options(const retrieval_options& o, int64_t n_ctx_train);
 // "retrieval: sink 256, local 4096, top-32 blocks of 256 (minmax)" for run headers.
 std::string describe_retrieval(const retrieval_options& o);

@@ -25,6 +25,7 @@ struct run_params {
   // group 1 = off; keys within se_window positions of the query keep their exact positions.
   int se_group = 1;
   int se_window = 0;
+  int se_period = 0;  // retrieval's ordered far positions (rope_config::se_period), set with se_group
 };
 
 }  // namespace xctx

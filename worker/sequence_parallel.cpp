@@ -52,6 +52,7 @@ attention_mode apply_attention_mode(sequence_options& seq, run_params& rp, cache
              "with --rope-scaling (drop it, or use --attention full)");
   rp.se_group = kFixedDistanceGroup;
   rp.se_window = (int)seq.retrieval.local;
+  rp.se_period = seq.retrieval.period();
   spec.options.summary_block = seq.retrieval.block;
   return seq.attention;
 }
@@ -278,7 +279,8 @@ sequence_parallel_runner::sequence_parallel_runner(llama_engine& engine, communi
   XCTX_CHECK(opt_.attention != attention_mode::attention_auto,
              "sequence runner: attention auto must be resolved (apply_attention_mode) before the engine is built");
   if (opt_.attention == attention_mode::attention_retrieval) {
-    XCTX_CHECK(fixed_distance_on(engine_.rope()) && engine_.rope().se_window == opt_.retrieval.local,
+    XCTX_CHECK(fixed_distance_on(engine_.rope()) && engine_.rope().se_window == opt_.retrieval.local &&
+                   engine_.rope().se_period == opt_.retrieval.period(),
                "retrieval attention needs the engine's rope at the fixed distance --local (apply_attention_mode)");
     spec_.options.summary_block = opt_.retrieval.block;
     selector_ = std::make_unique<retrieval_selector>(opt_.retrieval, engine_.rope(), engine_.hparams().n_head, be_, comm_);

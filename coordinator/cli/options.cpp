@@ -135,6 +135,11 @@ void add_sequence_options(CLI::App* cmd, job_flags& f) {
                   "retrieval after a star prefill: first positions of each star block left out of its block "
                   "summary (they restart the sequence and outscore the blocks that matter)")
       ->default_val("64");
+  cmd->add_option("--far-positions", f.far_positions,
+                  "retrieval: fixed (every far key at distance --local, InfLLM) | ordered (a retrieved block's keys "
+                  "keep their order, at distances --local+1 .. --local+--block-size)")
+      ->default_val("fixed")
+      ->check(one_of({"fixed", "ordered"}));
 }
 
 void apply_sequence_options(sequence_options& o, const job_flags& f) {
@@ -156,6 +161,7 @@ void apply_sequence_options(sequence_options& o, const job_flags& f) {
   o.retrieval.rule = parse_block_score_rule(f.block_score);
   o.retrieval.scope = parse_selection_scope(f.select_per);
   o.retrieval.restart_skip = f.restart_skip == "0" ? 0 : parse_count(f.restart_skip, "--restart-skip");
+  o.retrieval.far = parse_far_positions(f.far_positions);
   // What does not depend on the model is refused here, whether or not the job ends up retrieving;
   // the bound by the trained window is checked where the model is known (apply_attention_mode).
   check_retrieval_options(o.retrieval, std::numeric_limits<int64_t>::max());

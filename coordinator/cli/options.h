@@ -53,7 +53,7 @@ struct job_flags {
   // Sequence (prefill and attention).
   std::string prefill = "auto", layout = "zigzag", anchor, block = "4K", star_from = "32K";
   std::string attention = "auto", sink = "256", local = "4K", block_size = "256", block_score = "minmax";
-  std::string select_per = "layer", restart_skip = "64";
+  std::string select_per = "layer", restart_skip = "64", far_positions = "fixed";
   int top_k = 32;
 };
 void add_job_options(CLI::App* cmd, run_params& rp, job_flags& f);

@@ -608,6 +608,7 @@ void attention_partial(context& ctx, const attn_args& a) {
   if (a.n_q == 0) return;
   XCTX_CHECK(a.q && a.q_pos && a.o && a.lse && (a.n_kv == 0 || (a.k && a.v && a.kv_pos)),
              "cuda attention: null pointer among q/q_pos/k/v/kv_pos/o/lse");
+  XCTX_CHECK(a.rope.se_period == 0, "cuda attention: retrieval's ordered far positions (se_period) are not implemented on CUDA; use --far-positions fixed");
   const bool se = self_extend_on(a.rope);
   if (se)
     XCTX_CHECK(a.rope.n_rot >= 0 && a.rope.n_rot <= a.head_dim && a.rope.n_rot % 2 == 0 && a.rope.se_window >= 0,

@@ -620,6 +620,7 @@ void attention_kvq(context& ctx, const kvq_attn_args& a) {
   attn_params prm{};
   const bool se = self_extend_on(a.rope);
   XCTX_CHECK(!se || a.rope.se_window >= 0, "cuda attention_kvq: SelfExtend window ", a.rope.se_window, " is negative");
+  XCTX_CHECK(a.rope.se_period == 0, "cuda attention_kvq: retrieval's ordered far positions (se_period) are not implemented on CUDA; use --far-positions fixed");
   prm.plan = plan_kvq_attention(a.n_q, L.n, a.n_head, L.n_head_kv, L.head_dim, a.rope.n_rot, ctx.n_sm, se);
   const kvq_attn_plan& pl = prm.plan;
   XCTX_CHECK(pl.row_blocks <= INT_MAX, "cuda attention_kvq: too many query rows ", pl.rows_total);

@@ -303,6 +303,7 @@ void check_stream(const xq_stream& s, int64_t n, const char* what) {
 
 void check_attn_args(const xq_attn_args& a) {
   XCTX_CHECK(a.n >= 0 && a.n_q >= 0, "cuda attention_xq: negative sizes n=", a.n, " n_q=", a.n_q);
+  XCTX_CHECK(a.rope.se_period == 0, "cuda attention_xq: retrieval's ordered far positions (se_period) are not implemented on CUDA; use --far-positions fixed");
   XCTX_CHECK(a.n_head_kv > 0 && a.n_head > 0 && a.n_head % a.n_head_kv == 0 && a.n_head_kv <= 65535,
              "cuda attention_xq: bad heads n_head=", a.n_head, " n_head_kv=", a.n_head_kv);
   XCTX_CHECK(a.head_dim > 0 && a.head_dim <= xq_max_head_dim, "cuda attention_xq: head_dim ", a.head_dim,

@@ -248,7 +248,7 @@ TEST_P(quant_cache_test, fused_attention_equals_reference) {
         for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
         for (bool scalar : {false, true}) {
           SCOPED_TRACE(::testing::Message() << format_traits(f).name << " step " << step << " n_q " << n_q
-                                            << " selfextend G " << se.group << " W " << se.window
+                                            << " selfextend G " << se.group << " W " << se.window << " P " << se.period
                                             << (scalar ? " scalar" : " avx2")
                                             << (path == attend_path::attend_decode ? " decode" : " prefill")
                                             << " seed 17/23");

@@ -91,7 +91,8 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
   // share one rotation, which the kernels move onto the query (turn_query); at 256 a whole unit
   // does, across more uniform key groups than the kernel keeps scale slots for (16-token groups).
   for (const test::self_extend_case se :
-       {test::self_extend_case{1, 0}, test::self_extend_case{32, 64}, test::self_extend_case{256, 64}}) {
+       {test::self_extend_case{1, 0}, test::self_extend_case{32, 64}, test::self_extend_case{256, 64},
+        test::self_extend_case{kFixedDistanceGroup, 64, 256}}) {
     cache_geometry g = geometry_of(c, n);
     g.rope = test::with_self_extend(g.rope, se);
     const int C = c.n_head_kv * c.head_dim, qd = c.n_head * c.head_dim;
@@ -137,7 +138,7 @@ TEST_P(quant_decode_test, fused_step_matches_the_reference) {
       if (!lanes && (force_avx2 || !cpu::has_avx512())) continue;  // lanes are an AVX-512 path
       const isa_scope isa(force_avx2);
       SCOPED_TRACE(::testing::Message() << format_traits(c.format).name << " " << c.name << " q_pos " << q_pos
-                                        << " selfextend G " << se.group << " W " << se.window
+                                        << " selfextend G " << se.group << " W " << se.window << " P " << se.period
                                         << (force_avx2 ? " avx2" : lanes ? " avx512" : " avx512 per-key")
                                         << " seeds 41/43");
       std::vector<float> o_ref(qd), l_ref(c.n_head), o(qd), l(c.n_head);

@@ -254,7 +254,7 @@ TEST_P(x_cache_test, fused_attention_equals_reference) {
         for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode})
           for (bool scalar : {false, true}) {
             SCOPED_TRACE(::testing::Message() << case_name(c) << " step " << step << " n_q " << n_q
-                                              << " selfextend G " << se.group << " W " << se.window
+                                              << " selfextend G " << se.group << " W " << se.window << " P " << se.period
                                               << (path == attend_path::attend_decode ? " decode" : " prefill")
                                               << (scalar ? " scalar" : " avx2") << " seeds 17/23");
             cpu::set_force_scalar(scalar);

@@ -58,8 +58,9 @@ struct kernel_case {
   static constexpr int64_t n_q = 3;
   std::vector<float> q;
   std::vector<int32_t> q_pos = {(int32_t)kTokens - 1, 900, (int32_t)kTokens - 1};
-  kernel_case(cache_format f, uint32_t kv_seed, unsigned q_seed) : g(test::quant_geometry(kTokens + 8)) {
-    g.rope = with_fixed_distance(g.rope, kLocal);
+  kernel_case(cache_format f, uint32_t kv_seed, unsigned q_seed, int period = 0)
+      : g(test::quant_geometry(kTokens + 8)) {
+    g.rope = with_fixed_distance(g.rope, kLocal, period);
     const int C = g.n_head_kv * g.head_dim;
     qd = g.n_head * g.head_dim;
     d = test::make_synthetic_kv(kTokens, C, kv_seed);
@@ -164,6 +165,41 @@ TEST_P(retrieval_kernels, a_per_kv_head_selection_gives_each_head_its_own_list) 
     test::expect_rows_of_kv_heads(o_h, l_h, o_e, l_e, o_o, l_o, nq, k.g.n_head, k.g.n_head_kv, k.g.head_dim);
     run(*k.r, heads, o_ref, l_ref);
     k.expect_near_reference(o_h, l_h, o_ref, l_ref, true);
+  }
+}
+
+// --far-positions ordered: a far key keeps its offset in its span of P positions and the query
+// moves P further. Keys within W of a query are where they were (a unit wholly inside the window
+// gives the same bits), far units are not, and the kernels agree with the reference's key-by-key
+// rotation.
+TEST_P(retrieval_kernels, ordered_far_positions_keep_near_keys_and_move_far_ones) {
+  const cache_format f = GetParam();
+  kernel_case fixed(f, 5, 7), ordered(f, 5, 7, kAttnUnit);
+  // Query 0 (at the end) lists far units 0 and 2 and its window's unit 5; query 1 (at 900) far
+  // unit 1; query 2 only its window's unit 5 (positions 1280.., all within W of it).
+  const attn_selection sel = selection_of({{0, 2, 5}, {1}, {5}});
+  for (const attend_path path : {attend_path::attend_prefill, attend_path::attend_decode}) {
+    SCOPED_TRACE(std::string(format_traits(f).name) + (path == attend_path::attend_decode ? " decode" : " prefill"));
+    const int64_t nq = path == attend_path::attend_decode ? 1 : kernel_case::n_q;
+    const auto run = [&](kernel_case& k, kv_cache& cache, const attn_selection& s, std::vector<float>& o,
+                         std::vector<float>& l) {
+      softmax_acc acc(nq * k.g.n_head, k.g.head_dim);
+      attn_selection one;
+      if (nq == 1) one = selection_of({{s.units.begin(), s.units.begin() + s.offsets[1]}});
+      cache.attend(0, k.q.data(), k.q_pos.data(), nq, path, acc, nq == 1 ? &one : &s);
+      o.resize(nq * k.qd), l.resize(nq * k.g.n_head);
+      acc.finish(o.data(), l.data());
+    };
+    std::vector<float> o_f, l_f, o_o, l_o, o_ref, l_ref;
+    run(fixed, *fixed.c, sel, o_f, l_f);
+    run(ordered, *ordered.c, sel, o_o, l_o);
+    EXPECT_NE(std::memcmp(o_f.data(), o_o.data(), (size_t)fixed.qd * 4), 0) << "far keys did not move";
+    if (nq == kernel_case::n_q) {
+      const size_t q2 = 2 * (size_t)fixed.qd;
+      EXPECT_EQ(std::memcmp(o_f.data() + q2, o_o.data() + q2, (size_t)fixed.qd * 4), 0) << "a near unit moved";
+    }
+    run(ordered, *ordered.r, sel, o_ref, l_ref);
+    ordered.expect_near_reference(o_o, l_o, o_ref, l_ref, false);
   }
 }
 
@@ -462,6 +498,12 @@ TEST(retrieval_options, bad_values_name_the_flag) {
   test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--restart-skip");
   test::expect_error_contains([] { parse_attention_mode("fast"); }, "--attention");
   test::expect_error_contains([] { parse_selection_scope("head"); }, "--select-per");
+  test::expect_error_contains([] { parse_far_positions("sorted"); }, "--far-positions");
+  o = {};
+  o.far = far_positions::far_ordered, o.local = 4096, o.block = 4096;  // W + B reaches the window
+  test::expect_error_contains([&] { check_retrieval_options(o, 8192); }, "--far-positions ordered");
+  o.block = 3840;
+  check_retrieval_options(o, 8192);
 }
 
 }  // namespace

@@ -415,6 +415,7 @@ class kvq_fused_kernel final : public unit_kernel {
     f.kv = &a_.kv, f.q = q, f.n_head = a_.n_head, f.n_rot = a_.rope.n_rot;
     f.s0 = s0, f.n = n;
     f.pos_group = grouped ? a_.rope.se_group : 1;
+    f.pos_period = grouped ? a_.rope.se_period : 0;
     f.off_cos2 = tab_.unit_cos2.data(), f.off_sin2 = tab_.unit_sin2.data();
     f.off_cos_t = tab_.unit_cos_t(), f.off_sin_t = tab_.unit_sin_t();
     f.angles = angles_of, f.angle_table = &tab_;

@@ -291,8 +291,8 @@ inline void attend_unit(const kvq_fused_args& a, heads_fn run_heads, bool channe
   for (int64_t& sg : slot_group) sg = -1;
 
   // RoPE (n_rot = hd): the query rotated back by the unit's first position, keys by their offset.
-  const int G = a.pos_group;
-  const auto rot_pos = [G](int32_t p) { return (int32_t)floor_div(p, G); };
+  const int G = a.pos_group, P = a.pos_period;
+  const auto rot_pos = [G, P](int32_t p) { return (int32_t)grouped_key_pos(p, G, P); };
   const int32_t p0 = rot_pos(L.pos[a.s0]);
   XCTX_ASSERT((int64_t)rot_pos(L.pos[a.s0 + a.n - 1]) - p0 < kAttnUnit, "kvq fused: slots ", a.s0, "..", a.s0 + a.n,
               " are not one attention unit");

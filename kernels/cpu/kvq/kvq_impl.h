@@ -44,9 +44,11 @@ struct kvq_fused_args {
   int n_head = 0;
   int n_rot = 0;                 // rotated dims (RoPE config; the kernel needs n_rot = head_dim)
   int64_t s0 = 0, n = 0;         // slots [s0, s0 + n) of one attention unit, all visible to the query
-  // Keys rotated to floor(pos / pos_group): SelfExtend's grouped side (q is then turned to the
-  // grouped query position); 1 = the slots' own positions.
+  // Keys rotated to grouped_key_pos(pos, pos_group, pos_period) (kernels/types.h): SelfExtend's or
+  // retrieval's grouped side (q is then turned to the grouped query position); 1 = the slots' own
+  // positions.
   int pos_group = 1;
+  int pos_period = 0;
   // Rotation by an offset j < kAttnUnit from the unit's first position (rope_table::unit_cos2).
   const float* off_cos2 = nullptr;  // [kAttnUnit, head_dim]
   const float* off_sin2 = nullptr;

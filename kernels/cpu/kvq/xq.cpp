@@ -430,8 +430,9 @@ class xq_unit_loader final : public unit_loader {
 // to repay the turning twice over (the skinny product runs at a fraction of the rebuild's rate).
 bool far_keys_absorbed(const xq_attn_args& a) {
   const int64_t kv = (int64_t)a.n_head_kv * a.head_dim;
+  const int64_t run = a.rope.se_period > 0 ? 1 : a.rope.se_group;  // with a period every key turns alone
   return self_extend_on(a.rope) && a.m_k != nullptr && a.m_v != nullptr &&
-         (int64_t)a.rope.se_group * (kv - a.n_head) > 2 * (int64_t)a.n_head * a.head_dim;
+         run * (kv - a.n_head) > 2 * (int64_t)a.n_head * a.head_dim;
 }
 
 // One query's grouped-side partial over unit rows [b, e) with the keys absorbed (above): zk [n, ck]
