@@ -12,7 +12,7 @@
 
 #include "common/error.h"
 #include "common/hash.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/host_cpu.h"
 
 // LAPACK from OpenBLAS. The Debian OpenBLAS ships the Fortran symbols but not lapacke.h, so the
 // routine is declared here with the gfortran calling convention (trailing hidden length of the
@@ -33,7 +33,7 @@ std::vector<double> weight_rows(const weight_view& w, const char* what, int laye
   std::vector<double> out((size_t)w.n_rows * w.n_cols);
   const auto* base = static_cast<const uint8_t*>(w.data);
   for (int64_t r = 0; r < w.n_rows; ++r) {
-    cpu::dequantize_row(w.type, base + (size_t)r * w.row_bytes(), row.data(), w.n_cols);
+    host_dequantize_row(w.type, base + (size_t)r * w.row_bytes(), row.data(), w.n_cols);
     std::copy(row.begin(), row.end(), out.begin() + (size_t)r * w.n_cols);
   }
   return out;

@@ -13,7 +13,7 @@
 #include "coordinator/jobs/jobs.h"
 #include "coordinator/jobs/sampler.h"
 #include "coordinator/jobs/session.h"
-#include "kernels/cpu/simd/cpu_features.h"
+#include "kernels/host_cpu.h"
 #include "worker/llama_engine.h"
 #include "worker/sequence_parallel.h"
 #include "worker/sequence_plan.h"
@@ -129,7 +129,7 @@ int run_bench(const bench_options& opt, communicator& comm) {
   if (bs.kvq_key_lanes) j["kvq_key_lanes"] = *bs.kvq_key_lanes;
   if (bs.cuda_graphs) j["cuda_graphs"] = *bs.cuda_graphs;
   if (bs.cuda_tf32) j["cuda_tf32"] = *bs.cuda_tf32;
-  j["prefill_q8_gemm"] = cpu::prefill_q8_supported();
+  j["prefill_q8_gemm"] = host_prefill_int_gemm();
   j["prompt_tokens"] = opt.prompt_tokens;
   j["gen_tokens"] = opt.gen_tokens;
   j["prefill_s"] = prefill_s;

@@ -18,9 +18,8 @@
 #include "common/error.h"
 #include "common/sys.h"
 #include "coordinator/jobs/jobs.h"
-#include "kernels/cpu/simd/cpu_features.h"
-#include "kernels/cpu/simd/roofline.h"
 #include "kernels/device.h"
+#include "kernels/host_cpu.h"
 #include "kernels/ops.h"
 #include "registry/registry.h"
 #include "worker/memory_plan.h"
@@ -44,20 +43,6 @@ std::string cpu_model_name() {
     return line.substr(line.find_first_not_of(' ', colon + 1));
   }
   return "unknown CPU";
-}
-
-// Which of the run-time dispatched kernel families this CPU (and XCTX_NO_* settings) selects.
-std::string cpu_kernels() {
-  if (cpu::has_amx()) {
-    return "AVX-512 (fused quantized-cache decode, VNNI decode matvecs, --prefill-act q8 GEMMs) + AMX (the q8 GEMM's "
-           "tiles) + AVX2";
-  }
-  if (cpu::has_avx512()) {
-    return "AVX-512 (fused quantized-cache decode, VNNI decode matvecs, --prefill-act q8 GEMMs) + AVX2";
-  }
-  if (cpu::has_avx_vnni()) return "AVX2 + AVX-VNNI decode matvecs";
-  if (cpu::has_avx2()) return "AVX2/FMA/F16C";
-  return "scalar fallbacks (no AVX2+FMA+F16C)";
 }
 
 // CUDA's codes: 1000 * major + 10 * minor.
@@ -240,7 +225,7 @@ int run_doctor(const doctor_options& opt, communicator& comm) {
   const std::string compiler = "unknown compiler";
 #endif
   rep["build"] = {{"type", XCTX_BUILD_TYPE}, {"compiler", compiler}, {"cuda", XCTX_USE_CUDA != 0}};
-  rep["cpu"] = {{"model", cpu_model_name()}, {"kernels", cpu_kernels()}};
+  rep["cpu"] = {{"model", cpu_model_name()}, {"kernels", host_cpu_kernels()}};
   rep["blas"] = std::string(openblas_get_config()) + ", " + std::to_string(openblas_get_num_threads()) + " thread(s)";
   const std::string mpi = mpi_library_version();
   rep["mpi"] = mpi.empty() ? std::string("unknown") : mpi;
@@ -250,7 +235,7 @@ int run_doctor(const doctor_options& opt, communicator& comm) {
   print_environment(rep["environment"]);
   if (opt.probe) {
     // Rank 0 alone, on its threads (the other ranks have returned).
-    const cpu::roofline r = cpu::measure_roofline();
+    const host_roofline r = measure_host_roofline();
     rep["roofline"] = {{"threads", r.threads},          {"read_bytes", r.read_bytes},
                        {"read_gbs_1", r.read_gbs_1},     {"read_gbs_all", r.read_gbs_all},
                        {"fma_gflops_1", r.fma_gflops_1}, {"fma_gflops_all", r.fma_gflops_all},

@@ -5,18 +5,12 @@
 #pragma once
 
 #include <cstddef>
-#include <string>
+
+#include "kernels/host_cpu.h"
 
 namespace xctx::cpu {
 
-struct roofline {
-  int threads = 0;               // the "all threads" figures' thread count
-  size_t read_bytes = 0;         // the buffer each read pass streams
-  double read_gbs_1 = 0, read_gbs_all = 0;      // GB/s (1e9 bytes), best of several passes
-  double fma_gflops_1 = 0, fma_gflops_all = 0;  // fp32, 2 flops per lane per fused multiply-add
-  double int8_gops_1 = 0, int8_gops_all = 0;    // 2 ops per int8 multiply-add (u8 x s8 into s32)
-  std::string read_isa, fma_isa, int8_isa;      // the instructions that measured each
-};
+using roofline = host_roofline;  // the figures, declared at the kernels level for the tools
 
 // Measures on `threads` OpenMP threads (0: the OpenMP default), reading a buffer of read_bytes
 // (allocated once; an allocation that fails is reported naming the size). Each figure is the best
