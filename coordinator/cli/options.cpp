@@ -112,8 +112,11 @@ void add_sequence_options(CLI::App* cmd, job_flags& f) {
   cmd->add_option("--prefill", f.prefill,
                   "under mpirun: exact (ring, same logits as one rank) | star (block-local: each block sees "
                   "[anchor | itself]) | auto (exact below --star-from tokens, star from there)")
-      ->default_val("auto");
-  cmd->add_option("--layout", f.layout, "exact prefill shard layout: zigzag | contiguous")->default_val("zigzag");
+      ->default_val("auto")
+      ->check(one_of({"exact", "star", "auto"}));
+  cmd->add_option("--layout", f.layout, "exact prefill shard layout: zigzag | contiguous")
+      ->default_val("zigzag")
+      ->check(one_of({"zigzag", "contiguous"}));
   cmd->add_option("--block", f.block, "star prefill: tokens per block (0: one block per rank)")->default_val("4K");
   cmd->add_option("--anchor", f.anchor, "star prefill: anchor tokens (default: one block)");
   cmd->add_option("--star-from", f.star_from, "auto prefill: context length from which star is used")
@@ -121,16 +124,19 @@ void add_sequence_options(CLI::App* cmd, job_flags& f) {
   cmd->add_option("--attention", f.attention,
                   "full (every key) | retrieval (sink + local window + top-k blocks, far keys at distance --local; "
                   "docs/retrieval.md) | auto (full within the model's trained window, retrieval beyond)")
-      ->default_val("auto");
+      ->default_val("auto")
+      ->check(one_of({"full", "retrieval", "auto"}));
   cmd->add_option("--sink", f.sink, "retrieval: first positions every query sees")->default_val("256");
   cmd->add_option("--local", f.local, "retrieval: window at exact positions (< the trained window)")->default_val("4K");
   cmd->add_option("--block-size", f.block_size, "retrieval: positions per block (multiple of 256)")->default_val("256");
   cmd->add_option("--top-k", f.top_k, "retrieval: blocks retrieved per query and layer")->default_val("32");
   cmd->add_option("--block-score", f.block_score, "retrieval: minmax (Quest's bound) | mean (mean key)")
-      ->default_val("minmax");
+      ->default_val("minmax")
+      ->check(one_of({"minmax", "mean"}));
   cmd->add_option("--select-per", f.select_per,
                   "retrieval: layer (one top-k per query, heads' scores summed) | kv-head (one per KV head)")
-      ->default_val("layer");
+      ->default_val("layer")
+      ->check(one_of({"layer", "kv-head"}));
   cmd->add_option("--restart-skip", f.restart_skip,
                   "retrieval after a star prefill: first positions of each star block left out of its block "
                   "summary (they restart the sequence and outscore the blocks that matter)")
