@@ -81,7 +81,7 @@ command plan_command(CLI::App& app) {
   pl->add_option("--sink", plan.retrieval.sink, "retrieval: sink tokens")->default_val(256);
   pl->add_option("--select-per", s->select_per, "retrieval: layer | kv-head (one top-k per KV head)")
       ->default_val("layer")
-      ->check(one_of({"layer", "kv-head"}));
+      ->check(selection_scope_choice());
   return {pl, false, [s](communicator*) {
             s->o.context = parse_count(s->context, "--context");
             s->o.block = parse_count(s->block, "--block");

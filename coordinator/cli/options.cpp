@@ -77,6 +77,8 @@ CLI::Validator one_of(std::vector<std::string> choices) {
       list);
 }
 
+CLI::Validator selection_scope_choice() { return one_of({"layer", "kv-head"}); }
+
 void add_sampling_options(CLI::App* cmd, sampler_params& s, bool with_seed, const sampler_params& defaults) {
   cmd->add_option("--temperature", s.temperature, "0 = greedy")->default_val(0.0f)->check(at_least(0));
   cmd->add_option("--top-p", s.top_p, "nucleus sampling mass")->default_val(1.0f)->check(unit_mass());
@@ -136,7 +138,7 @@ void add_sequence_options(CLI::App* cmd, job_flags& f) {
   cmd->add_option("--select-per", f.select_per,
                   "retrieval: layer (one top-k per query, heads' scores summed) | kv-head (one per KV head)")
       ->default_val("layer")
-      ->check(one_of({"layer", "kv-head"}));
+      ->check(selection_scope_choice());
   cmd->add_option("--restart-skip", f.restart_skip,
                   "retrieval after a star prefill: first positions of each star block left out of its block "
                   "summary (they restart the sequence and outscore the blocks that matter)")

@@ -28,6 +28,8 @@ CLI::Validator number_in(double lo, double hi);   // [lo, hi], NaN refused
 CLI::Validator non_empty(const char* flag);       // a string option that must not be ""
 // A choice among `choices`, refused where it is parsed: "must be a, b or c, not 'x'".
 CLI::Validator one_of(std::vector<std::string> choices);
+// --select-per's choices (the jobs' and `plan`'s option): layer or kv-head.
+CLI::Validator selection_scope_choice();
 
 // The sampler's options (coordinator/jobs/sampler.h says what each does and in which order), the
 // same on every job that decodes. with_seed: false where --seed is the job's own (submit).
